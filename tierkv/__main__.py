@@ -1,0 +1,5 @@
+"""`python -m tierkv` runs the CLI."""
+
+from tierkv.cli import main
+
+main()

@@ -1,0 +1,23 @@
+"""The `tierkv` command line: one Typer app; each subcommand lives in its own module."""
+
+import typer
+
+app = typer.Typer(
+    name="tierkv",
+    help="A cold KV-cache tier for vLLM and EXO on ordinary LAN machines.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def main() -> None:
+    """Entry point of the `tierkv` console script."""
+    app()
+
+
+@app.callback()
+def _root() -> None:
+    """A cold KV-cache tier for vLLM and EXO on ordinary LAN machines."""
+
+
+# Subcommand modules register themselves on `app` when imported.
