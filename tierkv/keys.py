@@ -46,4 +46,3 @@ def namespace_fingerprint(fields: Mapping[str, object]) -> bytes:
     """A 16-byte fingerprint of `fields` (JSON-serialisable values); any difference changes it."""
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return xxhash.xxh3_128_digest(canonical.encode())
-
