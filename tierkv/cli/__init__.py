@@ -21,3 +21,4 @@ def _root() -> None:
 
 
 # Subcommand modules register themselves on `app` when imported.
+from tierkv.cli import install  # noqa: E402, F401

@@ -1,0 +1,1 @@
+"""Test fixture helpers: an EXO-shaped package and a fake EXO checkout with a venv."""

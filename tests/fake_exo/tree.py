@@ -1,0 +1,55 @@
+"""A fake EXO checkout for install tests: the fixture package under src/ and a uv-style .venv."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+import venv
+from pathlib import Path
+
+FIXTURE_SRC = Path(__file__).parent / "src"
+SITE_PACKAGES = Path(".venv/lib/python3.13/site-packages")
+
+
+def make_exo_tree(root: Path, *, venv_kind: str = "layout") -> Path:
+    """Copy the fixture package to `root`/src and lay out EXO's venv.
+
+    venv_kind "layout": the files of a uv venv for Python 3.13 (bin/python links to the running
+    interpreter; nothing runs in it). "real": a working venv of the running interpreter, for tests
+    that start EXO's Python. "none": no venv. Either venv holds a `.pth` like the one uv writes
+    for EXO's editable install.
+    """
+    shutil.copytree(FIXTURE_SRC, root / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "pyproject.toml").write_text('[project]\nname = "exo"\nrequires-python = "==3.13.*"\n')
+    if venv_kind == "none":
+        return root
+    if venv_kind == "real":
+        venv.create(root / ".venv", with_pip=False, symlinks=True)
+        site = root / f".venv/lib/python{sys.version_info.major}.{sys.version_info.minor}"
+        site = site / "site-packages"
+    else:
+        site = root / SITE_PACKAGES
+        site.mkdir(parents=True)
+        (root / ".venv/pyvenv.cfg").write_text(
+            "home = /usr/bin\nimplementation = CPython\nversion_info = 3.13.0\n"
+        )
+        (root / ".venv/bin").mkdir()
+        os.symlink(sys.executable, root / ".venv/bin/python")
+    (site / "_exo.pth").write_text(f"{root / 'src'}\n")
+    return root
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every path under `root` (files, links, directories) mapped to a digest of its content."""
+    digest: dict[str, str] = {}
+    for path in sorted(root.rglob("*")):
+        rel = str(path.relative_to(root))
+        if path.is_symlink():
+            digest[rel] = "link:" + os.readlink(path)
+        elif path.is_dir():
+            digest[rel] = "dir"
+        else:
+            digest[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return digest

@@ -1,0 +1,190 @@
+"""`tierkv install --exo-path` on fake EXO checkouts: version detection, idempotent install,
+byte-identical uninstall, clear refusals."""
+
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+
+import pytest
+from fake_exo.tree import SITE_PACKAGES, make_exo_tree, tree_digest
+from typer.testing import CliRunner
+
+from tierkv.cli import app
+from tierkv.patches.exo import (
+    CACHE_PY,
+    PTH_NAME,
+    RUNTIME_DIR_NAME,
+    ExoLayoutError,
+    boot_source,
+    detect_version,
+    hook_state,
+)
+
+# KVPrefixCache shapes of EXO releases, reduced to what detection reads (written for the tests).
+V1_0_68 = """
+class KVPrefixCache:
+    def __init__(self, group): ...
+    def add_kv_cache(self, prompt_tokens, cache, ssm_snapshots=None): ...
+    def get_kv_cache(self, model, prompt_tokens) -> tuple[list, object, int | None]: ...
+    def _evict_if_needed(self): ...
+"""
+V1_0_70 = V1_0_68.replace(
+    "-> tuple[list, object, int | None]", "-> tuple[list, object, int | None, bool]"
+)
+V1_0_67 = """
+class KVPrefixCache:
+    def __init__(self, tokenizer): ...
+    def add_kv_cache(self, prompt: str, cache): ...
+    def get_kv_cache(self, model, prompt: str) -> tuple[list, object, int | None]: ...
+    def _evict_if_needed(self): ...
+"""
+V1_0_65 = """
+class KVPrefixCache:
+    def __init__(self): ...
+    def add_kv_cache(self, prompt, cache): ...
+    def get_kv_cache(self, model, prompt): ...
+"""
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, ["install", *args])
+    return result.exit_code, result.output
+
+
+def test_detects_the_supported_kv_prefix_cache_shapes() -> None:
+    assert detect_version(V1_0_68) == "v1.0.68-v1.0.69"
+    assert detect_version(V1_0_70) == "v1.0.70 or newer"
+    assert detect_version(make_exo_tree_source()) == "v1.0.70 or newer"
+
+
+def make_exo_tree_source() -> str:
+    from fake_exo.tree import FIXTURE_SRC
+
+    return (FIXTURE_SRC.parent / CACHE_PY).read_text()
+
+
+@pytest.mark.parametrize(
+    ("source", "named"),
+    [
+        (V1_0_67, "does not take prompt_tokens"),
+        (V1_0_65, "has no _evict_if_needed"),
+        ("def nothing(): ...\n", "defines no KVPrefixCache"),
+        (V1_0_70.replace(" -> tuple[list, object, int | None, bool]", ""), "no annotation"),
+        ("class KVPrefixCache(:\n", "does not parse"),
+    ],
+)
+def test_refuses_other_shapes_and_names_the_needed_version(source: str, named: str) -> None:
+    with pytest.raises(ExoLayoutError, match=r"v1\.0\.68") as caught:
+        detect_version(source)
+    assert named in str(caught.value)
+
+
+def test_install_is_idempotent_and_uninstall_restores_every_byte(tmp_path: Path) -> None:
+    root = make_exo_tree(tmp_path / "exo")
+    before = tree_digest(root)
+
+    code, out = invoke("--exo-path", str(root), "--no-runtime")
+    assert code == 0, out
+    assert "installed for EXO v1.0.70 or newer" in out
+    pth = root / SITE_PACKAGES / PTH_NAME
+    runtime = root / ".venv" / RUNTIME_DIR_NAME
+    assert pth.read_text().splitlines() == [
+        str(runtime.resolve()),
+        "import tierkv_exo_boot; tierkv_exo_boot.arm()",
+    ]
+    assert (runtime / "tierkv_exo_boot.py").read_text() == boot_source()
+    assert hook_state(root).installed
+    installed = tree_digest(root)
+    assert {p for p in installed if p not in before} == {
+        str(SITE_PACKAGES / PTH_NAME),
+        f".venv/{RUNTIME_DIR_NAME}",
+        f".venv/{RUNTIME_DIR_NAME}/tierkv_exo_boot.py",
+    }
+    assert all(installed[p] == digest for p, digest in before.items())
+
+    code, out = invoke("--exo-path", str(root), "--no-runtime")
+    assert code == 0, out
+    assert "already installed" in out
+    assert tree_digest(root) == installed
+
+    code, out = invoke("--exo-path", str(root), "--uninstall")
+    assert code == 0, out
+    assert tree_digest(root) == before
+    assert not hook_state(root).installed
+
+    code, out = invoke("--exo-path", str(root), "--uninstall")
+    assert code == 0, out
+    assert "Nothing to remove" in out
+
+
+def test_refuses_an_unsupported_checkout_without_touching_it(tmp_path: Path) -> None:
+    root = make_exo_tree(tmp_path / "exo")
+    (root / CACHE_PY).write_text(V1_0_67)
+    before = tree_digest(root)
+    code, out = invoke("--exo-path", str(root), "--no-runtime")
+    assert code == 1
+    assert "does not take prompt_tokens" in out and "v1.0.68 or newer" in out
+    assert tree_digest(root) == before
+
+
+def test_refuses_a_directory_that_is_not_exo(tmp_path: Path) -> None:
+    code, out = invoke("--exo-path", str(tmp_path), "--no-runtime")
+    assert code == 1
+    assert "cache.py not found" in out and "is not an EXO checkout" in out
+
+
+def test_reports_a_missing_venv_and_still_uninstalls_without_it(tmp_path: Path) -> None:
+    root = make_exo_tree(tmp_path / "exo", venv_kind="none")
+    code, out = invoke("--exo-path", str(root), "--no-runtime")
+    assert code == 1
+    assert ".venv is missing" in out and "uv sync" in out
+    assert "missing" in hook_state(root).detail
+
+    root = make_exo_tree(tmp_path / "exo2")
+    assert invoke("--exo-path", str(root), "--no-runtime")[0] == 0
+    (root / ".venv/pyvenv.cfg").unlink()
+    assert not hook_state(root).installed
+    code, out = invoke("--exo-path", str(root), "--uninstall")
+    assert code == 0, out
+    assert not (root / SITE_PACKAGES / PTH_NAME).exists()
+    assert not (root / ".venv" / RUNTIME_DIR_NAME).exists()
+
+
+def make_wheel(directory: Path) -> Path:
+    """A one-module pure-Python wheel, installable without an index."""
+    wheel = directory / "tierkv_probe-0.1-py3-none-any.whl"
+    info = "tierkv_probe-0.1.dist-info"
+    files = {
+        "tierkv_probe.py": "ANSWER = 42\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: tierkv-probe\nVersion: 0.1\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in files.items():
+            archive.writestr(name, text)
+        archive.writestr(f"{info}/RECORD", "".join(f"{name},,\n" for name in [*files, "RECORD"]))
+    return wheel
+
+
+def test_installs_the_runtime_packages_for_exos_python_and_removes_them(tmp_path: Path) -> None:
+    root = make_exo_tree(tmp_path / "exo", venv_kind="real")
+    before = tree_digest(root)
+    wheel = make_wheel(tmp_path)
+    code, out = invoke("--exo-path", str(root), "--runtime-requirement", str(wheel))
+    assert code == 0, out
+    lib = root / ".venv" / RUNTIME_DIR_NAME / "lib"
+    assert (lib / "tierkv_probe.py").read_text() == "ANSWER = 42\n"
+    assert invoke("--exo-path", str(root), "--uninstall")[0] == 0
+    assert tree_digest(root) == before
+
+
+def test_a_failed_runtime_install_leaves_nothing_behind(tmp_path: Path) -> None:
+    root = make_exo_tree(tmp_path / "exo", venv_kind="real")
+    before = tree_digest(root)
+    missing = tmp_path / "no-such-project"
+    code, out = invoke("--exo-path", str(root), "--runtime-requirement", str(missing))
+    assert code == 1
+    assert "failed" in out and "no-such-project" in out
+    assert tree_digest(root) == before
