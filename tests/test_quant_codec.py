@@ -1,0 +1,215 @@
+"""Round trips, edge values and payload validation of the tierkv.quant codecs (real kernels)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from tierkv.quant import (
+    CODEC_NAMES,
+    NonFiniteError,
+    PayloadError,
+    decode_into,
+    encode_block,
+    get_codec,
+    read_header,
+    warmup,
+)
+from tierkv.quant.payload import header_bytes
+
+DTYPES = ("fp16", "bf16", "fp32")
+
+
+def to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 data as the array a caller hands over: float16, bf16 words (uint16) or float32."""
+    x = np.asarray(x, np.float32)
+    if dtype == "fp16":
+        return x.astype(np.float16)
+    if dtype == "bf16":
+        u = x.view(np.uint32).astype(np.uint64)
+        return np.asarray((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return x
+
+
+def as_f64(a: np.ndarray, dtype: str) -> np.ndarray:
+    """Values of an fp16 / bf16-words / fp32 array as float64."""
+    if dtype == "bf16":
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+def round_trip(name: str, x: np.ndarray, dtype: str, group_size: int = 128) -> np.ndarray:
+    out = np.empty_like(x)
+    decode_into(get_codec(name, group_size).encode(x, dtype), out)
+    return out
+
+
+def assert_int8_close(x: np.ndarray, y: np.ndarray, dtype: str, group_size: int) -> None:
+    """Every value within half a quantization step of its group, plus output rounding; groups more
+    than 2**28 below the block's largest may lose precision (fp16 scale under a block exponent)."""
+    xs, ys = as_f64(x, dtype).reshape(-1), as_f64(y, dtype).reshape(-1)
+    assert np.all(np.isfinite(ys))
+    floor = np.abs(xs).max(initial=0.0) * 2.0**-30 + 1e-45
+    for start in range(0, xs.size, group_size):
+        gx, gy = xs[start : start + group_size], ys[start : start + group_size]
+        step = np.abs(gx).max() / 127
+        tol = 0.51 * step + np.abs(gx).max() * 2.0**-8 + floor
+        assert np.abs(gx - gy).max() <= tol
+
+
+def test_warmup_compiles_every_kernel() -> None:
+    warmup()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from(DTYPES),
+    shape=hnp.array_shapes(min_dims=0, max_dims=4, min_side=0, max_side=9),
+)
+def test_lossless_round_trip_is_bit_exact(data, dtype: str, shape: tuple[int, ...]) -> None:  # type: ignore[no-untyped-def]
+    x = to_dtype(
+        data.draw(hnp.arrays(np.float32, shape, elements=st.floats(-1e4, 1e4, width=32))), dtype
+    )
+    y = round_trip("none", x, dtype)
+    assert y.tobytes() == x.tobytes()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    dtype=st.sampled_from(DTYPES),
+    group_size=st.sampled_from([1, 7, 64, 128]),
+    shape=hnp.array_shapes(min_dims=1, max_dims=4, min_side=1, max_side=12),
+)
+def test_int8_round_trip_any_shape(data, dtype: str, group_size: int, shape) -> None:  # type: ignore[no-untyped-def]
+    finite = st.floats(-3e4, 3e4, width=32, allow_subnormal=True)
+    x = to_dtype(data.draw(hnp.arrays(np.float32, shape, elements=finite)), dtype)
+    y = round_trip("int8", x, dtype, group_size)
+    assert_int8_close(x, y, dtype, group_size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["none", "int8"])
+def test_zeros_round_trip_to_zeros(name: str, dtype: str) -> None:
+    x = to_dtype(np.zeros((3, 128)), dtype)
+    assert not as_f64(round_trip(name, x, dtype), dtype).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_denormal_values(dtype: str) -> None:
+    tiny = {"fp16": 6e-8, "bf16": 1e-39, "fp32": 1e-44}[dtype]
+    x = to_dtype(np.linspace(-100 * tiny, 100 * tiny, 256, dtype=np.float32), dtype)
+    y = round_trip("int8", x, dtype)
+    assert_int8_close(x, y, dtype, 128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_huge_values_stay_finite(dtype: str) -> None:
+    big = {"fp16": 65504.0, "bf16": 3.38e38, "fp32": 3.4e38}[dtype]
+    x = to_dtype(np.array([big, -big, big / 3, 1.0] * 64, np.float32), dtype)
+    y = round_trip("int8", x, dtype)
+    assert_int8_close(x, y, dtype, 128)
+
+
+def test_int8_groups_with_very_different_magnitudes() -> None:
+    x = np.concatenate([np.full(128, 1e4), np.full(128, 1e-3), np.zeros(128)]).astype(np.float32)
+    y = round_trip("int8", x, "fp32")
+    assert_int8_close(x, y, "fp32", 128)
+    assert np.allclose(y[128:256], 1e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("length", [1, 7, 127, 129, 300])
+def test_int8_odd_lengths_round_trip(length: int) -> None:
+    x = np.random.default_rng(length).standard_normal(length).astype(np.float16)
+    assert_int8_close(x, round_trip("int8", x, "fp16"), "fp16", 128)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["none", "int8"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_input_is_rejected(name: str, dtype: str, bad: float) -> None:
+    x = np.ones((4, 128), np.float32)
+    x[2, 5] = bad
+    with pytest.raises(NonFiniteError):
+        get_codec(name).encode(to_dtype(x, dtype), dtype)
+
+
+def test_header_describes_the_payload() -> None:
+    x = np.zeros((2, 16, 8, 128), np.float16)
+    header = read_header(get_codec("int8", 128).encode(x))
+    assert (header.codec, header.dtype, header.shape, header.group_size, header.bits) == (
+        "int8",
+        "fp16",
+        (2, 16, 8, 128),
+        128,
+        8.0,
+    )
+    assert header.version == 1
+
+
+def test_int8_ratio_against_fp16_is_honest() -> None:
+    x = np.zeros((16, 8, 128), np.float16)
+    ratio = x.nbytes / len(get_codec("int8").encode(x))
+    assert 1.9 < ratio < 1.97
+
+
+@pytest.mark.parametrize("name", ["none", "int8"])
+def test_every_corrupted_header_byte_is_detected(name: str) -> None:
+    payload = get_codec(name).encode(np.ones((4, 128), np.float16))
+    for i in range(header_bytes(2)):
+        corrupted = bytearray(payload)
+        corrupted[i] ^= 0x5A
+        with pytest.raises(PayloadError):
+            decode_into(bytes(corrupted), np.empty((4, 128), np.float16))
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (lambda p: p[:-1], "truncated"),
+        (lambda p: p + b"\0", "padded"),
+        (lambda p: p[:10], "too short"),
+        (lambda p: b"", "too short"),
+        (lambda p: b"GARBAGE" * 10, "not a tierkv payload"),
+        (lambda p: p[:4] + b"\x09" + p[5:], "version 9"),
+    ],
+)
+def test_malformed_payloads_raise_clear_errors(mangle, message: str) -> None:  # type: ignore[no-untyped-def]
+    payload = get_codec("int8").encode(np.ones((4, 128), np.float16))
+    with pytest.raises(PayloadError, match=message):
+        decode_into(mangle(payload), np.empty((4, 128), np.float16))
+
+
+def test_mismatching_output_array_is_rejected() -> None:
+    payload = get_codec("int8").encode(np.ones((4, 128), np.float16))
+    with pytest.raises(PayloadError, match="elements"):
+        decode_into(payload, np.empty((4, 127), np.float16))
+    with pytest.raises(PayloadError, match="fp16"):
+        decode_into(payload, np.empty((4, 128), np.float32))
+    with pytest.raises(PayloadError, match="contiguous"):
+        decode_into(payload, np.empty((128, 4), np.float16).T)
+
+
+def test_bad_codec_and_input_errors_name_the_problem() -> None:
+    with pytest.raises(ValueError, match="tq9"):
+        get_codec("tq9")
+    with pytest.raises(ValueError, match="bf16"):
+        get_codec("int8").encode(np.zeros(8, np.uint16))
+    with pytest.raises(ValueError, match="4-byte"):
+        get_codec("int8").encode(np.zeros(8, np.float16), "fp32")
+    assert set(CODEC_NAMES) == {"none", "int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2"}
+
+
+def test_encode_block_falls_back_to_lossless_under_min_cosine() -> None:
+    x = np.random.default_rng(0).standard_normal((8, 128)).astype(np.float16)
+    codec = get_codec("int8")
+    assert read_header(encode_block(codec, x, min_cosine=0.99)).codec == "int8"
+    fallback = encode_block(codec, x, min_cosine=1.5)
+    assert read_header(fallback).codec == "none"
+    out = np.empty_like(x)
+    decode_into(fallback, out)
+    assert out.tobytes() == x.tobytes()

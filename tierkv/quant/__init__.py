@@ -1,0 +1,31 @@
+"""Codecs that turn KV blocks into compact, self-describing payloads and back (no I/O, no torch).
+
+`get_codec(name, group_size)` gives a codec whose `encode` makes a payload; `decode_into` reads the
+codec from the payload header and writes into a preallocated array. `torch_ops` does the same for
+torch tensors (imports torch; import it explicitly).
+"""
+
+from tierkv.quant.codec import Codec, decode_into, encode_block, get_codec, warmup
+from tierkv.quant.fidelity import Fidelity, fidelity
+from tierkv.quant.payload import (
+    CODEC_NAMES,
+    NonFiniteError,
+    PayloadError,
+    PayloadHeader,
+    read_header,
+)
+
+__all__ = [
+    "CODEC_NAMES",
+    "Codec",
+    "Fidelity",
+    "NonFiniteError",
+    "PayloadError",
+    "PayloadHeader",
+    "decode_into",
+    "encode_block",
+    "fidelity",
+    "get_codec",
+    "read_header",
+    "warmup",
+]

@@ -1,0 +1,104 @@
+"""The codec protocol and registry, payload decoding, the lossless fallback and kernel warm-up."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from tierkv.quant import int8, lossless
+from tierkv.quant.fidelity import fidelity
+from tierkv.quant.payload import (
+    CODEC_NAMES,
+    DTYPE_BYTES,
+    PayloadError,
+    PayloadHeader,
+    input_words,
+    output_words,
+    parse_header,
+)
+
+
+class Codec(Protocol):
+    """Turns a block into a self-describing payload; `decode_into` reverses any codec's payload."""
+
+    name: str
+    group_size: int
+
+    def encode(self, src: np.ndarray, dtype: str | None = None) -> bytes:
+        """Payload of `src` (dtype "fp16" | "bf16" | "fp32", inferred from float arrays)."""
+        ...
+
+
+_FACTORIES: dict[str, Callable[[int], Codec]] = {
+    "none": lossless.LosslessCodec,
+    "int8": int8.Int8Codec,
+}
+
+_BodyBytes = Callable[[PayloadHeader], int]
+_Decoder = Callable[[PayloadHeader, np.ndarray, np.ndarray], None]
+_BODY_BYTES: dict[str, _BodyBytes] = {
+    "none": lambda h: h.size * DTYPE_BYTES[h.dtype],
+    "int8": lambda h: int8.body_bytes(h.size, h.group_size),
+}
+_DECODERS: dict[str, _Decoder] = {
+    "none": lambda h, body, out: lossless.decode_body(body, out),
+    "int8": int8.decode_body,
+}
+
+
+def get_codec(name: str, group_size: int = 128) -> Codec:
+    """The codec called `name` (one of CODEC_NAMES) for groups of `group_size` values."""
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")
+    return _FACTORIES[name](group_size)
+
+
+def decode_into(payload: bytes | bytearray | memoryview, out: np.ndarray) -> None:
+    """Decode `payload` (any codec, read from its header) into the preallocated array `out`.
+
+    `out` must be C-contiguous with the payload's element size and element count; the kernels
+    release the GIL. Raises PayloadError for a malformed payload or a mismatching `out`.
+    """
+    header, body = parse_header(payload)
+    expected = _BODY_BYTES[header.codec](header)
+    if len(body) != expected:
+        raise PayloadError(
+            f"{header.codec} payload body is {len(body)} bytes, shape {header.shape} with "
+            f"group_size {header.group_size} needs {expected}"
+        )
+    words = output_words(out, header)
+    _DECODERS[header.codec](header, np.frombuffer(body, np.uint8), words)
+
+
+def encode_block(
+    codec: Codec, src: np.ndarray, dtype: str | None = None, min_cosine: float = 0.0
+) -> bytes:
+    """`codec.encode(src)`, or the lossless payload when the decoded block's cosine similarity to
+    `src` is under `min_cosine` (0 = never fall back). NonFiniteError propagates."""
+    payload = codec.encode(src, dtype)
+    if min_cosine <= 0.0 or codec.name == "none":
+        return payload
+    words, dtype = input_words(src, dtype)
+    decoded = np.empty_like(words)
+    decode_into(payload, decoded)
+    if fidelity(words, decoded, dtype).cosine < min_cosine:
+        return get_codec("none", codec.group_size).encode(words.reshape(src.shape), dtype)
+    return payload
+
+
+def warmup() -> None:
+    """Compile (or load from Numba's cache) every kernel for every dtype, so no request pays it."""
+    for name in CODEC_NAMES:
+        if name not in _FACTORIES:
+            continue
+        codec = get_codec(name, 128)
+        for dtype, array in (
+            ("fp16", np.zeros((2, 128), np.float16)),
+            ("bf16", np.zeros((2, 128), np.uint16)),
+            ("fp32", np.zeros((2, 128), np.float32)),
+        ):
+            payload = codec.encode(array, dtype)
+            decode_into(payload, np.empty_like(array))
+            fidelity(array, array, dtype)

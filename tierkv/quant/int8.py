@@ -1,0 +1,172 @@
+"""INT8 codec: symmetric absmax quantization per group of `group_size` contiguous values.
+
+Body: block exponent k (int16) | one fp16 scale per group | one int8 per value.
+A group's step is scale * 2**k. The block exponent exists because fp16 alone is not enough for a
+scale: bf16 and fp32 blocks can need scales above 65504, and small groups of fp16 values need
+scales below fp16's normal range (6.1e-5, i.e. absmax < 0.0078) where fp16 loses precision. k is
+chosen so the largest scale of the block lands in [2**14, 2**15); every scale within 2**28 of it
+keeps full fp16 precision. Scales are rounded toward zero so that |decoded| <= absmax (no Inf).
+The last group may be shorter than `group_size` (any element count round-trips).
+
+Per value: q = round_half_even(clamp(x / step, -127, 127)); decoded = q * step rounded to the
+output type. Every step is IEEE float32 arithmetic, so torch_ops reproduces it bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from tierkv.quant.kernels import (
+    bits_value,
+    f32_to_half,
+    from_f32,
+    half_to_f32,
+    max_abs_bits,
+    nonfinite_bits,
+    pow2,
+    read_u16,
+    to_f32,
+    write_u16,
+)
+from tierkv.quant.payload import (
+    DTYPE_CODES,
+    NonFiniteError,
+    PayloadHeader,
+    input_words,
+    pack_header,
+)
+
+_ROUND_MAGIC = np.float32(12582912.0)
+"""1.5 * 2**23: (x + M) - M rounds x half to even for |x| < 2**22."""
+_QMAX = np.float32(127.0)
+_SCALE_TOP_EXP = 15
+"""The largest scale of a block is stored in [2**(_SCALE_TOP_EXP - 1), 2**_SCALE_TOP_EXP)."""
+
+
+def body_bytes(n: int, group_size: int) -> int:
+    """Body length for `n` values in groups of `group_size`."""
+    return 2 + 2 * -(-n // group_size) + n
+
+
+@njit(cache=True, nogil=True)
+def block_exponent(max_value):
+    """k such that max_value * 2**-k lies in [2**14, 2**15); 0 for an all-zero block.
+
+    Clamped to [-149, 127] so 2**k stays a (possibly subnormal) float32.
+    """
+    if max_value <= 0.0:
+        return 0
+    _, e = math.frexp(max_value)
+    return min(max(e - _SCALE_TOP_EXP, -149), 127)
+
+
+@njit(cache=True, nogil=True)
+def scale_to_half(scale, inv_pow2k):
+    """fp16 bits of scale * 2**-k, rounded toward zero (so the step never exceeds the scale)."""
+    scaled = np.float32(np.float64(scale) * inv_pow2k)
+    h = f32_to_half(scaled)
+    if half_to_f32(h) > scaled:
+        h -= np.uint16(1)
+    return h
+
+
+@njit(cache=True, nogil=True)
+def step_of(h, pow2k):
+    """The float32 quantization step of a group whose stored scale is fp16 bits `h`."""
+    return np.float32(np.float64(half_to_f32(h)) * pow2k)
+
+
+_CHUNK_VALUES = 1 << 15
+"""Values per parallel work item (whole groups)."""
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def encode_kernel(words, code, group_size, out, base):
+    """Quantize `words` into out[base:]; returns the number of groups holding NaN/Inf (0 = ok)."""
+    n = words.size
+    n_groups = (n + group_size - 1) // group_size
+    per_chunk = max(1, _CHUNK_VALUES // group_size)
+    n_chunks = (n_groups + per_chunk - 1) // per_chunk
+    scales = np.empty(n_groups, np.float32)
+    bad = 0
+    for c in prange(n_chunks):
+        nonfinite = 0
+        for g in range(c * per_chunk, min(n_groups, (c + 1) * per_chunk)):
+            bits = max_abs_bits(words[g * group_size : (g + 1) * group_size], code)
+            nonfinite += bits >= nonfinite_bits(code)
+            scales[g] = bits_value(bits, code) / _QMAX
+        bad += nonfinite
+    if bad:
+        return bad
+    k = block_exponent(scales.max()) if n_groups else 0
+    write_u16(out, base, np.uint16(np.int16(k)))
+    pow2k = pow2(k)
+    inv_pow2k = pow2(-k)
+    q_base = base + 2 + 2 * n_groups
+    for c in prange(n_chunks):
+        buf = np.empty(group_size, np.float32)
+        for g in range(c * per_chunk, min(n_groups, (c + 1) * per_chunk)):
+            h = scale_to_half(scales[g], inv_pow2k)
+            write_u16(out, base + 2 + 2 * g, h)
+            step = step_of(h, pow2k)
+            group = words[g * group_size : (g + 1) * group_size]
+            q = out[q_base + g * group_size : q_base + g * group_size + group.size]
+            if step > np.float32(0.0):
+                to_f32(group, code, buf)
+                for i in range(group.size):
+                    v = min(max(buf[i] / step, -_QMAX), _QMAX)
+                    q[i] = np.uint8(np.int8((v + _ROUND_MAGIC) - _ROUND_MAGIC))
+            else:
+                q[:] = 0
+    return 0
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def decode_kernel(body, code, group_size, out_words):
+    """Dequantize an int8 body into `out_words` (sizes already validated)."""
+    n = out_words.size
+    n_groups = (n + group_size - 1) // group_size
+    per_chunk = max(1, _CHUNK_VALUES // group_size)
+    n_chunks = (n_groups + per_chunk - 1) // per_chunk
+    pow2k = pow2(np.int16(read_u16(body, 0)))
+    q_base = 2 + 2 * n_groups
+    values = body[q_base : q_base + n].view(np.int8)
+    for c in prange(n_chunks):
+        buf = np.empty(group_size, np.float32)
+        for g in range(c * per_chunk, min(n_groups, (c + 1) * per_chunk)):
+            step = step_of(read_u16(body, 2 + 2 * g), pow2k)
+            q = values[g * group_size : (g + 1) * group_size]
+            for i in range(q.size):
+                buf[i] = np.float32(q[i]) * step
+            from_f32(buf[: q.size], code, out_words[g * group_size : (g + 1) * group_size])
+
+
+class Int8Codec:
+    """Symmetric absmax INT8, one fp16 scale per group of `group_size` values (≈1.97x vs fp16)."""
+
+    name = "int8"
+
+    def __init__(self, group_size: int = 128) -> None:
+        if not 1 <= group_size <= 1 << 20:
+            raise ValueError(f"int8 group_size must be in [1, 2**20], got {group_size}")
+        self.group_size = group_size
+
+    def encode(self, src: np.ndarray, dtype: str | None = None) -> bytes:
+        words, dtype = input_words(src, dtype)
+        shape = tuple(src.shape)
+        body_len = body_bytes(words.size, self.group_size)
+        header = pack_header(self.name, dtype, shape, self.group_size, body_len)
+        out = np.empty(len(header) + body_len, np.uint8)
+        out[: len(header)] = np.frombuffer(header, np.uint8)
+        bad = encode_kernel(words, DTYPE_CODES[dtype], self.group_size, out, len(header))
+        if bad:
+            raise NonFiniteError(f"block holds NaN/Inf in {bad} of its groups of {self.group_size}")
+        return out.tobytes()
+
+
+def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) -> None:
+    """Decode an int8 body (length already validated) into `out_words`."""
+    decode_kernel(body, DTYPE_CODES[header.dtype], header.group_size, out_words)

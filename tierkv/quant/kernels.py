@@ -1,0 +1,154 @@
+"""Numba building blocks shared by every codec kernel: reading and writing fp16 / bf16 / fp32 words.
+
+Inputs reach the kernels as raw words (uint16 for fp16 and bf16, uint32 for fp32) so no numpy
+conversion pass is needed: fp16 goes through LLVM's `half` type (F16C / native instructions on
+current CPUs), bf16 through integer shifts with round-to-nearest-even, fp32 through a bitcast.
+Stores clamp to the largest finite value of the target type, so a decoder never writes Inf.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+FP16, BF16, FP32 = 0, 1, 2
+"""Dtype codes used by the kernels and in the payload header."""
+
+_FP16_MAX = np.float32(65504.0)
+_BF16_MAX = np.uint32(0x7F7F0000).view(np.float32)
+_FP32_MAX = np.float32(np.finfo(np.float32).max)
+_MAX_FINITE = np.array([_FP16_MAX, _BF16_MAX, _FP32_MAX], dtype=np.float32)
+"""Largest finite value per dtype code."""
+_EXP_ALL_ONES = np.array([0x7C00, 0x7F80, 0x7F800000], dtype=np.uint32)
+"""Bit pattern of +Inf per dtype code; |x| bits at or above it are Inf or NaN."""
+
+
+@intrinsic
+def half_to_f32(typingctx, bits):
+    """fp16 bit pattern (uint16) -> float32, exact (subnormals included)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_to_half(typingctx, x):
+    """float32 -> fp16 bit pattern (uint16), round to nearest even."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def bits_to_f32(typingctx, bits):
+    """Reinterpret a uint32 as float32."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def f32_to_bits(typingctx, x):
+    """Reinterpret a float32 as uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def max_abs_bits(words, code):
+    """Largest |x| of `words` as a bit pattern (monotonic in |x|); >= nonfinite_bits(code) means
+    a NaN or Inf is present. An integer reduction kept at the word width (the explicit casts stop
+    Numba widening to int64), so it vectorizes."""
+    if code == FP32:
+        m32 = np.uint32(0)
+        for i in range(words.size):
+            m32 = np.uint32(max(m32, np.uint32(np.uint32(words[i]) & np.uint32(0x7FFFFFFF))))
+        return m32
+    m16 = np.uint16(0)
+    for i in range(words.size):
+        m16 = np.uint16(max(m16, np.uint16(np.uint16(words[i]) & np.uint16(0x7FFF))))
+    return np.uint32(m16)
+
+
+@njit(cache=True, nogil=True)
+def nonfinite_bits(code):
+    """The smallest |x| bit pattern that is Inf (NaNs are above it)."""
+    return _EXP_ALL_ONES[code]
+
+
+@njit(cache=True, nogil=True)
+def bits_value(bits, code):
+    """float32 value of a single word given as uint32 bits."""
+    if code == FP16:
+        return half_to_f32(np.uint16(bits))
+    if code == BF16:
+        return bits_to_f32(bits << np.uint32(16))
+    return bits_to_f32(bits)
+
+
+@njit(cache=True, nogil=True)
+def to_f32(words, code, buf):
+    """buf[i] = float32 value of words[i] (loops split per dtype so each one vectorizes)."""
+    if code == FP16:
+        for i in range(words.size):
+            buf[i] = half_to_f32(np.uint16(words[i]))
+    elif code == BF16:
+        for i in range(words.size):
+            buf[i] = bits_to_f32(np.uint32(words[i]) << np.uint32(16))
+    else:
+        for i in range(words.size):
+            buf[i] = bits_to_f32(np.uint32(words[i]))
+
+
+@njit(cache=True, nogil=True)
+def from_f32(buf, code, words):
+    """words[i] = buf[i] in dtype `code`, clamped to its finite range, rounded to nearest even."""
+    hi = _MAX_FINITE[code]
+    if code == FP16:
+        for i in range(words.size):
+            words[i] = f32_to_half(min(max(buf[i], -hi), hi))
+    elif code == BF16:
+        for i in range(words.size):
+            u = f32_to_bits(min(max(buf[i], -hi), hi))
+            u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+            words[i] = u >> np.uint32(16)
+    else:
+        for i in range(words.size):
+            words[i] = f32_to_bits(min(max(buf[i], -hi), hi))
+
+
+@njit(cache=True, nogil=True)
+def read_u16(buf, pos):
+    """Little-endian uint16 at byte offset `pos` of a uint8 buffer (any alignment)."""
+    return np.uint16(buf[pos]) | (np.uint16(buf[pos + 1]) << np.uint16(8))
+
+
+@njit(cache=True, nogil=True)
+def write_u16(buf, pos, value):
+    """Write `value` as a little-endian uint16 at byte offset `pos` of a uint8 buffer."""
+    v = np.uint16(value)
+    buf[pos] = np.uint8(v & np.uint16(0xFF))
+    buf[pos + 1] = np.uint8(v >> np.uint16(8))
+
+
+@njit(cache=True, nogil=True)
+def pow2(k):
+    """2**k as float64 (exact for the exponents the codecs use)."""
+    return math.ldexp(1.0, k)

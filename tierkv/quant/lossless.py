@@ -1,0 +1,48 @@
+"""The `none` codec: the block's own bytes behind a header (bit-exact), after a finiteness check."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from tierkv.quant.kernels import max_abs_bits, nonfinite_bits
+from tierkv.quant.payload import DTYPE_CODES, NonFiniteError, input_words, pack_header
+
+_CHUNK_VALUES = 1 << 15
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def count_nonfinite_chunks(words, code):
+    """Number of 32K-value chunks of `words` (dtype `code`) that hold a NaN or Inf."""
+    n_chunks = (words.size + _CHUNK_VALUES - 1) // _CHUNK_VALUES
+    bad = 0
+    for c in prange(n_chunks):
+        chunk = words[c * _CHUNK_VALUES : (c + 1) * _CHUNK_VALUES]
+        bad += max_abs_bits(chunk, code) >= nonfinite_bits(code)
+    return bad
+
+
+def check_finite(words: np.ndarray, dtype: str) -> None:
+    """Raise NonFiniteError when `words` holds a NaN or Inf."""
+    if count_nonfinite_chunks(words, DTYPE_CODES[dtype]):
+        raise NonFiniteError(f"block of {words.size} values holds NaN/Inf")
+
+
+class LosslessCodec:
+    """Stores the block bit-exact (payload = header + raw little-endian words)."""
+
+    name = "none"
+
+    def __init__(self, group_size: int = 128) -> None:
+        self.group_size = group_size
+
+    def encode(self, src: np.ndarray, dtype: str | None = None) -> bytes:
+        words, dtype = input_words(src, dtype)
+        check_finite(words, dtype)
+        header = pack_header(self.name, dtype, tuple(src.shape), self.group_size, words.nbytes)
+        return b"".join((header, words.data.cast("B")))
+
+
+def decode_body(body: np.ndarray, out_words: np.ndarray) -> None:
+    """Copy the raw words of `body` into `out_words` (sizes already checked)."""
+    np.copyto(out_words, body.view(out_words.dtype))

@@ -1,0 +1,227 @@
+"""The self-describing payload header, the codec errors, and input / output array checks.
+
+Every payload starts with a little-endian header:
+
+    magic "TKVQ" | version u8 | codec id u8 | dtype u8 | ndim u8 | group_size u32
+    | bits_hi u8 | bits_lo u8 | hi_channels u16 | body_bytes u64 | shape ndim x u64 | crc32 u32
+
+`crc32` covers every header byte before it, so a corrupted header is always detected; the body is
+protected by the vault's xxh3 checksum and its exact length is checked here. `bits_hi`, `bits_lo`
+and `hi_channels` spell out the bit layout (TurboQuant's mixed modes keep `hi_channels` channels
+at `bits_hi` bits and the rest at `bits_lo`) and must match what the codec id implies.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from tierkv.quant.kernels import BF16, FP16, FP32
+
+CODEC_NAMES = ("none", "int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
+FORMAT_VERSION = 1
+MAGIC = b"TKVQ"
+MAX_NDIM = 8
+
+DTYPE_CODES = {"fp16": FP16, "bf16": BF16, "fp32": FP32}
+DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+WORD_TYPES = {2: np.uint16, 4: np.uint32}
+
+_FIXED = struct.Struct("<4sBBBBIBBHQ")
+_CRC = struct.Struct("<I")
+
+# Low-bit modes: name -> (bits_hi, bits_lo, mixed). Mixed modes give a quarter of the channels
+# (32 of 128) bits_hi bits and the rest bits_lo.
+TURBO_MODES = {
+    "tq4": (4, 4, False),
+    "tq3.5": (5, 3, True),
+    "tq3": (3, 3, False),
+    "tq2.5": (4, 2, True),
+    "tq2": (2, 2, False),
+}
+
+
+class PayloadError(ValueError):
+    """A payload is malformed, truncated or does not match the output array."""
+
+
+class NonFiniteError(ValueError):
+    """The input block holds NaN or Inf; the caller skips the block."""
+
+
+@dataclass(frozen=True)
+class BitLayout:
+    """How many bits each value gets: `hi_channels` channels per group at `hi`, the rest at `lo`."""
+
+    hi: int
+    lo: int
+    hi_channels: int
+
+
+@dataclass(frozen=True)
+class PayloadHeader:
+    """What a payload holds: codec, format version, input dtype, shape, group size, bits/value."""
+
+    codec: str
+    version: int
+    dtype: str
+    shape: tuple[int, ...]
+    group_size: int
+    bits: float
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+
+def bit_layout(codec: str, group_size: int, dtype: str) -> BitLayout:
+    """The bit layout codec `codec` uses for groups of `group_size` values of `dtype`."""
+    if codec == "none":
+        bits = 8 * DTYPE_BYTES[dtype]
+        return BitLayout(bits, bits, 0)
+    if codec == "int8":
+        return BitLayout(8, 8, 0)
+    hi, lo, mixed = TURBO_MODES[codec]
+    return BitLayout(hi, lo, group_size // 4 if mixed else 0)
+
+
+def nominal_bits(layout: BitLayout, group_size: int) -> float:
+    """Average bits per value of the quantized indices (norms and scales not counted)."""
+    return (layout.hi * layout.hi_channels + layout.lo * (group_size - layout.hi_channels)) / (
+        group_size
+    )
+
+
+def pack_header(
+    codec: str, dtype: str, shape: tuple[int, ...], group_size: int, body_bytes: int
+) -> bytes:
+    """The header bytes of a payload with `body_bytes` bytes of body."""
+    layout = bit_layout(codec, group_size, dtype)
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        CODEC_NAMES.index(codec),
+        DTYPE_CODES[dtype],
+        len(shape),
+        group_size,
+        layout.hi,
+        layout.lo,
+        layout.hi_channels,
+        body_bytes,
+    )
+    head = fixed + struct.pack(f"<{len(shape)}Q", *shape)
+    return head + _CRC.pack(zlib.crc32(head))
+
+
+def header_bytes(ndim: int) -> int:
+    """Length of a header for an `ndim`-dimensional shape."""
+    return _FIXED.size + 8 * ndim + _CRC.size
+
+
+def parse_header(payload: bytes | bytearray | memoryview) -> tuple[PayloadHeader, memoryview]:
+    """Validate the header of `payload`; returns it and the body (exact length checked)."""
+    view = memoryview(payload).cast("B")
+    if len(view) < _FIXED.size:
+        raise PayloadError(
+            f"payload too short: {len(view)} bytes, a header needs at least {header_bytes(0)}"
+        )
+    magic, version, codec_id, dtype_code, ndim, group_size, hi, lo, hi_ch, body = _FIXED.unpack(
+        view[: _FIXED.size]
+    )
+    if magic != MAGIC:
+        raise PayloadError(f"not a tierkv payload: magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise PayloadError(
+            f"unsupported payload format version {version} (this tierkv reads {FORMAT_VERSION})"
+        )
+    if ndim > MAX_NDIM:
+        raise PayloadError(f"corrupted header: ndim {ndim} > {MAX_NDIM}")
+    head_len = header_bytes(ndim)
+    if len(view) < head_len:
+        raise PayloadError(f"payload truncated: {len(view)} bytes, its header alone is {head_len}")
+    (crc,) = _CRC.unpack(view[head_len - _CRC.size : head_len])
+    if crc != zlib.crc32(view[: head_len - _CRC.size]):
+        raise PayloadError("corrupted header: header checksum mismatch")
+    if codec_id >= len(CODEC_NAMES):
+        raise PayloadError(f"unknown codec id {codec_id} in payload header")
+    if dtype_code not in DTYPE_NAMES:
+        raise PayloadError(f"unknown dtype code {dtype_code} in payload header")
+    codec, dtype = CODEC_NAMES[codec_id], DTYPE_NAMES[dtype_code]
+    shape = struct.unpack(f"<{ndim}Q", view[_FIXED.size : head_len - _CRC.size])
+    if group_size < 1:
+        raise PayloadError(f"invalid group_size {group_size} in {codec} payload header")
+    layout = bit_layout(codec, group_size, dtype)
+    if (hi, lo, hi_ch) != (layout.hi, layout.lo, layout.hi_channels):
+        raise PayloadError(
+            f"{codec} payload header has bit layout {hi}/{lo}/{hi_ch}, expected "
+            f"{layout.hi}/{layout.lo}/{layout.hi_channels}"
+        )
+    if len(view) != head_len + body:
+        raise PayloadError(
+            f"{codec} payload is {len(view)} bytes but its header says {head_len + body} "
+            "(truncated or padded)"
+        )
+    header = PayloadHeader(
+        codec, version, dtype, shape, group_size, nominal_bits(layout, group_size)
+    )
+    return header, view[head_len:]
+
+
+def read_header(payload: bytes | bytearray | memoryview) -> PayloadHeader:
+    """The validated header of `payload` (PayloadError when malformed or truncated)."""
+    return parse_header(payload)[0]
+
+
+def input_words(src: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
+    """`src` as a flat array of raw words (uint16 / uint32) and its dtype name.
+
+    dtype is inferred from float16 / float32 arrays; bf16 arrives as a 16-bit integer view (or an
+    ml_dtypes bfloat16 array) and must be declared dtype="bf16".
+    """
+    if not isinstance(src, np.ndarray):
+        raise TypeError(f"codec input must be a numpy array, got {type(src).__name__}")
+    if src.dtype.byteorder == ">":
+        raise ValueError(f"codec input must be little-endian, got dtype {src.dtype}")
+    if dtype is None:
+        inferred = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}.get(src.dtype.name)
+        if inferred is None:
+            raise ValueError(
+                f"cannot infer the element type of a {src.dtype} array: pass dtype='fp16', "
+                "'bf16' or 'fp32' (bf16 comes as a uint16/int16 view)"
+            )
+        dtype = inferred
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if src.dtype.itemsize != DTYPE_BYTES[dtype] or src.dtype.kind not in "fiuV":
+        raise ValueError(
+            f"dtype {dtype!r} needs {DTYPE_BYTES[dtype]}-byte elements, got a {src.dtype} array"
+        )
+    if len(src.shape) > MAX_NDIM:
+        raise ValueError(f"codec input has {len(src.shape)} dimensions, at most {MAX_NDIM}")
+    flat = np.ascontiguousarray(src).reshape(-1)
+    return flat.view(WORD_TYPES[DTYPE_BYTES[dtype]]), dtype
+
+
+def output_words(out: np.ndarray, header: PayloadHeader) -> np.ndarray:
+    """`out` as a flat writable word array after checking it fits `header` (else PayloadError)."""
+    if not isinstance(out, np.ndarray):
+        raise PayloadError(f"output must be a numpy array, got {type(out).__name__}")
+    if out.dtype.itemsize != DTYPE_BYTES[header.dtype]:
+        raise PayloadError(
+            f"output array has {out.dtype.itemsize}-byte elements ({out.dtype}) but the payload "
+            f"holds {header.dtype}"
+        )
+    if out.size != header.size:
+        raise PayloadError(
+            f"output array has {out.size} elements (shape {out.shape}) but the payload holds "
+            f"{header.size} (shape {header.shape})"
+        )
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise PayloadError("output array must be C-contiguous and writable")
+    return out.reshape(-1).view(WORD_TYPES[out.dtype.itemsize])
