@@ -1,0 +1,154 @@
+"""Shared fixtures: free loopback ports and real vaults (no mocks, only 127.0.0.1).
+
+`free_port` (fixture, int)
+    A TCP port on 127.0.0.1 that was free a moment ago. `pick_free_port()` is the same as a plain
+    function for code that needs several.
+
+`vault_factory` (fixture, callable)
+    ``vault_factory(max_bytes="1GiB", *, role="kv_cold", subprocess=False) -> VaultHandle``
+    starts a REAL vault on 127.0.0.1 on a free port and returns a handle with:
+      ``.address``  "127.0.0.1:PORT", ready to pass to VaultClient / tierkv.toml
+      ``.port``     the port
+      ``.stop()``   graceful stop (idempotent); every vault is stopped at teardown anyway
+    With ``subprocess=False`` (default, fast) the vault is an in-process gRPC server
+    (tierkv.vault.server.serve) and ``.server`` / ``.store`` expose it. With ``subprocess=True``
+    it runs the real ``tierkv vault`` command in a child process (``.process``, output in
+    ``.log_path``) and
+    ``.kill()`` SIGKILLs it, e.g. to test what clients do when a vault dies. The handle is ready
+    (health SERVING) when returned; no process is left behind after the test.
+
+`vault` (fixture, VaultHandle)
+    One in-process 1 GiB vault, for tests that need just one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tierkv.config import parse_size
+from tierkv.vault.client import VaultClient
+from tierkv.vault.server import VaultServer, serve
+from tierkv.vault.store import VaultStore
+
+LOOPBACK = "127.0.0.1"
+START_TIMEOUT_S = 60.0
+
+
+def pick_free_port() -> int:
+    """A TCP port on 127.0.0.1 that the kernel reported free."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((LOOPBACK, 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def free_port() -> int:
+    return pick_free_port()
+
+
+@dataclass
+class VaultHandle:
+    """A vault started for a test; see the module docstring."""
+
+    address: str
+    port: int
+    server: VaultServer | None = None
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def store(self) -> VaultStore:
+        assert self.server is not None, "only in-process vaults expose their store"
+        return self.server.store
+
+    def stop(self) -> None:
+        """Graceful stop (SIGTERM for a subprocess vault); safe to call twice."""
+        if self.server is not None:
+            self.server.stop(grace=0.5)
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL a subprocess vault: no goodbye to its clients."""
+        assert self.process is not None, "kill() needs vault_factory(..., subprocess=True)"
+        self.process.kill()
+        self.process.wait()
+
+
+def _wait_serving(address: str, process: subprocess.Popen[bytes] | None = None) -> None:
+    client = VaultClient(address, deadline_s=1.0)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"tierkv vault exited with {process.returncode}")
+            if client.wait_ready(0.5):
+                return
+        raise RuntimeError(f"vault at {address} did not become ready in {START_TIMEOUT_S} s")
+    finally:
+        client.close()
+
+
+def start_subprocess_vault(
+    port: int, max_bytes: str, role: str, work_dir: Path
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """`tierkv vault` on 127.0.0.1:port with an empty config; its output goes to a log file."""
+    config = work_dir / f"vault-{port}.toml"
+    config.write_text("")
+    log_path = work_dir / f"vault-{port}.log"
+    command = [sys.executable, "-m", "tierkv", "vault", "--config", str(config)]
+    command += ["--listen", f"{LOOPBACK}:{port}", "--max-bytes", max_bytes, "--role", role]
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return process, log_path
+
+
+@pytest.fixture
+def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
+    handles: list[VaultHandle] = []
+
+    def start(
+        max_bytes: int | str = "1GiB", *, role: str = "kv_cold", subprocess: bool = False
+    ) -> VaultHandle:
+        if subprocess:
+            port = pick_free_port()
+            process, log_path = start_subprocess_vault(port, str(max_bytes), role, tmp_path)
+            handle = VaultHandle(
+                address=f"{LOOPBACK}:{port}", port=port, process=process, log_path=log_path
+            )
+            handles.append(handle)
+            _wait_serving(handle.address, process)
+        else:
+            server = serve(f"{LOOPBACK}:0", parse_size(max_bytes), role=role)
+            handle = VaultHandle(address=server.address, port=server.port, server=server)
+            handles.append(handle)
+        return handle
+
+    yield start
+    for handle in handles:
+        handle.stop()
+
+
+@pytest.fixture
+def vault(vault_factory: Callable[..., VaultHandle]) -> VaultHandle:
+    return vault_factory()

@@ -1,0 +1,143 @@
+"""The client against dead, hung and restarted vaults: misses within deadlines, puts never block."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tierkv.vault.client import VaultClient
+from tierkv.vault.server import serve
+
+NS = b"n" * 16
+KIB = 1024
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+def process_state(pid: int) -> str:
+    """The one-letter state of a Linux process (T = stopped)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_killed_vault_gives_misses_in_time_and_puts_never_block(vault_factory: Callable) -> None:
+    vault: Any = vault_factory(subprocess=True)
+    deadline_s = 1.0
+    client = VaultClient(
+        vault.address,
+        deadline_s=deadline_s,
+        promote_deadline_s=deadline_s,
+        max_pending_bytes=64 * KIB,
+        breaker_failures=2,
+        breaker_cooldown_s=0.2,
+    )
+    try:
+        for i in range(4):
+            client.put(NS, key(i), 0, b"x" * KIB)
+        assert client.flush(timeout=10)
+        assert client.lookup(NS, [key(i) for i in range(4)], [0]) == 4
+
+        vault.kill()
+        for _ in range(3):
+            started = time.monotonic()
+            assert client.lookup(NS, [key(0)], [0]) == 0
+            assert client.promote(NS, [key(0)], [0]) == {}
+            assert time.monotonic() - started < 2 * deadline_s + 0.5
+        assert client.breaker_state == "open"
+        started = time.monotonic()
+        assert client.lookup(NS, [key(0)], [0]) == 0  # open breaker: at once
+        assert time.monotonic() - started < 0.05
+
+        slowest = 0.0
+        for i in range(500):
+            started = time.monotonic()
+            client.put(NS, key(i), 0, os.urandom(4 * KIB))
+            slowest = max(slowest, time.monotonic() - started)
+        assert slowest < 0.05
+        assert client.pending_bytes <= 64 * KIB
+        assert client.flush(timeout=5) is False  # puts were lost, and flush says so
+        assert client.dropped_puts + client.failed_puts == 500
+    finally:
+        client.close()
+
+
+def test_breaker_closes_by_itself_when_the_vault_comes_back(free_port: int) -> None:
+    address = f"127.0.0.1:{free_port}"
+    client = VaultClient(address, deadline_s=0.5, breaker_failures=2, breaker_cooldown_s=0.1)
+    try:
+        for _ in range(2):
+            assert client.lookup(NS, [key(0)], [0]) == 0
+        assert client.breaker_state == "open"
+        server = serve(address, 0)
+        try:
+            assert wait_until(lambda: client.breaker_state == "closed", timeout=10)
+            client.put(NS, key(0), 0, b"back")
+            assert client.flush(timeout=5)
+            assert client.lookup(NS, [key(0)], [0]) == 1
+        finally:
+            server.stop(grace=0)
+    finally:
+        client.close()
+
+
+def test_hung_vault_costs_one_deadline_and_the_queue_drops_the_oldest(
+    vault_factory: Callable,
+) -> None:
+    vault: Any = vault_factory(subprocess=True)
+    assert vault.process is not None
+    client = VaultClient(vault.address, deadline_s=1.0, max_pending_bytes=10 * KIB)
+    try:
+        client.put(NS, key(100), 0, b"warm")
+        assert client.flush(timeout=10)
+        os.kill(vault.process.pid, signal.SIGSTOP)
+        assert wait_until(lambda: process_state(vault.process.pid) == "T", timeout=5)
+        try:
+            started = time.monotonic()
+            assert client.lookup(NS, [key(100)], [0]) == 0
+            assert 0.9 < time.monotonic() - started < 1.5
+            client.put(NS, key(99), 0, b"k" * KIB)  # the sender takes it and hangs
+            assert wait_until(lambda: client.pending_bytes == 0, timeout=1)
+            for i in range(20):
+                client.put(NS, key(i), 0, bytes([i]) * KIB)
+            assert client.pending_bytes == 10 * KIB
+            assert client.dropped_puts == 10
+        finally:
+            os.kill(vault.process.pid, signal.SIGCONT)
+        assert client.flush(timeout=10) is False  # ten were dropped
+        present = [i for i in range(20) if client.lookup(NS, [key(i)], [0]) == 1]
+        assert present == list(range(10, 20))
+    finally:
+        client.close()
+
+
+def test_every_put_is_accounted_for(vault_factory: Callable) -> None:
+    vault = vault_factory(max_bytes=5000)
+    with VaultClient(vault.address, max_pending_bytes=4000) as client:
+        client.put(NS, key(0), 0, b"x" * 4001)  # larger than the queue: dropped at once
+        client.put(NS, key(1), 0, b"x" * 3000)
+        client.put(NS, key(2), 0, b"x" * 10)
+        assert client.flush(timeout=5) is False
+        assert client.dropped_puts == 1
+        assert client.stored_puts + client.rejected_puts + client.dropped_puts == 3
+        assert client.flush(timeout=5) is True  # nothing lost since the last flush
+
+
+def test_client_rejects_a_malformed_address() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="brackets"):
+        VaultClient("::1:50051")

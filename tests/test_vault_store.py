@@ -1,0 +1,150 @@
+"""VaultStore alone: LRU by bytes, cap, oversize, re-store, checksums, lookup prefixes."""
+
+from __future__ import annotations
+
+import threading
+
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.vault.store import VaultStore
+
+NS = b"n" * 16
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def put(store: VaultStore, i: int, size: int, part: int = 0, ns: bytes = NS) -> str | None:
+    payload = bytes([i % 256]) * size
+    return store.put(ns, key(i), part, payload, xxhash.xxh3_64_intdigest(payload))
+
+
+def stored_keys(store: VaultStore, count: int) -> list[int]:
+    return [i for i in range(count) if store.lookup(NS, [key(i)], [0]) == 1]
+
+
+def test_lru_evicts_least_recently_used_and_reads_refresh() -> None:
+    store = VaultStore(max_bytes=300)
+    for i in range(3):
+        assert put(store, i, 100) is None
+    store.get_many(NS, [key(0)], [0])  # 0 is now the most recent
+    assert put(store, 3, 100) is None
+    assert stored_keys(store, 4) == [0, 2, 3]
+    stats = store.stats()
+    assert (stats.entries, stats.bytes_used, stats.evictions) == (3, 300, 1)
+
+
+def test_eviction_frees_enough_bytes_for_a_large_payload() -> None:
+    store = VaultStore(max_bytes=300)
+    for i in range(3):
+        put(store, i, 100)
+    assert put(store, 9, 250) is None
+    assert store.stats().bytes_used == 250
+    assert stored_keys(store, 10) == [9]
+
+
+def test_oversize_payload_is_rejected_with_a_reason_and_not_stored() -> None:
+    store = VaultStore(max_bytes=100)
+    reason = put(store, 1, 101)
+    assert reason is not None and "101 bytes" in reason and "cap of 100" in reason
+    assert store.lookup(NS, [key(1)], [0]) == 0
+    assert store.stats().rejected == 1
+    assert store.stats().bytes_used == 0
+
+
+def test_restore_replaces_without_double_counting() -> None:
+    store = VaultStore(max_bytes=1000)
+    put(store, 1, 100)
+    put(store, 1, 60)
+    stats = store.stats()
+    assert (stats.entries, stats.bytes_used) == (1, 60)
+    [block] = store.get_many(NS, [key(1)], [0])
+    assert len(block.payload) == 60
+
+
+def test_checksum_mismatch_is_rejected() -> None:
+    store = VaultStore()
+    reason = store.put(NS, key(1), 0, b"payload", xxhash.xxh3_64_intdigest(b"other"))
+    assert reason is not None and "checksum" in reason
+    assert store.stats().entries == 0
+
+
+def test_lookup_counts_leading_keys_with_every_part() -> None:
+    store = VaultStore()
+    for i in (0, 1, 2, 4):
+        put(store, i, 10, part=0)
+        put(store, i, 10, part=1)
+    store.delete(NS, [key(2)])
+    put(store, 2, 10, part=0)  # key 2 now lacks part 1
+    keys = [key(i) for i in range(5)]
+    assert store.lookup(NS, keys, [0, 1]) == 2
+    assert store.lookup(NS, keys, [0]) == 3
+    assert store.lookup(NS, keys, [5]) == 0
+    assert store.lookup(b"x" * 16, keys, [0]) == 0
+    assert store.lookup(NS, [], [0]) == 0
+
+
+def test_get_many_returns_request_order_and_counts_hits_and_misses() -> None:
+    store = VaultStore()
+    put(store, 1, 10, part=0)
+    put(store, 1, 10, part=1)
+    put(store, 3, 10, part=1)
+    found = store.get_many(NS, [key(3), key(2), key(1)], [0, 1])
+    assert [(b.key_index, b.part) for b in found] == [(0, 1), (2, 0), (2, 1)]
+    stats = store.stats()
+    assert (stats.hits, stats.misses) == (3, 3)
+
+
+def test_delete_and_clear_are_scoped_to_a_namespace() -> None:
+    store = VaultStore()
+    other = b"o" * 16
+    for i in range(3):
+        put(store, i, 10, part=0)
+        put(store, i, 10, part=1)
+        put(store, i, 10, ns=other)
+    assert store.delete(NS, [key(0), key(9)]) == 2
+    assert store.clear(NS) == 4
+    assert store.stats().entries == 3
+    assert store.lookup(other, [key(0), key(1), key(2)], [0]) == 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 15), st.integers(0, 2), st.integers(0, 120)),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_bytes_used_is_exactly_the_sum_of_stored_payloads(
+    ops: list[tuple[int, int, int]],
+) -> None:
+    store = VaultStore(max_bytes=500)
+    for i, part, size in ops:
+        put(store, i, size, part=part)
+        assert store.stats().bytes_used <= 500
+    found = store.get_many(NS, [key(i) for i in range(16)], [0, 1, 2])
+    stats = store.stats()
+    assert stats.bytes_used == sum(len(b.payload) for b in found)
+    assert stats.entries == len(found)
+
+
+def test_concurrent_writers_and_readers_keep_accounting_exact() -> None:
+    store = VaultStore(max_bytes=50_000)
+
+    def writer(offset: int) -> None:
+        for i in range(300):
+            put(store, offset + i % 50, 100 + i % 7)
+            store.get_many(NS, [key(offset + i % 13)], [0])
+
+    threads = [threading.Thread(target=writer, args=(t * 1000,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    keys = [key(t * 1000 + i) for t in range(4) for i in range(50)]
+    found = store.get_many(NS, keys, [0])
+    assert store.stats().bytes_used == sum(len(b.payload) for b in found)

@@ -1,0 +1,381 @@
+"""tierkv.toml: find, read (tomlkit) and validate the configuration into frozen dataclasses.
+
+Search order of `load_config`: an explicit path, `$TIERKV_CONFIG`, `./tierkv.toml`,
+`~/.config/tierkv/tierkv.toml`, then the built-in defaults. Every problem (unknown key, wrong
+type, bad size or address) raises `ConfigError` naming the file, the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+from tomlkit.exceptions import TOMLKitError
+
+KIB = 1024
+MIB = 1024 * KIB
+GIB = 1024 * MIB
+
+ROLES = ("inference", "kv_cold", "ssm_cold")
+VAULT_ROLES = ("kv_cold", "ssm_cold")
+TURBO_QUANT_CODECS = ("int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
+"""The lossy codecs of tierkv.quant that `[turbo_quant] codec` may name."""
+STORE_MODES = ("on_eviction", "on_finish")
+DEFAULT_LISTEN = "127.0.0.1:50051"
+DEFAULT_RAM_FRACTION = 0.5
+"""Share of physical RAM a vault caps itself at when `vault.max_bytes` is not set."""
+UNLIMITED = 0
+"""`max_bytes` value meaning no cap (written "unlimited" in tierkv.toml)."""
+ENV_VAR = "TIERKV_CONFIG"
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": KIB,
+    "mib": MIB,
+    "gib": GIB,
+    "tib": 1024 * GIB,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the source, the key and what was expected."""
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a string like "24GB" (10^9) or "512MiB" (2^20); else ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"expected a size like 24GB or 512MiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a size cannot be negative, got {value}")
+        return value
+    match = _SIZE_RE.match(value)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"expected a size like 24GB, 512MiB or 1073741824 (units B, KB, MB, GB, TB, KiB, MiB,"
+            f" GiB, TiB), got {value!r}"
+        )
+    return int(float(match.group(1).replace("_", "")) * _SIZE_UNITS[unit])
+
+
+def format_size(size: int) -> str:
+    """A human-readable binary size, e.g. 1.5 GiB."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            break
+        value /= 1024
+    return f"{size} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def parse_address(text: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
+    """(host, port) from "host:port" or "[v6]:port"; ValueError naming the address if malformed.
+
+    Port 0 ("any free port") is only accepted with `allow_port_zero` (a server's listen address).
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"expected an address host:port, got {text!r}")
+    if text.startswith("["):
+        host, sep, port_text = text[1:].partition("]:")
+        if not sep or not host:
+            raise ValueError(f"expected [ipv6]:port, got {text!r}")
+    else:
+        host, sep, port_text = text.rpartition(":")
+        if not sep or not host:
+            raise ValueError(f"expected host:port, got {text!r}")
+        if ":" in host:
+            raise ValueError(f"an IPv6 address needs brackets, like [::1]:50051; got {text!r}")
+    if any(c.isspace() for c in host) or "/" in host:
+        raise ValueError(f"bad host {host!r} in address {text!r}")
+    if not port_text.isdigit():
+        raise ValueError(f"bad port {port_text!r} in address {text!r}")
+    port = int(port_text)
+    if not (0 if allow_port_zero else 1) <= port <= 65535:
+        raise ValueError(f"port {port} out of range in address {text!r}")
+    return host, port
+
+
+def format_address(host: str, port: int) -> str:
+    """The "host:port" form of an address, bracketing IPv6 hosts."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def physical_ram_bytes() -> int:
+    """Physical memory of this machine in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_max_bytes() -> int:
+    """A vault's cap when none is configured: DEFAULT_RAM_FRACTION of physical RAM."""
+    return int(physical_ram_bytes() * DEFAULT_RAM_FRACTION)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Which role this machine plays and where the vaults are ("host:port" addresses)."""
+
+    role: str = "inference"
+    kv_cold: str | None = None
+    ssm_cold: str | None = None
+
+    def vault_addresses(self) -> dict[str, str]:
+        """Configured vaults by role name ("kv_cold", "ssm_cold")."""
+        found = {"kv_cold": self.kv_cold, "ssm_cold": self.ssm_cold}
+        return {role: address for role, address in found.items() if address}
+
+
+@dataclass(frozen=True)
+class VaultConfig:
+    """The vault server on this machine. max_bytes None: default share of RAM; 0: unlimited."""
+
+    listen: str = DEFAULT_LISTEN
+    max_bytes: int | None = None
+
+    def resolved_max_bytes(self) -> int:
+        """The cap to use: the configured one, or default_max_bytes() (0 stays unlimited)."""
+        return default_max_bytes() if self.max_bytes is None else self.max_bytes
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How engines talk to vaults: deadlines, put queue, circuit breaker."""
+
+    deadline_ms: int = 2000
+    promote_deadline_ms: int = 30000
+    max_pending_bytes: int = 256 * MIB
+    breaker_failures: int = 3
+    breaker_cooldown_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class TurboQuantConfig:
+    """Lossy compression of KV blocks before they are shipped."""
+
+    enabled: bool = False
+    kv_dim: int = 128
+    codec: str = "tq3.5"
+    min_cosine: float = 0.0
+
+    @property
+    def codec_name(self) -> str:
+        """The codec blocks are stored with: "none" (lossless) unless enabled."""
+        return self.codec if self.enabled else "none"
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """vLLM connector behaviour."""
+
+    store: str = "on_eviction"
+    staging_bytes: int = GIB
+
+
+@dataclass(frozen=True)
+class ExoConfig:
+    """EXO hook behaviour."""
+
+    block_tokens: int = 256
+    write_through: bool = False
+
+
+@dataclass(frozen=True)
+class TierKVConfig:
+    """The whole configuration; `source` says where it came from (a path or "defaults")."""
+
+    source: str = "defaults"
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    vault: VaultConfig = field(default_factory=VaultConfig)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    turbo_quant: TurboQuantConfig = field(default_factory=TurboQuantConfig)
+    connector: ConnectorConfig = field(default_factory=ConnectorConfig)
+    exo: ExoConfig = field(default_factory=ExoConfig)
+
+
+# ---- validation ------------------------------------------------------------------------------
+# Each checker turns a raw TOML value into the field's value or raises ValueError("expected ...").
+
+
+def _positive_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ValueError(f"expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _cosine(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"expected a number from 0 to 1, got {value!r}")
+    return float(value)
+
+
+def _bool(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"expected one of {', '.join(choices)}; got {value!r}")
+        return str(value)
+
+    return check
+
+
+def _positive_size(value: Any) -> int:
+    size = parse_size(value)
+    if size <= 0:
+        raise ValueError(f"expected a positive size, got {value!r}")
+    return size
+
+
+def parse_max_bytes(value: int | str) -> int:
+    """A vault cap: a positive size, or "unlimited" (→ UNLIMITED, 0); else ValueError."""
+    if value == "unlimited":
+        return UNLIMITED
+    try:
+        return _positive_size(value)
+    except ValueError as exc:
+        raise ValueError(f'{exc} (or "unlimited")') from None
+
+
+def _vault_address(value: Any) -> str:
+    parse_address(value)
+    return str(value)
+
+
+def _listen_address(value: Any) -> str:
+    parse_address(value, allow_port_zero=True)
+    return str(value)
+
+
+_SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
+    "cluster": (
+        ClusterConfig,
+        {"role": _one_of(ROLES), "kv_cold": _vault_address, "ssm_cold": _vault_address},
+    ),
+    "vault": (VaultConfig, {"listen": _listen_address, "max_bytes": parse_max_bytes}),
+    "client": (
+        ClientConfig,
+        {
+            "deadline_ms": _positive_int,
+            "promote_deadline_ms": _positive_int,
+            "max_pending_bytes": _positive_size,
+            "breaker_failures": _positive_int,
+            "breaker_cooldown_s": _positive_float,
+        },
+    ),
+    "turbo_quant": (
+        TurboQuantConfig,
+        {
+            "enabled": _bool,
+            "kv_dim": _positive_int,
+            "codec": _one_of(TURBO_QUANT_CODECS),
+            "min_cosine": _cosine,
+        },
+    ),
+    "connector": (
+        ConnectorConfig,
+        {"store": _one_of(STORE_MODES), "staging_bytes": _positive_size},
+    ),
+    "exo": (ExoConfig, {"block_tokens": _positive_int, "write_through": _bool}),
+}
+
+
+def _nest_dotted_keys(data: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """{"turbo_quant.enabled": 1} → {"turbo_quant": {"enabled": 1}}; nested tables pass through."""
+    nested: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{source}: key {key!r}: expected a string key")
+        section, dot, name = key.partition(".")
+        if not dot:
+            nested.setdefault(section, {})
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{source}: {key}: expected a table [{key}], got {value!r}")
+            nested[section].update(value)
+        else:
+            target = nested.setdefault(section, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{source}: {section}: expected a table")
+            target[name] = value
+    return nested
+
+
+def config_from_mapping(data: Mapping[str, Any], source: str) -> TierKVConfig:
+    """Validate a parsed mapping (TOML tables, or dotted keys like "cluster.kv_cold").
+
+    Raises ConfigError naming `source`, the key and what was expected.
+    """
+    sections: dict[str, Any] = {}
+    for section, raw in _nest_dotted_keys(data, source).items():
+        if section not in _SECTIONS:
+            raise ConfigError(
+                f"{source}: unknown section [{section}]; expected one of {', '.join(_SECTIONS)}"
+            )
+        cls, checkers = _SECTIONS[section]
+        values: dict[str, Any] = {}
+        for name, value in raw.items():
+            if name not in checkers:
+                raise ConfigError(
+                    f"{source}: unknown key {section}.{name}; [{section}] accepts "
+                    f"{', '.join(checkers)}"
+                )
+            try:
+                values[name] = checkers[name](value)
+            except ValueError as exc:
+                raise ConfigError(f"{source}: {section}.{name}: {exc}") from None
+        sections[section] = cls(**values)
+    return TierKVConfig(source=source, **sections)
+
+
+def _candidate_paths(path: str | Path | None) -> list[tuple[Path, bool]]:
+    """(path, must_exist) in search order."""
+    if path is not None:
+        return [(Path(path), True)]
+    env = os.environ.get(ENV_VAR)
+    if env:
+        return [(Path(env), True)]
+    return [
+        (Path.cwd() / "tierkv.toml", False),
+        (Path.home() / ".config" / "tierkv" / "tierkv.toml", False),
+    ]
+
+
+def load_config(path: str | Path | None = None) -> TierKVConfig:
+    """The configuration from the first file found in the search order, else the defaults."""
+    for candidate, must_exist in _candidate_paths(path):
+        if not candidate.is_file():
+            if must_exist:
+                origin = "" if path is not None else f" (from ${ENV_VAR})"
+                raise ConfigError(f"{candidate}{origin}: config file not found")
+            continue
+        try:
+            document = tomlkit.parse(candidate.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, TOMLKitError) as exc:
+            raise ConfigError(f"{candidate}: cannot read TOML: {exc}") from None
+        return config_from_mapping(document.unwrap(), str(candidate))
+    return TierKVConfig()
+
+
+def config_field_names(section: str) -> tuple[str, ...]:
+    """The keys a section accepts (for documentation and tests)."""
+    return tuple(f.name for f in fields(_SECTIONS[section][0]))

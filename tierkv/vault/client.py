@@ -1,0 +1,459 @@
+"""Client of one vault: fire-and-forget puts, deadline-bound lookups and promotes, a breaker.
+
+`put` never blocks: blocks wait in a queue bounded by bytes (the oldest are dropped and counted
+when it is full) and a background thread streams them to the vault. `lookup` and `promote` never
+raise and never wait past their deadline: any failure is a miss. After `breaker_failures`
+consecutive failed calls the circuit breaker opens: calls answer "miss" at once and queued puts
+are dropped, while a background probe checks the vault's health every `breaker_cooldown_s` and
+closes the breaker when it answers again (gRPC reconnects by itself).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import grpc
+import xxhash
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tierkv.config import MIB, ClientConfig, parse_address
+from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+from tierkv.vault.wire import batched_by_size, decode_bulk, encode_bulk, split_payloads
+
+PUT_BATCH_BYTES = 1 * MIB
+"""Small payloads are batched up to this many bytes per PutBatch; larger ones go alone, which
+lets the vault keep the received message as the stored payload without copying it."""
+PUT_STREAM_BYTES = 128 * MIB
+"""At most this many payload bytes per Put stream (each stream gets its own deadline)."""
+MIN_PUT_BYTES_PER_S = 50e6
+"""A Put stream's deadline is deadline_s plus its bytes at this rate."""
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    # Reconnect quickly after a vault restarts (gRPC's default backoff grows to 2 minutes).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+_METHOD = "/" + vault_pb2.DESCRIPTOR.services_by_name["Vault"].full_name + "/"
+
+
+class VaultUnavailable(RuntimeError):
+    """The vault did not answer a management call (stats, delete, clear)."""
+
+
+@dataclass(frozen=True)
+class VaultStats:
+    """What a vault reports about itself, plus the round trip the call took."""
+
+    address: str
+    role: str
+    entries: int
+    bytes_used: int
+    max_bytes: int  # 0 = unlimited
+    hits: int
+    misses: int
+    evictions: int
+    rejected: int
+    uptime_s: float
+    version: str
+    rtt_s: float
+
+
+class _PendingPut(NamedTuple):
+    namespace: bytes
+    key: bytes
+    part: int
+    payload: bytes
+
+
+class CircuitBreaker:
+    """Opens after `failures` consecutive failures; a background probe closes it again.
+
+    While open, `allow()` is False. Every `cooldown_s` the probe calls `probe()` (which must
+    honour its own deadline); the first success closes the breaker.
+    """
+
+    def __init__(self, failures: int, cooldown_s: float, probe: Callable[[], bool]) -> None:
+        self._failures_to_open = failures
+        self._cooldown_s = cooldown_s
+        self._probe = probe
+        self._lock = threading.Lock()
+        self._consecutive_failures = 0
+        self._open = False
+        self._probing = False
+        self._stopped = threading.Event()
+
+    @property
+    def state(self) -> str:
+        """ "closed" (calls go through) or "open" (calls answer miss at once)."""
+        return "open" if self._open else "closed"
+
+    def allow(self) -> bool:
+        return not self._open
+
+    def record_success(self) -> None:
+        with self._lock:
+            self._consecutive_failures = 0
+            self._open = False
+
+    def record_failure(self) -> None:
+        with self._lock:
+            self._consecutive_failures += 1
+            if self._consecutive_failures < self._failures_to_open:
+                return
+            self._open = True
+            if self._probing:
+                return
+            self._probing = True
+        threading.Thread(
+            target=self._probe_until_closed, name="tierkv-breaker", daemon=True
+        ).start()
+
+    def stop(self) -> None:
+        """End the background probe (on client close)."""
+        self._stopped.set()
+
+    def _probe_until_closed(self) -> None:
+        while not self._stopped.wait(self._cooldown_s):
+            if self._probe():
+                self.record_success()
+            with self._lock:
+                if not self._open:
+                    self._probing = False
+                    return
+
+
+class VaultClient:
+    """One vault at `address` ("host:port"); thread-safe; see the module docstring."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        deadline_s: float = 2.0,
+        promote_deadline_s: float = 30.0,
+        max_pending_bytes: int = 256 * MIB,
+        breaker_failures: int = 3,
+        breaker_cooldown_s: float = 5.0,
+    ) -> None:
+        parse_address(address)  # a clear ValueError for a malformed address
+        self.address = address
+        self.deadline_s = deadline_s
+        self.promote_deadline_s = promote_deadline_s
+        self.max_pending_bytes = max_pending_bytes
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = vault_pb2_grpc.VaultStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        # The bulk methods bypass per-message protobuf copies (see wire.py).
+        self._put_call = self._channel.stream_unary(
+            _METHOD + "Put",
+            request_serializer=_already_encoded,
+            response_deserializer=vault_pb2.PutSummary.FromString,
+        )
+        self._promote_call = self._channel.unary_stream(
+            _METHOD + "Promote",
+            request_serializer=vault_pb2.PromoteRequest.SerializeToString,
+            response_deserializer=_decode_promote_chunk,
+        )
+        self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s, self._is_serving)
+
+        self._cond = threading.Condition()
+        self._pending: deque[_PendingPut] = deque()
+        self._pending_bytes = 0
+        self._in_flight = 0
+        self._lost_since_flush = False
+        self._closed = False
+        self.dropped_puts = 0
+        """Puts dropped before reaching the vault (queue full, breaker open, client closed)."""
+        self.failed_puts = 0
+        """Puts sent on a stream that failed (vault down or deadline)."""
+        self.stored_puts = 0
+        self.rejected_puts = 0
+        self.last_rejections: list[str] = []
+        """Reasons the vault gave for the rejections of the latest Put stream."""
+        self.checksum_failures = 0
+        """Promoted payloads whose checksum did not match (returned as misses)."""
+        self.failed_calls = 0
+        self._sender = threading.Thread(
+            target=self._send_loop, name=f"tierkv-put-{address}", daemon=True
+        )
+        self._sender.start()
+
+    @classmethod
+    def from_config(cls, address: str, client_cfg: ClientConfig) -> VaultClient:
+        """A client using the `[client]` section of tierkv.toml."""
+        return cls(
+            address,
+            deadline_s=client_cfg.deadline_ms / 1000,
+            promote_deadline_s=client_cfg.promote_deadline_ms / 1000,
+            max_pending_bytes=client_cfg.max_pending_bytes,
+            breaker_failures=client_cfg.breaker_failures,
+            breaker_cooldown_s=client_cfg.breaker_cooldown_s,
+        )
+
+    @property
+    def breaker_state(self) -> str:
+        """ "closed" or "open"."""
+        return self._breaker.state
+
+    @property
+    def pending_bytes(self) -> int:
+        return self._pending_bytes
+
+    # ---- puts --------------------------------------------------------------------------------
+
+    def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
+        """Queue a block for the vault and return at once (a memoryview is copied first)."""
+        data = payload if isinstance(payload, bytes) else bytes(payload)
+        with self._cond:
+            if self._closed or len(data) > self.max_pending_bytes:
+                self._count_dropped(1)
+                return
+            while self._pending_bytes + len(data) > self.max_pending_bytes:
+                self._pending_bytes -= len(self._pending.popleft().payload)
+                self._count_dropped(1)
+            self._pending.append(_PendingPut(namespace, key, part, data))
+            self._pending_bytes += len(data)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued put has been answered by the vault (stored or rejected).
+
+        False on timeout, or when some put was lost (dropped or failed) since the last flush.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending or self._in_flight:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            lost, self._lost_since_flush = self._lost_since_flush, False
+            return not lost
+
+    def _count_dropped(self, count: int) -> None:
+        """Caller holds self._cond."""
+        self.dropped_puts += count
+        self._lost_since_flush = True
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closed:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                if not self._breaker.allow():
+                    self._count_dropped(len(self._pending))
+                    self._pending.clear()
+                    self._pending_bytes = 0
+                    self._cond.notify_all()
+                    continue
+                stream: list[_PendingPut] = []
+                stream_bytes = 0
+                while self._pending and (not stream or stream_bytes < PUT_STREAM_BYTES):
+                    item = self._pending.popleft()
+                    stream.append(item)
+                    stream_bytes += len(item.payload)
+                self._pending_bytes -= stream_bytes
+                self._in_flight = len(stream)
+            self._send_stream(stream, stream_bytes)
+            with self._cond:
+                self._in_flight = 0
+                self._cond.notify_all()
+
+    def _send_stream(self, stream: list[_PendingPut], stream_bytes: int) -> None:
+        timeout = self.deadline_s + stream_bytes / MIN_PUT_BYTES_PER_S
+        try:
+            summary = self._put_call(_put_batches(stream), timeout=timeout)
+        except grpc.RpcError:
+            self._breaker.record_failure()
+            with self._cond:
+                self.failed_calls += 1
+                self.failed_puts += len(stream)
+                self._lost_since_flush = True
+            return
+        self._breaker.record_success()
+        with self._cond:
+            self.stored_puts += summary.stored
+            self.rejected_puts += summary.rejected
+            self.last_rejections = [r.reason for r in summary.rejections]
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
+        """How many leading `keys` have every one of `parts` stored; 0 on any failure."""
+        if not keys or not self._breaker.allow():
+            return 0
+        request = vault_pb2.LookupRequest(namespace=namespace, keys=keys, parts=parts)
+        try:
+            reply = self._stub.Lookup(request, timeout=self.deadline_s)
+        except grpc.RpcError:
+            self._record_failure()
+            return 0
+        self._breaker.record_success()
+        return min(reply.present, len(keys))
+
+    def promote(
+        self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]
+    ) -> dict[tuple[int, int], memoryview]:
+        """(key index, part) → verified payload for every block the vault returned in time.
+
+        Payloads are zero-copy views of the received chunks. Missing, checksum-failed and
+        failed-call blocks are simply absent; this never raises.
+        """
+        found: dict[tuple[int, int], memoryview] = {}
+        if not keys or not parts or not self._breaker.allow():
+            return found
+        request = vault_pb2.PromoteRequest(namespace=namespace, keys=keys, parts=parts)
+        wanted_parts = set(parts)
+        bad_checksums = 0
+        try:
+            for index, data in self._promote_call(request, timeout=self.promote_deadline_s):
+                payloads = split_payloads(data, index.lengths)
+                for key_index, part, payload, checksum in zip(
+                    index.key_indices, index.parts, payloads, index.checksums, strict=False
+                ):
+                    if key_index >= len(keys) or part not in wanted_parts:
+                        continue
+                    if xxhash.xxh3_64_intdigest(payload) != checksum:
+                        bad_checksums += 1
+                        continue
+                    found[(key_index, part)] = payload
+        except (grpc.RpcError, ValueError):
+            self._record_failure()
+        else:
+            self._breaker.record_success()
+        if bad_checksums:
+            with self._cond:
+                self.checksum_failures += bad_checksums
+        return found
+
+    # ---- management --------------------------------------------------------------------------
+
+    def stats(self) -> VaultStats:
+        """The vault's counters; raises VaultUnavailable when it does not answer in time."""
+        started = time.monotonic()
+        reply = self._management_call(self._stub.Stats, vault_pb2.StatsRequest())
+        return VaultStats(
+            address=self.address,
+            role=reply.role,
+            entries=reply.entries,
+            bytes_used=reply.bytes_used,
+            max_bytes=reply.max_bytes,
+            hits=reply.hits,
+            misses=reply.misses,
+            evictions=reply.evictions,
+            rejected=reply.rejected,
+            uptime_s=reply.uptime_s,
+            version=reply.version,
+            rtt_s=time.monotonic() - started,
+        )
+
+    def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
+        """Remove every part of `keys`; the number of entries removed. Raises VaultUnavailable."""
+        request = vault_pb2.DeleteRequest(namespace=namespace, keys=keys)
+        return int(self._management_call(self._stub.Delete, request).deleted)
+
+    def clear(self, namespace: bytes) -> int:
+        """Remove all of `namespace`; the number of entries removed. Raises VaultUnavailable."""
+        request = vault_pb2.ClearRequest(namespace=namespace)
+        return int(self._management_call(self._stub.Clear, request).deleted)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the vault to report SERVING."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._is_serving(min(self.deadline_s, max(deadline - time.monotonic(), 0.01))):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def counters(self) -> dict[str, int | str]:
+        """The client-side counters, for stats pages."""
+        with self._cond:
+            return {
+                "dropped_puts": self.dropped_puts,
+                "failed_puts": self.failed_puts,
+                "stored_puts": self.stored_puts,
+                "rejected_puts": self.rejected_puts,
+                "checksum_failures": self.checksum_failures,
+                "failed_calls": self.failed_calls,
+                "pending_bytes": self._pending_bytes,
+                "breaker": self._breaker.state,
+            }
+
+    def close(self) -> None:
+        """Deliver what is queued (up to one deadline), then stop the threads and the channel."""
+        self.flush(timeout=self.deadline_s)
+        with self._cond:
+            self._closed = True
+            if self._pending:
+                self._count_dropped(len(self._pending))
+                self._pending.clear()
+                self._pending_bytes = 0
+            self._cond.notify_all()
+        self._sender.join(timeout=self.deadline_s + PUT_STREAM_BYTES / MIN_PUT_BYTES_PER_S)
+        self._breaker.stop()
+        self._channel.close()
+
+    def __enter__(self) -> VaultClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- helpers -----------------------------------------------------------------------------
+
+    def _record_failure(self) -> None:
+        with self._cond:
+            self.failed_calls += 1
+        self._breaker.record_failure()
+
+    def _management_call(self, method: Callable[..., Any], request: object) -> Any:
+        try:
+            return method(request, timeout=self.deadline_s)
+        except grpc.RpcError as exc:
+            raise VaultUnavailable(
+                f"vault at {self.address} did not answer: {exc.code().name} {exc.details()}"
+            ) from None
+
+    def _is_serving(self, timeout: float | None = None) -> bool:
+        """Health check that waits for the connection (gRPC reconnects) up to the deadline."""
+        request = health_pb2.HealthCheckRequest(service="")
+        try:
+            reply = self._health.Check(
+                request, timeout=timeout or self.deadline_s, wait_for_ready=True
+            )
+        except grpc.RpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _already_encoded(message: bytes) -> bytes:
+    return message
+
+
+def _decode_promote_chunk(buf: bytes) -> tuple[vault_pb2.PromoteIndex, memoryview]:
+    return decode_bulk(buf, vault_pb2.PromoteIndex, vault_pb2.PromoteChunk)
+
+
+def _put_batches(stream: list[_PendingPut]) -> Iterator[bytes]:
+    """Serialised PutBatch messages of one namespace and about PUT_BATCH_BYTES each."""
+    for batch in batched_by_size(
+        stream, lambda p: len(p.payload), PUT_BATCH_BYTES, lambda p: p.namespace
+    ):
+        index = vault_pb2.PutIndex(
+            namespace=batch[0].namespace,
+            keys=[p.key for p in batch],
+            parts=[p.part for p in batch],
+            lengths=[len(p.payload) for p in batch],
+            checksums=[xxhash.xxh3_64_intdigest(p.payload) for p in batch],
+        )
+        yield encode_bulk(index, [p.payload for p in batch])

@@ -1,0 +1,261 @@
+"""The vault's gRPC face: the Vault service of vault.proto over a VaultStore, plus gRPC health.
+
+`serve(listen, max_bytes)` starts a server in this process and returns a running `VaultServer`
+(its `.address` holds the bound port when `listen` asked for port 0); `tierkv vault` and the
+tests use it. The bulk methods (Put, Promote) use the fast codec of `wire.py` so payloads are
+never copied into per-block protobuf messages; the others use the generated classes.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+import tierkv
+from tierkv.config import VAULT_ROLES, format_address, parse_address
+from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+from tierkv.vault.store import StoredBlock, VaultStore
+from tierkv.vault.wire import (
+    MalformedMessage,
+    batched_by_size,
+    decode_bulk,
+    encode_bulk,
+    split_payloads,
+)
+
+SERVICE_NAME = vault_pb2.DESCRIPTOR.services_by_name["Vault"].full_name
+CHUNK_BYTES = 8 * 1024 * 1024
+"""Target payload bytes per Promote chunk (a larger single payload gets a chunk of its own)."""
+MAX_REPORTED_REJECTIONS = 100
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+SERVER_OPTIONS = [
+    *GRPC_OPTIONS,
+    # Linux gRPC sets SO_REUSEPORT by default, which lets a second vault "bind" a taken port.
+    ("grpc.so_reuseport", 0),
+]
+
+
+class VaultBindError(OSError):
+    """The vault could not listen on the requested address."""
+
+
+def _bind_problem(host: str, port: int) -> str:
+    """Why binding (host, port) fails, in the operating system's words."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[
+            0
+        ]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(sockaddr)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return "gRPC refused the address"
+
+
+def _already_encoded(chunk: bytes) -> bytes:
+    return chunk
+
+
+def _decode_put_batch(buf: bytes) -> tuple[vault_pb2.PutIndex, memoryview]:
+    return decode_bulk(buf, vault_pb2.PutIndex, vault_pb2.PutBatch)
+
+
+def encode_promote_chunks(
+    found: Iterable[StoredBlock], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[bytes]:
+    """Serialised PromoteChunk messages of about `chunk_bytes` payload bytes each, built lazily."""
+    for batch in batched_by_size(found, lambda b: len(b.payload), chunk_bytes):
+        index = vault_pb2.PromoteIndex(
+            key_indices=[b.key_index for b in batch],
+            parts=[b.part for b in batch],
+            lengths=[len(b.payload) for b in batch],
+            checksums=[b.checksum for b in batch],
+        )
+        yield encode_bulk(index, [b.payload for b in batch])
+
+
+class VaultServicer(vault_pb2_grpc.VaultServicer):
+    """Implements the Vault service over a VaultStore."""
+
+    def __init__(self, store: VaultStore, role: str) -> None:
+        self.store = store
+        self.role = role
+        self.started = time.monotonic()
+
+    def Put(
+        self,
+        request_iterator: Iterator[tuple[vault_pb2.PutIndex, memoryview]],
+        context: grpc.ServicerContext,
+    ) -> vault_pb2.PutSummary:
+        summary = vault_pb2.PutSummary()
+
+        def reject(key: bytes, part: int, reason: str) -> None:
+            summary.rejected += 1
+            if len(summary.rejections) < MAX_REPORTED_REJECTIONS:
+                summary.rejections.add(key=key, part=part, reason=reason)
+
+        for index, data in request_iterator:
+            keys, parts = list(index.keys), list(index.parts)
+            try:
+                if not len(keys) == len(parts) == len(index.lengths) == len(index.checksums):
+                    raise MalformedMessage("PutIndex arrays differ in length")
+                payloads = split_payloads(data, index.lengths)
+            except MalformedMessage as exc:
+                for key, part in zip(keys, parts, strict=False):
+                    reject(key, part, f"malformed batch: {exc}")
+                continue
+            for key, part, payload, checksum in zip(
+                keys, parts, payloads, index.checksums, strict=True
+            ):
+                # A lone payload may keep its message buffer (no copy); batched ones get their
+                # own copies (made outside the store's lock) so evicting one frees its memory.
+                stored = payload if len(payloads) == 1 else bytes(payload)
+                reason = self.store.put(index.namespace, key, part, stored, checksum)
+                if reason is None:
+                    summary.stored += 1
+                else:
+                    reject(key, part, reason)
+        return summary
+
+    def Lookup(
+        self, request: vault_pb2.LookupRequest, context: grpc.ServicerContext
+    ) -> vault_pb2.LookupReply:
+        present = self.store.lookup(request.namespace, list(request.keys), list(request.parts))
+        return vault_pb2.LookupReply(present=present)
+
+    def Promote(
+        self, request: vault_pb2.PromoteRequest, context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        found = self.store.get_many(request.namespace, list(request.keys), list(request.parts))
+        return encode_promote_chunks(found)
+
+    def Stats(
+        self, request: vault_pb2.StatsRequest, context: grpc.ServicerContext
+    ) -> vault_pb2.StatsReply:
+        stats = self.store.stats()
+        return vault_pb2.StatsReply(
+            role=self.role,
+            entries=stats.entries,
+            bytes_used=stats.bytes_used,
+            max_bytes=stats.max_bytes,
+            hits=stats.hits,
+            misses=stats.misses,
+            evictions=stats.evictions,
+            rejected=stats.rejected,
+            uptime_s=time.monotonic() - self.started,
+            version=tierkv.__version__,
+        )
+
+    def Delete(
+        self, request: vault_pb2.DeleteRequest, context: grpc.ServicerContext
+    ) -> vault_pb2.DeleteReply:
+        return vault_pb2.DeleteReply(
+            deleted=self.store.delete(request.namespace, list(request.keys))
+        )
+
+    def Clear(
+        self, request: vault_pb2.ClearRequest, context: grpc.ServicerContext
+    ) -> vault_pb2.DeleteReply:
+        return vault_pb2.DeleteReply(deleted=self.store.clear(request.namespace))
+
+
+def _method_handlers(servicer: VaultServicer) -> grpc.GenericRpcHandler:
+    """The Vault service's handlers: the fast bulk codec for Put/Promote, protobuf elsewhere."""
+
+    def unary(method: Callable[..., Any], request_type: Any, response_type: Any) -> Any:
+        return grpc.unary_unary_rpc_method_handler(
+            method,
+            request_deserializer=request_type.FromString,
+            response_serializer=response_type.SerializeToString,
+        )
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE_NAME,
+        {
+            "Put": grpc.stream_unary_rpc_method_handler(
+                servicer.Put,
+                request_deserializer=_decode_put_batch,
+                response_serializer=vault_pb2.PutSummary.SerializeToString,
+            ),
+            "Promote": grpc.unary_stream_rpc_method_handler(
+                servicer.Promote,
+                request_deserializer=vault_pb2.PromoteRequest.FromString,
+                response_serializer=_already_encoded,
+            ),
+            "Lookup": unary(servicer.Lookup, vault_pb2.LookupRequest, vault_pb2.LookupReply),
+            "Stats": unary(servicer.Stats, vault_pb2.StatsRequest, vault_pb2.StatsReply),
+            "Delete": unary(servicer.Delete, vault_pb2.DeleteRequest, vault_pb2.DeleteReply),
+            "Clear": unary(servicer.Clear, vault_pb2.ClearRequest, vault_pb2.DeleteReply),
+        },
+    )
+
+
+class VaultServer:
+    """A running vault: gRPC server + store. `address` is the bound "host:port"."""
+
+    def __init__(
+        self,
+        server: grpc.Server,
+        servicer: VaultServicer,
+        health_servicer: health.HealthServicer,
+        address: str,
+    ) -> None:
+        self._server = server
+        self._health = health_servicer
+        self.servicer = servicer
+        self.store = servicer.store
+        self.role = servicer.role
+        self.address = address
+        self.port = parse_address(address)[1]
+
+    def stop(self, grace: float | None = 2.0) -> None:
+        """Stop accepting calls, let running ones finish for `grace` seconds, then return."""
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server stops (or `timeout` passes); True when it has stopped."""
+        return self._server.wait_for_termination(timeout)
+
+
+def serve(
+    listen: str = "127.0.0.1:0",
+    max_bytes: int = 0,
+    *,
+    role: str = "kv_cold",
+    max_workers: int = 32,
+) -> VaultServer:
+    """Start a vault in this process on `listen` (port 0: any free port); raise VaultBindError.
+
+    `max_bytes` 0 means unlimited; callers resolve defaults with tierkv.config.
+    """
+    if role not in VAULT_ROLES:
+        raise ValueError(f"vault role must be one of {', '.join(VAULT_ROLES)}, got {role!r}")
+    host, port = parse_address(listen, allow_port_zero=True)
+    servicer = VaultServicer(VaultStore(max_bytes), role)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tierkv-vault"),
+        options=SERVER_OPTIONS,
+    )
+    server.add_generic_rpc_handlers((_method_handlers(servicer),))
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    try:
+        bound = server.add_insecure_port(format_address(host, port))
+    except RuntimeError:
+        bound = 0
+    if bound == 0:
+        raise VaultBindError(f"cannot listen on {listen}: {_bind_problem(host, port)}")
+    server.start()
+    for name in ("", SERVICE_NAME):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return VaultServer(server, servicer, health_servicer, format_address(host, bound))
