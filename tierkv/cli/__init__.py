@@ -23,3 +23,4 @@ def _root() -> None:
 # Subcommand modules register themselves on `app` when imported.
 from tierkv.cli import install  # noqa: E402, F401
 from tierkv.cli import vault  # noqa: E402, F401
+from tierkv.cli import status  # noqa: E402, F401

@@ -1,0 +1,152 @@
+"""`tierkv vault` as a real process (start-up line, taken port, signals) and `tierkv status`."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tierkv.cli import app
+
+runner = CliRunner(env={"COLUMNS": "200"})
+
+
+def tierkv(*args: str, config: Path) -> list[str]:
+    return [sys.executable, "-m", "tierkv", *args, "--config", str(config)]
+
+
+@pytest.fixture
+def empty_config(tmp_path: Path) -> Path:
+    path = tmp_path / "tierkv.toml"
+    path.write_text("")
+    return path
+
+
+def read_line(process: subprocess.Popen[str], timeout: float = 30) -> str:
+    """The first stdout line of `process` (fails the test if none comes in time)."""
+    assert process.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if line:
+            return line
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    pytest.fail(f"no output from {process.args}")
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_vault_starts_with_one_line_and_stops_gracefully(
+    free_port: int, empty_config: Path, stop_signal: signal.Signals
+) -> None:
+    address = f"127.0.0.1:{free_port}"
+    process = subprocess.Popen(
+        tierkv("vault", "--listen", address, "--role", "ssm_cold", config=empty_config),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = read_line(process)
+        assert f"ssm_cold listening on {address}" in line
+        assert "cap " in line and "default: 50% of" in line and "RAM" in line
+        result = runner.invoke(app, ["status", "--vault", address, "--json"])
+        assert result.exit_code == 0, result.output
+        [row] = json.loads(result.stdout)["vaults"]
+        assert row["up"] and row["role"] == "ssm_cold"
+        process.send_signal(stop_signal)
+        assert process.wait(timeout=15) == 0
+        assert "stopped" in process.stdout.read()  # type: ignore[union-attr]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_vault_on_a_taken_port_exits_non_zero_without_claiming_to_listen(
+    vault_factory: Callable[..., Any], empty_config: Path
+) -> None:
+    taken = vault_factory()
+    result = subprocess.run(
+        tierkv("vault", "--listen", taken.address, "--max-bytes", "1GiB", config=empty_config),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "listening" not in result.stdout
+    assert f"cannot listen on {taken.address}" in result.stderr
+    assert "in use" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--listen", "127.0.0.1"], "--listen: expected host:port"),
+        (["--max-bytes", "lots"], "--max-bytes: expected a size"),
+        (["--role", "inference"], "--role: expected one of kv_cold, ssm_cold"),
+    ],
+)
+def test_vault_bad_options_exit_2(args: list[str], message: str, empty_config: Path) -> None:
+    result = runner.invoke(app, ["vault", *args, "--config", str(empty_config)])
+    assert result.exit_code == 2
+    assert message in result.stderr
+
+
+def test_vault_bad_config_exits_2(tmp_path: Path) -> None:
+    config = tmp_path / "bad.toml"
+    config.write_text("[vault]\nmax_bytes = -3\n")
+    result = runner.invoke(app, ["vault", "--config", str(config)])
+    assert result.exit_code == 2
+    assert f"{config}: vault.max_bytes" in result.stderr
+
+
+def test_status_reads_the_configured_vaults(
+    vault_factory: Callable[..., Any], free_port: int, tmp_path: Path
+) -> None:
+    up = vault_factory(role="kv_cold")
+    config = tmp_path / "tierkv.toml"
+    config.write_text(f'[cluster]\nkv_cold = "{up.address}"\n[client]\ndeadline_ms = 500\n')
+    result = runner.invoke(app, ["status", "--config", str(config)])
+    assert result.exit_code == 0, result.output
+    assert "kv_cold" in result.stdout and "up" in result.stdout
+
+    config.write_text(
+        f'[cluster]\nkv_cold = "{up.address}"\nssm_cold = "127.0.0.1:{free_port}"\n'
+        "[client]\ndeadline_ms = 500\n"
+    )
+    result = runner.invoke(app, ["status", "--config", str(config), "--json"])
+    assert result.exit_code == 1
+    rows = {row["name"]: row for row in json.loads(result.stdout)["vaults"]}
+    assert rows["kv_cold"]["up"] and rows["kv_cold"]["entries"] == 0
+    assert not rows["ssm_cold"]["up"] and "did not answer" in rows["ssm_cold"]["error"]
+
+
+def test_status_down_vault_table_exits_1(free_port: int, empty_config: Path) -> None:
+    result = runner.invoke(
+        app, ["status", "--config", str(empty_config), "--vault", f"127.0.0.1:{free_port}"]
+    )
+    assert result.exit_code == 1
+    assert "down" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--vault", "nowhere"], "--vault: expected host:port"),
+        (["--config", "/nonexistent/tierkv.toml"], "config file not found"),
+    ],
+)
+def test_status_config_errors_exit_2(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["status", *args])
+    assert result.exit_code == 2
+    assert message in result.stderr

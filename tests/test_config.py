@@ -1,0 +1,206 @@
+"""tierkv.toml loading: search order, published examples, defaults, and errors that name the key."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import tomlkit
+
+from tierkv.config import (
+    GIB,
+    MIB,
+    ConfigError,
+    TierKVConfig,
+    config_field_names,
+    config_from_mapping,
+    default_max_bytes,
+    load_config,
+    parse_address,
+    parse_size,
+    physical_ram_bytes,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No $TIERKV_CONFIG, an empty working directory and home."""
+    monkeypatch.delenv("TIERKV_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    return tmp_path
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_published_inference_example_loads_unchanged(tmp_path: Path) -> None:
+    path = write(
+        tmp_path / "tierkv.toml",
+        '[cluster]\nrole = "inference"\nkv_cold = "192.168.1.10:50051"\n'
+        'ssm_cold = "192.168.1.11:50051"\n[turbo_quant]\nenabled = true\nkv_dim = 256\n',
+    )
+    cfg = load_config(path)
+    assert cfg.source == str(path)
+    assert cfg.cluster.vault_addresses() == {
+        "kv_cold": "192.168.1.10:50051",
+        "ssm_cold": "192.168.1.11:50051",
+    }
+    assert (cfg.turbo_quant.enabled, cfg.turbo_quant.kv_dim) == (True, 256)
+    assert cfg.turbo_quant.codec_name == "tq3.5"
+
+
+def test_published_vault_example_loads_unchanged(tmp_path: Path) -> None:
+    path = write(
+        tmp_path / "v.toml", '[cluster]\nrole = "kv_cold"\n[vault]\nmax_bytes = 24_000_000_000\n'
+    )
+    cfg = load_config(path)
+    assert cfg.cluster.role == "kv_cold"
+    assert cfg.vault.resolved_max_bytes() == 24_000_000_000
+
+
+def test_defaults() -> None:
+    cfg = load_config()
+    assert cfg == TierKVConfig()
+    assert cfg.source == "defaults"
+    assert cfg.vault.listen == "127.0.0.1:50051"
+    assert cfg.vault.max_bytes is None
+    assert cfg.vault.resolved_max_bytes() == default_max_bytes()
+    assert 0 < default_max_bytes() < physical_ram_bytes()
+    assert (cfg.client.deadline_ms, cfg.client.promote_deadline_ms) == (2000, 30000)
+    assert cfg.client.max_pending_bytes == 256 * MIB
+    assert (cfg.client.breaker_failures, cfg.client.breaker_cooldown_s) == (3, 5.0)
+    assert cfg.turbo_quant.codec_name == "none"
+    assert (cfg.connector.store, cfg.connector.staging_bytes) == ("on_eviction", GIB)
+    assert (cfg.exo.block_tokens, cfg.exo.write_through) == (256, False)
+
+
+def test_search_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = write(tmp_path / "home/.config/tierkv/tierkv.toml", "[exo]\nblock_tokens = 1\n")
+    assert load_config().source == str(home)
+    cwd = write(tmp_path / "tierkv.toml", "[exo]\nblock_tokens = 2\n")
+    assert load_config().source == str(cwd)
+    env = write(tmp_path / "env.toml", "[exo]\nblock_tokens = 3\n")
+    monkeypatch.setenv("TIERKV_CONFIG", str(env))
+    assert load_config().exo.block_tokens == 3
+    explicit = write(tmp_path / "explicit.toml", "[exo]\nblock_tokens = 4\n")
+    assert load_config(explicit).exo.block_tokens == 4
+
+
+def test_missing_explicit_or_env_file_is_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match=r"nope\.toml: config file not found"):
+        load_config(tmp_path / "nope.toml")
+    monkeypatch.setenv("TIERKV_CONFIG", str(tmp_path / "gone.toml"))
+    with pytest.raises(ConfigError, match=r"gone.toml \(from \$TIERKV_CONFIG\)"):
+        load_config()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[cluster]\nrole = 'gpu'\n", "cluster.role: expected one of inference, kv_cold"),
+        ("[cluster]\nkv_cold = '10.0.0.1'\n", "cluster.kv_cold: expected host:port"),
+        ("[cluster]\nkv_cold = '10.0.0.1:0'\n", "cluster.kv_cold: port 0 out of range"),
+        ("[cluster]\nkv_cold = 50051\n", "cluster.kv_cold: expected an address"),
+        ("[cluster]\nkv_colt = '10.0.0.1:1'\n", "unknown key cluster.kv_colt"),
+        ("[clutser]\nrole = 'inference'\n", r"unknown section \[clutser\]"),
+        ("[vault]\nmax_bytes = '24 bananas'\n", "vault.max_bytes: expected a size"),
+        ("[vault]\nmax_bytes = 0\n", "vault.max_bytes: expected a positive size"),
+        ("[vault]\nlisten = '::1:50051'\n", "vault.listen: an IPv6 address needs brackets"),
+        ("[client]\ndeadline_ms = 'fast'\n", "client.deadline_ms: expected a positive integer"),
+        ("[client]\nbreaker_failures = true\n", "client.breaker_failures: expected a positive"),
+        ("[turbo_quant]\nenabled = 'yes'\n", "turbo_quant.enabled: expected true or false"),
+        ("[turbo_quant]\ncodec = 'tq9'\n", "turbo_quant.codec: expected one of int8, tq4"),
+        ("[turbo_quant]\nmin_cosine = 1.5\n", "turbo_quant.min_cosine: expected a number from 0"),
+        ("[connector]\nstore = 'always'\n", "connector.store: expected one of on_eviction"),
+        ("[exo]\nblock_tokens = -1\n", "exo.block_tokens: expected a positive integer"),
+        ("cluster = 3\n", "cluster: expected a table"),
+        ("[cluster\n", "cannot read TOML"),
+    ],
+)
+def test_errors_name_the_file_and_the_key(tmp_path: Path, text: str, message: str) -> None:
+    path = write(tmp_path / "bad.toml", text)
+    with pytest.raises(ConfigError, match=re.escape(str(path)) + ".*" + message):
+        load_config(path)
+
+
+def test_sizes_and_unlimited(tmp_path: Path) -> None:
+    path = write(
+        tmp_path / "t.toml",
+        '[vault]\nmax_bytes = "unlimited"\n[client]\nmax_pending_bytes = "64MiB"\n'
+        "[connector]\nstaging_bytes = 1_000\n",
+    )
+    cfg = load_config(path)
+    assert cfg.vault.max_bytes == 0 and cfg.vault.resolved_max_bytes() == 0
+    assert cfg.client.max_pending_bytes == 64 * MIB
+    assert cfg.connector.staging_bytes == 1000
+
+
+def test_config_from_mapping_accepts_tables_and_dotted_keys() -> None:
+    cfg = config_from_mapping(
+        {
+            "cluster": {"kv_cold": "[::1]:50051"},
+            "turbo_quant.enabled": True,
+            "client.deadline_ms": 5,
+        },
+        "kv_connector_extra_config",
+    )
+    assert cfg.cluster.kv_cold == "[::1]:50051"
+    assert cfg.turbo_quant.enabled and cfg.client.deadline_ms == 5
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config: unknown key exo\.colour"):
+        config_from_mapping({"exo.colour": "red"}, "kv_connector_extra_config")
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("24GB", 24_000_000_000),
+        ("512MiB", 512 * MIB),
+        ("1.5 GiB", 3 * GIB // 2),
+        ("4kb", 4000),
+        ("100", 100),
+        ("1_000", 1000),
+        (7, 7),
+    ],
+)
+def test_parse_size(text: str | int, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("bad", ["", "GB", "12 parsecs", "-1", -1, True, 1.5])
+def test_parse_size_rejects(bad: object) -> None:
+    with pytest.raises(ValueError):
+        parse_size(bad)  # type: ignore[arg-type]
+
+
+def test_parse_address() -> None:
+    assert parse_address("192.168.1.10:50051") == ("192.168.1.10", 50051)
+    assert parse_address("[::1]:50051") == ("::1", 50051)
+    assert parse_address("vault.local:1") == ("vault.local", 1)
+    assert parse_address("127.0.0.1:0", allow_port_zero=True) == ("127.0.0.1", 0)
+    for bad in ["127.0.0.1", ":50051", "host:port", "host:70000", "[::1]50051", "a b:1"]:
+        with pytest.raises(ValueError, match=r"address|port|host"):
+            parse_address(bad)
+
+
+def test_example_toml_documents_every_key_and_loads() -> None:
+    example = REPO / "tierkv.example.toml"
+    cfg = load_config(example)
+    document = tomlkit.parse(example.read_text()).unwrap()
+    for section in ("cluster", "vault", "client", "turbo_quant", "connector", "exo"):
+        written = set(document.get(section, {}))
+        commented = set(
+            re.findall(
+                rf"^#\s*({'|'.join(config_field_names(section))})\s*=", example.read_text(), re.M
+            )
+        )
+        assert set(config_field_names(section)) <= written | commented, section
+    assert cfg.source == str(example)

@@ -1,0 +1,155 @@
+"""`tierkv status`: is each vault up, how fast it answers, and what it holds — table or JSON.
+
+Exit code 0 when every checked component is up, 1 when one is down, 2 on a configuration error.
+A check is a function returning rows (dicts) plus whether everything it checked is healthy; the
+command runs the vault check and prints one table (or one JSON key) per check.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tierkv.cli import app
+from tierkv.config import (
+    ConfigError,
+    TierKVConfig,
+    format_size,
+    load_config,
+    parse_address,
+)
+from tierkv.vault.client import VaultClient, VaultUnavailable
+
+VAULT_COLUMNS = {
+    "address": "address",
+    "up": "up",
+    "rtt_ms": "rtt ms",
+    "role": "role",
+    "entries": "entries",
+    "used": "used / cap",
+    "hits": "hits",
+    "misses": "misses",
+    "evictions": "evictions",
+    "uptime": "uptime",
+}
+
+
+@dataclass
+class CheckResult:
+    """What one check found: a titled table of rows, and whether all of it is healthy."""
+
+    title: str
+    columns: dict[str, str]  # row key → label (each row dict also has "name" and "up")
+    rows: list[dict[str, Any]]
+    healthy: bool
+
+
+def vault_targets(cfg: TierKVConfig, addresses: list[str]) -> list[tuple[str, str]]:
+    """(name, address) to check: the given ones, else the configured vaults, else the local one."""
+    if addresses:
+        return [(f"vault {i + 1}", address) for i, address in enumerate(addresses)]
+    configured = cfg.cluster.vault_addresses()
+    return list(configured.items()) or [("local", cfg.vault.listen)]
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
+    """One vault's status row (machine-readable values; `up` False with `error` when down)."""
+    client = VaultClient.from_config(address, cfg.client)
+    try:
+        client.stats()  # connects; the second call measures the round trip alone
+        stats = client.stats()
+    except VaultUnavailable as exc:
+        return {"name": name, "address": address, "up": False, "error": str(exc)}
+    finally:
+        client.close()
+    return {
+        "name": name,
+        "address": address,
+        "up": True,
+        "rtt_ms": round(stats.rtt_s * 1000, 2),
+        "role": stats.role,
+        "entries": stats.entries,
+        "bytes_used": stats.bytes_used,
+        "max_bytes": stats.max_bytes,
+        "hits": stats.hits,
+        "misses": stats.misses,
+        "evictions": stats.evictions,
+        "rejected": stats.rejected,
+        "uptime_s": round(stats.uptime_s, 1),
+        "version": stats.version,
+    }
+
+
+def check_vaults(cfg: TierKVConfig, addresses: list[str]) -> CheckResult:
+    rows = [check_vault(name, address, cfg) for name, address in vault_targets(cfg, addresses)]
+    return CheckResult("vaults", VAULT_COLUMNS, rows, all(row["up"] for row in rows))
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    """The table text of one value of a row."""
+    if key == "up":
+        return "[green]up[/green]" if row["up"] else "[red]down[/red]"
+    if not row["up"]:
+        return str(row.get(key, "")) if key in ("name", "address") else ""
+    if key == "used":
+        cap = "unlimited" if row["max_bytes"] == 0 else format_size(row["max_bytes"])
+        return f"{format_size(row['bytes_used'])} / {cap}"
+    if key == "uptime":
+        return _duration(row["uptime_s"])
+    return str(row.get(key, ""))
+
+
+def render(results: list[CheckResult], console: Console) -> None:
+    """One table per check, one column per checked thing (fits narrow terminals)."""
+    for result in results:
+        table = Table(title=result.title)
+        table.add_column("")
+        for row in result.rows:
+            table.add_column(row["name"])
+        for key, label in result.columns.items():
+            table.add_row(label, *(_cell(row, key) for row in result.rows))
+        console.print(table)
+        for row in result.rows:
+            if row.get("error"):
+                console.print(f"[red]{row['name']}[/red]: {row['error']}", highlight=False)
+
+
+@app.command()
+def status(
+    config: Annotated[Path | None, typer.Option(help="tierkv.toml to read.")] = None,
+    vault: Annotated[
+        list[str] | None,
+        typer.Option(help="HOST:PORT of a vault to check (repeatable; default: cluster.*)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    """Check each vault: reachable, round trip, role, entries, bytes used / cap, hits, uptime."""
+    addresses = vault or []
+    try:
+        cfg = load_config(config)
+        for address in addresses:
+            try:
+                parse_address(address)
+            except ValueError as exc:
+                raise ConfigError(f"--vault: {exc}") from None
+    except ConfigError as exc:
+        typer.echo(f"tierkv status: {exc}", err=True)
+        raise typer.Exit(2) from None
+    results = [check_vaults(cfg, addresses)]
+    if as_json:
+        typer.echo(json.dumps({result.title: result.rows for result in results}, indent=2))
+    else:
+        render(results, Console())
+    raise typer.Exit(0 if all(result.healthy for result in results) else 1)
