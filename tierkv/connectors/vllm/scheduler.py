@@ -1,0 +1,326 @@
+"""Scheduler side of the vLLM connector: lookups, what to store and load, step metadata.
+
+It holds no tensors. Each engine step it decides:
+- **loads**: for a new request, how many tokens beyond vLLM's own prefix cache the vaults hold
+  (every group and every tensor-parallel rank present, so all ranks agree on one hit length),
+  and after vLLM has allocated blocks for them, which vault keys go into which block ids;
+- **stores**: which engine blocks to copy out. With `store = "on_eviction"` these are the cached
+  blocks nearest the head of vLLM's free-block queue (the next ones its allocator will reuse),
+  walked through the block pool vLLM hands every connector (`bind_gpu_block_pool`). With
+  `store = "on_finish"` they are a finished request's cached blocks. A free block carries only
+  vLLM's (per-process seeded) block hash, so the scheduler learns hash -> tierkv key pairs from
+  the requests it sees (`request.block_hashes` against tierkv's chained keys of the same tokens).
+
+Why no reference counting is needed: a block that is in the free queue (or was just freed) when
+step N's metadata is built is reallocated at the earliest by step N+1's schedule, and written by
+step N+1's forward, while the worker copies it out at the start of step N (`handle_preemptions`),
+so the copy always sees the bytes vLLM cached.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+from tierkv.connectors.vllm.groups import GroupPlan
+from tierkv.connectors.vllm.stats import TierKVStats
+from tierkv.keys import ROOT_KEY, chain_block_keys, namespace_fingerprint
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
+
+    from tierkv.tier import ColdTier
+
+log = logging.getLogger(__name__)
+
+MAX_STATE_PROBES = 64
+"""How many block boundaries to try, from the longest down, when looking for stored SSM state."""
+
+
+@dataclass
+class GroupLoad:
+    """Load `keys` (consecutive blocks of one group) into `block_ids`, index for index."""
+
+    group_id: int
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class LoadJob:
+    """Everything one request restores from the vaults."""
+
+    req_id: str
+    groups: list[GroupLoad]
+
+
+@dataclass
+class StoreJob:
+    """Copy block `block_id` of group `group_id` out and store it under `key`."""
+
+    group_id: int
+    block_id: int
+    key: bytes
+
+
+@dataclass
+class TierKVMetadata(KVConnectorMetadata):
+    """What the workers do in one engine step."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    stores: list[StoreJob] = field(default_factory=list)
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    keys: list[bytes] = field(default_factory=list)
+    mapped: int = 0
+
+
+@dataclass
+class _PendingLoad:
+    num_computed_tokens: int
+    keys: list[bytes]
+    first_block: int
+    num_blocks: int
+
+
+class TierScheduler:
+    """Scheduler-side bookkeeping of the TierKV connector."""
+
+    def __init__(
+        self,
+        tier: ColdTier,
+        plans: Sequence[GroupPlan],
+        *,
+        store_mode: str,
+        eviction_watermark_blocks: int,
+        num_engine_blocks: int,
+    ) -> None:
+        self.tier = tier
+        self.plans = list(plans)
+        self.block_size = plans[0].block_size if plans else 0
+        self.store_mode = store_mode
+        self.watermark = eviction_watermark_blocks
+        self.stats = TierKVStats()
+        self._pool: BlockPool | None = None
+        self._pending_loads: dict[str, _PendingLoad] = {}
+        self._loads: list[LoadJob] = []
+        self._stores: list[StoreJob] = []
+        self._group_ids = {plan.group_id for plan in self.plans}
+        self._tracked: dict[str, _Tracked] = {}
+        # vLLM block hash -> tierkv key, and the (group, key) pairs recently sent; both bounded.
+        self._hash_keys: OrderedDict[bytes, bytes] = OrderedDict()
+        self._stored: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+        self._hash_capacity = max(4 * num_engine_blocks * max(1, len(self.plans)), 4096)
+
+    def bind_block_pool(self, pool: BlockPool) -> None:
+        if pool.hash_block_size != self.block_size:
+            log.warning(
+                "tierkv: vLLM hashes blocks of %d tokens but stores blocks of %d; "
+                "evicted blocks are not stored",
+                pool.hash_block_size,
+                self.block_size,
+            )
+            return
+        self._pool = pool
+
+    # ---- loads -----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens the vaults hold beyond `num_computed_tokens`; loads are always asynchronous.
+
+        vLLM may ask again for a request it could not schedule yet; the answer is remembered
+        until blocks are allocated for it, so repeated questions cost no vault round trip.
+        """
+        if not self.plans:
+            return 0, False
+        pending = self._pending_loads.get(request.request_id)
+        self._track(request)
+        if pending is None or pending.num_computed_tokens != num_computed_tokens:
+            pending = self._lookup(request, num_computed_tokens)
+            self._pending_loads[request.request_id] = pending
+        matched = pending.num_blocks * self.block_size
+        return matched, matched > 0
+
+    def _lookup(self, request: Request, num_computed_tokens: int) -> _PendingLoad:
+        keys = request_keys(request, self.block_size) or []
+        first = num_computed_tokens // self.block_size
+        # vLLM must compute at least the last prompt token itself.
+        last = min(len(keys), (request.num_tokens - 1) // self.block_size)
+        if last <= first:
+            return _PendingLoad(num_computed_tokens, keys, first, 0)
+        started = time.perf_counter()
+        hit = last
+        for plan in self.plans:
+            if plan.is_state:
+                continue
+            for namespace in plan.namespaces:
+                found = self.tier.lookup(namespace, keys[first:hit], {plan.vault: plan.parts})
+                hit = first + found
+                if hit == first:
+                    break
+        for plan in self.plans:
+            if plan.is_state and hit > first:
+                hit = self._state_hit(plan, keys, first, hit)
+        self.stats.observe_lookup(hit - first, last - first, time.perf_counter() - started)
+        return _PendingLoad(num_computed_tokens, keys, first, hit - first)
+
+    def _state_hit(self, plan: GroupPlan, keys: list[bytes], first: int, hit: int) -> int:
+        """The longest boundary <= hit whose recurrent state every rank stored (else `first`)."""
+        for end in range(hit, max(first, hit - MAX_STATE_PROBES), -1):
+            if all(
+                self.tier.lookup(namespace, [keys[end - 1]], {plan.vault: plan.parts}) == 1
+                for namespace in plan.namespaces
+            ):
+                return end
+        return first
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Turn the agreed hit into a load job now that vLLM has allocated its blocks."""
+        pending = self._pending_loads.pop(request.request_id, None)
+        if num_external_tokens == 0:
+            return
+        if pending is None or pending.num_blocks * self.block_size != num_external_tokens:
+            raise RuntimeError(
+                f"tierkv: vLLM allocated {num_external_tokens} external tokens for request "
+                f"{request.request_id} that the vault lookup did not offer"
+            )
+        num_blocks = num_external_tokens // self.block_size
+        first = pending.first_block
+        block_ids = blocks.get_block_ids()
+        loads = []
+        for plan in self.plans:
+            ids = block_ids[plan.group_id]
+            if plan.is_state:
+                end = first + num_blocks
+                loads.append(GroupLoad(plan.group_id, [pending.keys[end - 1]], [ids[end - 1]]))
+            else:
+                loads.append(
+                    GroupLoad(
+                        plan.group_id,
+                        pending.keys[first : first + num_blocks],
+                        list(ids[first : first + num_blocks]),
+                    )
+                )
+        self._loads.append(LoadJob(request.request_id, loads))
+
+    # ---- stores ----------------------------------------------------------------------------
+
+    def _track(self, request: Request) -> None:
+        """Follow a request so its blocks' vLLM hashes can be mapped to tierkv keys."""
+        if request.request_id not in self._tracked and tokens_determine_kv(request):
+            self._tracked[request.request_id] = _Tracked(request)
+
+    def _map_hashes(self) -> None:
+        """Learn vLLM block hash -> tierkv key for every full block of the tracked requests.
+
+        Both are content hashes of the same prefix, so the pair stays valid whatever happens to
+        the engine block; a block found in the free queue is then stored under its tierkv key.
+        """
+        for tracked in self._tracked.values():
+            request = tracked.request
+            hashes = request.block_hashes
+            if len(tracked.keys) < len(hashes):
+                start = len(tracked.keys) * self.block_size
+                parent = tracked.keys[-1] if tracked.keys else request_parent_key(request)
+                tokens = request.all_token_ids[start : len(hashes) * self.block_size]
+                tracked.keys.extend(chain_block_keys(list(tokens), self.block_size, parent))
+            for index in range(tracked.mapped, min(len(hashes), len(tracked.keys))):
+                self._hash_keys[hashes[index]] = tracked.keys[index]
+                self._hash_keys.move_to_end(hashes[index])
+            tracked.mapped = max(tracked.mapped, min(len(hashes), len(tracked.keys)))
+        while len(self._hash_keys) > self._hash_capacity:
+            self._hash_keys.popitem(last=False)
+
+    def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]]) -> None:
+        """Stop following a finished request; with `store = "on_finish"` store its blocks."""
+        self._pending_loads.pop(request.request_id, None)
+        if self.store_mode == "on_finish" and self._pool is not None:
+            self._map_hashes()
+            for plan in self.plans:
+                for block_id in block_ids[plan.group_id]:
+                    self._store_if_known(self._pool.blocks[block_id])
+        self._tracked.pop(request.request_id, None)
+
+    def _collect_evictions(self) -> None:
+        """Queue stores for known blocks among the next `watermark` blocks vLLM will reuse."""
+        if self._pool is None:
+            return
+        for seen, block in enumerate(self._pool.free_block_queue.iter_blocks_after(None)):
+            if seen >= self.watermark:
+                break
+            self._store_if_known(block)
+
+    def _store_if_known(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        if block_hash is None or block.is_null:
+            return
+        group_id = get_group_id(block_hash)
+        key = self._hash_keys.get(get_block_hash(block_hash))
+        if key is None or group_id not in self._group_ids:
+            return
+        marker = (group_id, key)
+        if marker in self._stored:
+            self._stored.move_to_end(marker)
+            return
+        self._stored[marker] = None
+        if len(self._stored) > self._hash_capacity:
+            self._stored.popitem(last=False)
+        self._stores.append(StoreJob(group_id, block.block_id, key))
+
+    # ---- per step --------------------------------------------------------------------------
+
+    def build_connector_meta(self) -> TierKVMetadata:
+        self._map_hashes()
+        if self.store_mode == "on_eviction":
+            self._collect_evictions()
+        meta = TierKVMetadata(loads=self._loads, stores=self._stores)
+        self._loads, self._stores = [], []
+        return meta
+
+    def forget_stored(self) -> None:
+        """Forget which keys were sent (after the vaults or the engine cache were reset)."""
+        self._stored.clear()
+
+
+def request_keys(request: Request, block_size: int) -> list[bytes] | None:
+    """tierkv's chained keys of the request's full blocks; None when tokens alone do not
+    determine its KV (multimodal inputs, prompt embeddings)."""
+    if not tokens_determine_kv(request):
+        return None
+    return chain_block_keys(list(request.all_token_ids), block_size, request_parent_key(request))
+
+
+def tokens_determine_kv(request: Request) -> bool:
+    """False for multimodal inputs and prompt embeddings, whose KV the token ids do not pin."""
+    return (
+        not request.mm_features
+        and request.prompt_token_ids is not None
+        and getattr(request, "prompt_is_token_ids", None) is None
+    )
+
+
+def request_parent_key(request: Request) -> bytes:
+    """The chain's root: distinct per cache salt and LoRA adapter, which change the KV."""
+    lora = getattr(request, "lora_request", None)
+    if request.cache_salt is None and lora is None:
+        return ROOT_KEY
+    return namespace_fingerprint(
+        {"cache_salt": request.cache_salt, "lora": getattr(lora, "lora_name", None)}
+    )

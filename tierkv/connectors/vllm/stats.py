@@ -1,0 +1,74 @@
+"""Connector statistics in vLLM's `KVConnectorStats` form: hits, misses, bytes, latencies.
+
+Both connector sides fill one; vLLM aggregates the workers' and the scheduler's objects each step
+and logs `reduce()` with its other metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+COUNTERS = (
+    "lookups",  # requests asked about
+    "lookup_hits",  # ... of which the vaults held at least one block
+    "lookup_hit_blocks",
+    "lookup_miss_blocks",  # blocks asked about but not held
+    "lookup_seconds",
+    "loads",
+    "loaded_blocks",
+    "load_failed_blocks",  # reported to vLLM as load errors and recomputed
+    "load_seconds",
+    "stored_blocks",
+    "stored_bytes",
+    "staging_dropped_blocks",  # not copied out: the step's staging budget was spent
+)
+
+
+@dataclass
+class TierKVStats(KVConnectorStats):
+    """Counters (cumulative on a connector side; `take_interval` gives what vLLM is sent)."""
+
+    def __post_init__(self) -> None:
+        for name in COUNTERS:
+            self.data.setdefault(name, 0)
+        self._reported: dict[str, float] = {}
+
+    def add(self, name: str, amount: float = 1) -> None:
+        self.data[name] += amount
+
+    def observe_lookup(self, hit_blocks: int, asked_blocks: int, seconds: float) -> None:
+        self.add("lookups")
+        self.add("lookup_hits", int(hit_blocks > 0))
+        self.add("lookup_hit_blocks", hit_blocks)
+        self.add("lookup_miss_blocks", asked_blocks - hit_blocks)
+        self.add("lookup_seconds", seconds)
+
+    def reset(self) -> None:
+        for name in COUNTERS:
+            self.data[name] = 0
+
+    def take_interval(self) -> TierKVStats | None:
+        """What changed since the last call (None when nothing did)."""
+        interval = TierKVStats(
+            data={name: self.data[name] - self._reported.get(name, 0) for name in COUNTERS}
+        )
+        self._reported = dict(self.data)
+        return None if interval.is_empty() else interval
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {
+            name: self.data[name] for name in COUNTERS if not name.endswith("seconds")
+        }
+        out["avg_lookup_ms"] = 1000 * self.data["lookup_seconds"] / max(self.data["lookups"], 1)
+        out["avg_load_ms"] = 1000 * self.data["load_seconds"] / max(self.data["loads"], 1)
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(name) for name in COUNTERS)

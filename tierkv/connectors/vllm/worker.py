@@ -1,0 +1,224 @@
+"""Worker side of the vLLM connector: copies blocks out of the paged KV buffer and loads them back.
+
+Stores: at the start of a step (`handle_preemptions`, before the forward that could overwrite
+anything) each block the scheduler picked is copied to host memory, one array per layer (per
+layer and state tensor for Mamba), and handed to the ColdTier, which encodes and sends it in the
+background; the engine block is free again as soon as the copy returns. A step copies at most
+`staging_bytes`; what does not fit is dropped and counted.
+
+Loads run on a background thread: one ColdTier.load per KV-cache group (one Promote per vault,
+parallel decode) writes straight into the paged buffer. Blocks that failed are reported through
+vLLM's load-error path, so vLLM recomputes them; their bytes are never used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tierkv.connectors.vllm.groups import GroupPlan
+from tierkv.connectors.vllm.scheduler import LoadJob, TierKVMetadata
+from tierkv.connectors.vllm.stats import TierKVStats
+
+if TYPE_CHECKING:
+    from tierkv.tier import ColdTier
+
+log = logging.getLogger(__name__)
+
+_CODEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+@dataclass
+class _LoadResult:
+    req_id: str
+    failed_block_ids: set[int]
+    failed: bool
+    blocks: int
+    seconds: float
+
+
+class BlockViews:
+    """Per part, a tensor whose first dimension is the engine block id."""
+
+    def __init__(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor], num_blocks: int):
+        self.plan = plan
+        self.parts: list[torch.Tensor] = []
+        for name in plan.layer_names:
+            cache = kv_caches[name]
+            if not isinstance(cache, torch.Tensor) or cache.shape[0] != num_blocks:
+                shape = getattr(cache, "shape", type(cache).__name__)
+                raise ValueError(
+                    f"tierkv: KV cache of layer {name} has shape {shape}; expected the block id "
+                    f"({num_blocks} blocks) as its first dimension"
+                )
+            if plan.state_layout:
+                self.parts.extend(_state_views(cache, plan.state_layout))
+            else:
+                _codec_dtype(cache.dtype, name)
+                self.parts.append(cache)
+
+    def block(self, part: int, block_id: int) -> torch.Tensor:
+        return self.parts[part][block_id]
+
+
+class TierWorker:
+    """Worker-side data movement of the TierKV connector."""
+
+    def __init__(
+        self, tier: ColdTier, plans: Sequence[GroupPlan], *, tp_rank: int, staging_bytes: int
+    ) -> None:
+        self.tier = tier
+        self.plans = {plan.group_id: plan for plan in plans}
+        self.tp_rank = tp_rank
+        self.staging_bytes = staging_bytes
+        self.stats = TierKVStats()
+        self._views: dict[int, BlockViews] = {}
+        self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
+        self._loading: dict[str, Future[_LoadResult]] = {}
+        self._invalid_block_ids: set[int] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        self._views = {
+            group_id: BlockViews(plan, kv_caches, num_blocks)
+            for group_id, plan in self.plans.items()
+        }
+
+    # ---- stores ----------------------------------------------------------------------------
+
+    def store_blocks(self, meta: TierKVMetadata) -> None:
+        """Copy the picked blocks to host memory and hand them to the tier (returns at once)."""
+        budget = self.staging_bytes
+        for job in meta.stores:
+            views = self._views[job.group_id]
+            plan = views.plan
+            blocks = [views.block(part, job.block_id) for part in plan.parts]
+            size = sum(block.numel() * block.element_size() for block in blocks)
+            if size > budget:
+                self.stats.add("staging_dropped_blocks")
+                continue
+            budget -= size
+            copies = [_host_copy(block) for block in blocks]
+            namespace = plan.namespaces[self.tp_rank]
+            for part, (array, dtype) in zip(plan.parts, copies, strict=True):
+                self.tier.store(namespace, job.key, part, array, dtype, plan.vault)
+            self.stats.add("stored_blocks")
+            self.stats.add("stored_bytes", size)
+
+    # ---- loads -----------------------------------------------------------------------------
+
+    def start_loads(self, meta: TierKVMetadata) -> None:
+        for job in meta.loads:
+            self._loading[job.req_id] = self._loader.submit(self._load, job)
+
+    def _load(self, job: LoadJob) -> _LoadResult:
+        started = time.perf_counter()
+        failed_block_ids: set[int] = set()
+        blocks = 0
+        for load in job.groups:
+            views = self._views[load.group_id]
+            plan = views.plan
+            blocks += len(load.keys)
+
+            def out_for(index: int, part: int, views: BlockViews = views, ids=load.block_ids):
+                return _writable_view(views.block(part, ids[index]))
+
+            try:
+                failed = self.tier.load(
+                    plan.namespaces[self.tp_rank], load.keys, {plan.vault: plan.parts}, out_for
+                )
+            except Exception:
+                log.exception("tierkv: loading request %s failed; recomputing it", job.req_id)
+                failed = set(range(len(load.keys)))
+            failed_block_ids.update(load.block_ids[index] for index in failed)
+        return _LoadResult(
+            job.req_id,
+            failed_block_ids,
+            bool(failed_block_ids),
+            blocks,
+            time.perf_counter() - started,
+        )
+
+    def finished_loads(self) -> tuple[set[str], set[str]]:
+        """(finished, failed) request ids of loads done since the last call.
+
+        With one KV-cache group, failed blocks are reported individually (vLLM keeps the valid
+        prefix); with several, block ids are not unique across groups, so the whole request is
+        reported failed and recomputed.
+        """
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for req_id, future in list(self._loading.items()):
+            if not future.done():
+                continue
+            del self._loading[req_id]
+            result = future.result()
+            finished.add(req_id)
+            self.stats.add("loads")
+            self.stats.add("load_seconds", result.seconds)
+            self.stats.add("loaded_blocks", result.blocks - len(result.failed_block_ids))
+            self.stats.add("load_failed_blocks", len(result.failed_block_ids))
+            if result.failed:
+                if len(self.plans) == 1:
+                    self._invalid_block_ids |= result.failed_block_ids
+                else:
+                    failed.add(req_id)
+        return finished, failed
+
+    def take_invalid_block_ids(self) -> set[int]:
+        invalid, self._invalid_block_ids = self._invalid_block_ids, set()
+        return invalid
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True)
+
+
+def _codec_dtype(dtype: torch.dtype, what: str) -> str:
+    try:
+        return _CODEC_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"tierkv: {what} holds {dtype}; supported KV dtypes are bfloat16, float16, float32"
+        ) from None
+
+
+def _numpy_view(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A numpy view of a CPU tensor (bf16 as its 16-bit pattern) and the codec dtype name."""
+    dtype = _codec_dtype(tensor.dtype, "a KV block")
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy(), dtype
+
+
+def _host_copy(block: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A contiguous host copy of one block part that the tier may keep."""
+    return _numpy_view(block.detach().to("cpu", copy=True).contiguous())
+
+
+def _writable_view(block: torch.Tensor) -> np.ndarray:
+    """The block part itself as a numpy array the decoder writes into."""
+    if block.device.type != "cpu" or not block.is_contiguous():
+        raise ValueError(
+            f"tierkv loads straight into contiguous host KV blocks; got a {block.device.type} "
+            f"block with strides {block.stride()}"
+        )
+    return _numpy_view(block)[0]
+
+
+def _state_views(page: torch.Tensor, layout: Sequence[tuple[tuple[int, ...], str]]):
+    """Split a Mamba layer's raw per-block pages into typed state tensors (vLLM packs a layer's
+    states back to back in each page, in the order of its MambaSpec)."""
+    pages = page.view(page.shape[0], -1)
+    offset = 0
+    for shape, dtype_name in layout:
+        dtype = getattr(torch, dtype_name)
+        _codec_dtype(dtype, f"a Mamba state of shape {shape}")
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        yield pages[:, offset : offset + nbytes].view(dtype)
+        offset += nbytes
