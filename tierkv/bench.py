@@ -1,0 +1,347 @@
+"""The bench pipeline: synthetic KV of a real model's shape through encode, Put, Lookup, Promote and
+decode, timed per phase against numpy memcpy of the same bytes measured in the same run.
+
+`run_bench` is what `tierkv bench` calls; it needs no engine and no GPU. Without a vault address
+it embeds a vault in-process on a free loopback port and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tierkv.keys import chain_block_keys, namespace_fingerprint
+from tierkv.quant import Codec, decode_into, fidelity, get_codec
+from tierkv.quant import warmup as warmup_codecs
+from tierkv.vault.client import VaultClient
+from tierkv.vault.server import serve as serve_vault
+
+PHASES = ("generate", "encode", "put", "lookup", "promote", "decode")
+LINK_GBITS = (1, 10, 25)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's per-token KV shape, plus the fixed-size state of its linear-attention layers."""
+
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    state_layers: int = 0
+    state_elements: int = 0
+    """Elements of one linear-attention layer's state (recurrent state + conv state)."""
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return self.attention_layers * 2 * self.kv_heads * self.head_dim * itemsize
+
+
+def _gated_delta_net_state(k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv: int) -> int:
+    """Elements of one gated delta-net layer's state: v_heads × k_dim × v_dim + conv window."""
+    conv_channels = 2 * k_heads * k_dim + v_heads * v_dim
+    return v_heads * k_dim * v_dim + conv_channels * (conv - 1)
+
+
+MODEL_SHAPES: dict[str, ModelShape] = {
+    # 40 layers: every 4th is full attention, the rest gated delta-net (16 K / 32 V heads of 128).
+    "qwen3.6-35b-a3b": ModelShape(10, 2, 256, 30, _gated_delta_net_state(16, 32, 128, 128, 4)),
+    "qwen3-30b-a3b": ModelShape(48, 4, 128),
+    "qwen2.5-7b": ModelShape(28, 4, 128),
+    "llama-3.1-8b": ModelShape(32, 8, 128),
+}
+DEFAULT_MODEL_SHAPE = "qwen3.6-35b-a3b"
+
+
+@dataclass
+class BenchResult:
+    """One codec's figures; the JSON output is `asdict` of this."""
+
+    tokens: int
+    model_shape: str
+    codec: str
+    vault: str
+    """The vault's address; "embedded" ones are gone when run_bench returns."""
+    dtype: str
+    block_tokens: int
+    blocks: int
+    raw_bytes: int
+    stored_bytes: int
+    ratio: float
+    memcpy_gbps: float
+    encode_s: float
+    encode_gbps: float
+    store_s: float
+    store_gbps: float
+    lookup_s: float
+    hit_blocks: int
+    promote_s: float
+    promote_gbps: float
+    decode_s: float
+    decode_gbps: float
+    restore_s: float
+    restore_vs_memcpy: float
+    snr_db: float
+    cosine: float
+    max_abs_err: float
+    link_s: dict[str, float]
+    peak_rss_bytes: int
+
+    def as_json(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass
+class SyntheticKV:
+    """Per-part reference arrays: part p < attention_layers is one layer's K and V for one block."""
+
+    blocks: list[list[np.ndarray]]
+    """blocks[b][p] = (2, block_tokens, kv_heads, head_dim) for attention parts."""
+    states: list[np.ndarray]
+    """One array per linear-attention layer: the state after the whole prompt."""
+    dtype: str
+
+    @property
+    def raw_bytes(self) -> int:
+        kv = sum(part.nbytes for block in self.blocks for part in block)
+        return kv + sum(state.nbytes for state in self.states)
+
+
+def synthetic_kv(
+    shape: ModelShape, tokens: int, block_tokens: int, dtype: str, seed: int = 0
+) -> SyntheticKV:
+    """KV that looks like KV: per-channel scales with a few 10–20× outlier channels, per-token
+    scales that vary and drift (bounded) along the sequence, per-layer variation. Full blocks
+    only."""
+    if dtype not in ("fp16", "fp32"):
+        raise ValueError(f"bench dtype must be fp16 or fp32, got {dtype!r}")
+    np_dtype = np.float16 if dtype == "fp16" else np.float32
+    rng = np.random.default_rng(seed)
+    n_blocks = tokens // block_tokens
+    if n_blocks == 0:
+        raise ValueError(f"--tokens {tokens} is less than one block of {block_tokens} tokens")
+    used = n_blocks * block_tokens
+    blocks: list[list[np.ndarray]] = [[] for _ in range(n_blocks)]
+    for _ in range(shape.attention_layers):
+        channel_scale = rng.lognormal(0.0, 0.3, size=(2, 1, shape.kv_heads, shape.head_dim))
+        outliers = rng.choice(shape.head_dim, size=max(1, shape.head_dim // 32), replace=False)
+        channel_scale[..., outliers] *= rng.uniform(10, 20, size=outliers.size)
+        drift = 0.5 * np.sin(np.linspace(0, rng.uniform(2, 8) * np.pi, used))
+        token_scale = np.exp(drift + rng.normal(0, 0.25, size=used))[None, :, None, None]
+        layer = rng.standard_normal((2, used, shape.kv_heads, shape.head_dim), dtype=np.float32)
+        layer *= channel_scale * token_scale
+        layer = layer.astype(np_dtype)
+        for b in range(n_blocks):
+            blocks[b].append(
+                np.ascontiguousarray(layer[:, b * block_tokens : (b + 1) * block_tokens])
+            )
+    states = [
+        (rng.standard_normal(shape.state_elements, dtype=np.float32) * 0.5).astype(np_dtype)
+        for _ in range(shape.state_layers)
+    ]
+    return SyntheticKV(blocks, states, dtype)
+
+
+def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
+    """numpy copy throughput of `nbytes` (best of `repeats`), the reference for every phase."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    best = min(_timed(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return nbytes / best / 1e9
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@contextmanager
+def vault_address(address: str | None) -> Iterator[str]:
+    """`address` as given, or an embedded in-process vault on a free loopback port."""
+    if address:
+        yield address
+        return
+    server = serve_vault("127.0.0.1:0", max_bytes=0)
+    try:
+        yield server.address
+    finally:
+        server.stop()
+
+
+def run_bench(
+    *,
+    tokens: int,
+    model_shape: str = DEFAULT_MODEL_SHAPE,
+    codecs: list[str],
+    dtype: str = "fp16",
+    block_tokens: int = 256,
+    vault: str | None = None,
+    on_phase: Callable[[str, str, int, int], None] = lambda codec, phase, done, total: None,
+) -> list[BenchResult]:
+    """Run every phase for each codec; `on_phase(codec, phase, done, total)` reports progress."""
+    try:
+        shape = MODEL_SHAPES[model_shape]
+    except KeyError:
+        raise ValueError(
+            f"unknown model shape {model_shape!r}; known: {', '.join(MODEL_SHAPES)}"
+        ) from None
+    coded = [get_codec(name, group_size=shape.head_dim) for name in codecs]
+    warmup_codecs()
+    on_phase(codecs[0], "generate", 0, 1)
+    kv = synthetic_kv(shape, tokens, block_tokens, dtype)
+    on_phase(codecs[0], "generate", 1, 1)
+    reference_gbps = memcpy_gbps(kv.raw_bytes)
+    results = []
+    with vault_address(vault) as address:
+        # Every payload is already in memory: let the put queue hold them all, so none is dropped.
+        client = VaultClient(
+            address, deadline_s=30.0, promote_deadline_s=300.0, max_pending_bytes=2 * kv.raw_bytes
+        )
+        try:
+            for codec in coded:
+                results.append(
+                    _bench_codec(
+                        client,
+                        codec,
+                        kv,
+                        shape,
+                        model_shape,
+                        tokens,
+                        block_tokens,
+                        reference_gbps,
+                        on_phase,
+                    )
+                )
+        finally:
+            client.close()
+    return results
+
+
+def _bench_codec(
+    client: VaultClient,
+    codec: Codec,
+    kv: SyntheticKV,
+    shape: ModelShape,
+    model_shape: str,
+    tokens: int,
+    block_tokens: int,
+    reference_gbps: float,
+    on_phase: Callable[[str, str, int, int], None],
+) -> BenchResult:
+    """One codec through every phase. Attention blocks use `codec`; linear-attention state, which
+    an engine keeps feeding forward, is stored lossless."""
+    run_id = uuid.uuid4().hex
+    kv_ns = namespace_fingerprint({"bench": run_id, "codec": codec.name, "kind": "kv"})
+    state_ns = namespace_fingerprint({"bench": run_id, "codec": codec.name, "kind": "state"})
+    n_blocks = len(kv.blocks)
+    token_ids = np.arange(n_blocks * block_tokens) % 50_000
+    keys = chain_block_keys(token_ids, block_tokens)
+    kv_parts = list(range(shape.attention_layers))
+    state_parts = list(range(shape.state_layers))
+    lossless = get_codec("none", group_size=shape.head_dim)
+
+    def report(phase: str, done: int, total: int) -> None:
+        on_phase(codec.name, phase, done, total)
+
+    payloads: dict[tuple[bytes, bytes, int], bytes] = {}
+    start = time.perf_counter()
+    for b, block in enumerate(kv.blocks):
+        for part, array in enumerate(block):
+            payloads[(kv_ns, keys[b], part)] = codec.encode(array)
+        report("encode", b + 1, n_blocks)
+    for part, state in enumerate(kv.states):
+        payloads[(state_ns, keys[-1], part)] = lossless.encode(state)
+    encode_s = time.perf_counter() - start
+    stored_bytes = sum(len(p) for p in payloads.values())
+
+    start = time.perf_counter()
+    for i, ((namespace, key, part), payload) in enumerate(payloads.items()):
+        client.put(namespace, key, part, payload)
+        if i % 64 == 0:
+            report("put", i, len(payloads))
+    if not client.flush(timeout=600):
+        raise RuntimeError(f"the vault at {client.address} did not acknowledge every block")
+    store_s = time.perf_counter() - start
+    report("put", len(payloads), len(payloads))
+    del payloads
+
+    start = time.perf_counter()
+    hit = client.lookup(kv_ns, keys, kv_parts)
+    if state_parts:
+        hit = min(hit, n_blocks if client.lookup(state_ns, keys[-1:], state_parts) else 0)
+    lookup_s = time.perf_counter() - start
+    report("lookup", 1, 1)
+    if hit != n_blocks:
+        raise RuntimeError(f"the vault holds {hit} of {n_blocks} blocks just stored (is it full?)")
+
+    start = time.perf_counter()
+    fetched = client.promote(kv_ns, keys, kv_parts)
+    fetched_states = client.promote(state_ns, keys[-1:], state_parts) if state_parts else {}
+    promote_s = time.perf_counter() - start
+    report("promote", 1, 1)
+    fetched_bytes = sum(len(p) for p in fetched.values()) + sum(
+        len(p) for p in fetched_states.values()
+    )
+    if len(fetched) != n_blocks * len(kv_parts) or len(fetched_states) != len(state_parts):
+        raise RuntimeError("the vault returned fewer blocks than it holds")
+
+    restored = [[np.empty_like(part) for part in block] for block in kv.blocks]
+    restored_states = [np.empty_like(state) for state in kv.states]
+    start = time.perf_counter()
+    for b in range(n_blocks):
+        for part in kv_parts:
+            decode_into(fetched[(b, part)], restored[b][part])
+        report("decode", b + 1, n_blocks)
+    for part in state_parts:
+        decode_into(fetched_states[(0, part)], restored_states[part])
+    decode_s = time.perf_counter() - start
+    del fetched, fetched_states
+    client.clear(kv_ns)
+    client.clear(state_ns)
+
+    worst = [
+        fidelity(ref, out)
+        for ref_block, out_block in zip(kv.blocks, restored, strict=True)
+        for ref, out in zip(ref_block, out_block, strict=True)
+    ]
+    if not all(
+        np.array_equal(ref, out) for ref, out in zip(kv.states, restored_states, strict=True)
+    ):
+        raise RuntimeError("linear-attention state did not round-trip bit-exact")
+    raw = kv.raw_bytes
+    restore_s = lookup_s + promote_s + decode_s
+    return BenchResult(
+        tokens=tokens,
+        model_shape=model_shape,
+        codec=codec.name,
+        vault=client.address,
+        dtype=kv.dtype,
+        block_tokens=block_tokens,
+        blocks=n_blocks,
+        raw_bytes=raw,
+        stored_bytes=stored_bytes,
+        ratio=raw / stored_bytes,
+        memcpy_gbps=reference_gbps,
+        encode_s=encode_s,
+        encode_gbps=raw / encode_s / 1e9,
+        store_s=store_s,
+        store_gbps=stored_bytes / store_s / 1e9,
+        lookup_s=lookup_s,
+        hit_blocks=hit,
+        promote_s=promote_s,
+        promote_gbps=fetched_bytes / promote_s / 1e9,
+        decode_s=decode_s,
+        decode_gbps=raw / decode_s / 1e9,
+        restore_s=restore_s,
+        restore_vs_memcpy=(raw / reference_gbps / 1e9) / restore_s,
+        snr_db=min(f.snr_db for f in worst),
+        cosine=min(f.cosine for f in worst),
+        max_abs_err=max(f.max_abs_err for f in worst),
+        link_s={f"{g}GbE": stored_bytes * 8 / (g * 1e9) for g in LINK_GBITS},
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )

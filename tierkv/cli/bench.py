@@ -1,0 +1,122 @@
+"""`tierkv bench`: the restore pipeline timed end to end on synthetic KV of a real model's shape."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tierkv.bench import DEFAULT_MODEL_SHAPE, MODEL_SHAPES, BenchResult, run_bench
+from tierkv.cli import app
+from tierkv.config import ConfigError, load_config
+from tierkv.quant import CODEC_NAMES
+
+console = Console(stderr=True)
+
+
+@app.command()
+def bench(
+    tokens: Annotated[int, typer.Option(help="Prompt length in tokens.", min=1)] = 30_000,
+    model_shape: Annotated[
+        str, typer.Option(help=f"KV shape to imitate: {', '.join(MODEL_SHAPES)}.")
+    ] = DEFAULT_MODEL_SHAPE,
+    codec: Annotated[
+        str | None,
+        typer.Option(help=f"{', '.join(CODEC_NAMES)} or all [default: the config's codec]"),
+    ] = None,
+    vault: Annotated[
+        str | None, typer.Option(help="HOST:PORT of a running vault [default: an embedded one].")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="fp16 or fp32.")] = "fp16",
+    block_tokens: Annotated[int, typer.Option(help="Tokens per stored block.", min=1)] = 256,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    config: Annotated[Path | None, typer.Option(help="tierkv.toml to read.")] = None,
+) -> None:
+    """Encode, store, look up, promote and decode a prompt's KV; print each phase's speed."""
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2) from None
+    codec = codec or cfg.turbo_quant.codec_name
+    if codec != "all" and codec not in CODEC_NAMES:
+        console.print(
+            f"[red]--codec {codec!r} is unknown; use one of {', '.join(CODEC_NAMES)}, all"
+        )
+        raise typer.Exit(2)
+    codecs = list(CODEC_NAMES) if codec == "all" else [codec]
+    try:
+        with Progress(
+            TextColumn("{task.description:<18}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+            disable=as_json,
+            transient=True,
+        ) as progress:
+            tasks: dict[tuple[str, str], TaskID] = {}
+
+            def on_phase(name: str, phase: str, done: int, total: int) -> None:
+                task = tasks.get((name, phase))
+                if task is None:
+                    task = tasks[(name, phase)] = progress.add_task(f"{name} {phase}", total=total)
+                progress.update(task, completed=done, total=total)
+
+            results = run_bench(
+                tokens=tokens,
+                model_shape=model_shape,
+                codecs=codecs,
+                dtype=dtype,
+                block_tokens=block_tokens,
+                vault=vault,
+                on_phase=on_phase,
+            )
+    except ValueError as exc:
+        console.print(f"[red]{exc}")
+        raise typer.Exit(2) from None
+    if as_json:
+        objects = [result.as_json() for result in results]
+        print(json.dumps(objects if codec == "all" else objects[0], indent=2))
+    else:
+        Console().print(results_table(results))
+
+
+def results_table(results: list[BenchResult]) -> Table:
+    """One column per codec, one row per figure."""
+    first = results[0]
+    table = Table(
+        title=(
+            f"tierkv bench: {first.tokens} tokens of {first.model_shape} ({first.dtype}), "
+            f"memcpy {first.memcpy_gbps:.2f} GB/s"
+        )
+    )
+    table.add_column("")
+    for result in results:
+        table.add_column(result.codec, justify="right")
+    mb = 1e6
+    rows: list[tuple[str, Callable[[BenchResult], str]]] = [
+        ("raw MB", lambda r: f"{r.raw_bytes / mb:,.0f}"),
+        ("stored MB", lambda r: f"{r.stored_bytes / mb:,.0f}"),
+        ("ratio", lambda r: f"{r.ratio:.2f}×"),
+        ("encode GB/s", lambda r: f"{r.encode_gbps:.2f}"),
+        ("put GB/s (stored bytes)", lambda r: f"{r.store_gbps:.2f}"),
+        ("lookup ms", lambda r: f"{r.lookup_s * 1000:.1f}"),
+        ("promote GB/s (stored bytes)", lambda r: f"{r.promote_gbps:.2f}"),
+        ("decode GB/s", lambda r: f"{r.decode_gbps:.2f}"),
+        ("restore s (lookup+promote+decode)", lambda r: f"{r.restore_s:.3f}"),
+        ("restore speed vs memcpy", lambda r: f"{r.restore_vs_memcpy:.2f}×"),
+        ("SNR dB (worst block)", lambda r: f"{r.snr_db:.1f}"),
+        ("cosine (worst block)", lambda r: f"{r.cosine:.5f}"),
+        ("1 / 10 / 25 GbE s", lambda r: " / ".join(f"{s:.2f}" for s in r.link_s.values())),
+        ("peak RSS MB", lambda r: f"{r.peak_rss_bytes / mb:,.0f}"),
+    ]
+    for label, cell in rows:
+        table.add_row(label, *(cell(result) for result in results))
+    return table

@@ -1,0 +1,261 @@
+"""ColdTier: the one API both engine adapters use to store blocks in the vaults and load them back.
+
+It joins a codec, one vault client per vault ("kv" for attention KV, "ssm" for linear-attention /
+SSM state) and the block keys. Engines differ only in how blocks leave and enter their caches;
+everything that happens to a block between those two points lives here.
+
+Call order, per engine request:
+1. `lookup(namespace, keys, parts_by_vault)` -> how many leading blocks every vault holds.
+2. `load(namespace, keys[:hit], parts_by_vault, out_for)` -> the key indices that failed; the
+   engine recomputes those (and everything after the first one).
+and, whenever the engine lets go of a block:
+3. `store(namespace, key, part, block, dtype, vault)` -> returns at once; encoding and sending
+   happen on background threads.
+`flush()` waits for stores to be acknowledged (tests, shutdown); `close()` ends everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tierkv.config import TierKVConfig
+from tierkv.quant import Codec, NonFiniteError, PayloadError, decode_into, encode_block, get_codec
+from tierkv.quant import warmup as warmup_codecs
+from tierkv.vault.client import VaultClient
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_PENDING_ENCODE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass
+class TierStats:
+    """Counters of one ColdTier (cumulative since it started)."""
+
+    sent_blocks: int = 0
+    sent_raw_bytes: int = 0
+    sent_payload_bytes: int = 0
+    skipped_nonfinite: int = 0
+    dropped_backpressure: int = 0
+    encode_errors: int = 0
+    lookups: int = 0
+    lookup_hit_blocks: int = 0
+    loaded_blocks: int = 0
+    loaded_payload_bytes: int = 0
+    load_failures: int = 0
+
+
+class ColdTier:
+    """Codec + vault clients + keys: store blocks, find the longest stored prefix, load it back."""
+
+    def __init__(
+        self,
+        codec: Codec,
+        vaults: Mapping[str, VaultClient],
+        *,
+        min_cosine: float = 0.0,
+        encode_threads: int = 2,
+        max_pending_encode_bytes: int = DEFAULT_MAX_PENDING_ENCODE_BYTES,
+    ) -> None:
+        self.codec = codec
+        self.vaults = dict(vaults)
+        self.min_cosine = min_cosine
+        self._max_pending_encode_bytes = max_pending_encode_bytes
+        self._pending_encode_bytes = 0
+        self._lock = threading.Lock()
+        self._stats = TierStats()
+        self._encoders = ThreadPoolExecutor(encode_threads, thread_name_prefix="tierkv-encode")
+        self._decoders = ThreadPoolExecutor(encode_threads, thread_name_prefix="tierkv-decode")
+        self._promoters = ThreadPoolExecutor(
+            max(1, len(self.vaults)), thread_name_prefix="tierkv-promote"
+        )
+        self._encoding: set[Future[None]] = set()
+
+    @classmethod
+    def from_config(cls, cfg: TierKVConfig) -> ColdTier:
+        """A tier with the configured codec and a client for each configured vault."""
+        addresses = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
+        vaults = {
+            name: VaultClient.from_config(address, cfg.client)
+            for name, address in addresses.items()
+            if address
+        }
+        warmup_codecs()
+        codec = get_codec(cfg.turbo_quant.codec_name, group_size=cfg.turbo_quant.kv_dim)
+        return cls(codec, vaults, min_cosine=cfg.turbo_quant.min_cosine)
+
+    def store(
+        self,
+        namespace: bytes,
+        key: bytes,
+        part: int,
+        block: np.ndarray,
+        dtype: str | None = None,
+        vault: str = "kv",
+    ) -> None:
+        """Encode `block` and send it to `vault` in the background; never blocks.
+
+        The tier owns `block` from now on (pass a staging copy, not engine memory). When more
+        than the pending-encode budget is already waiting, the block is dropped and counted.
+        """
+        client = self._client(vault)
+        with self._lock:
+            if self._pending_encode_bytes + block.nbytes > self._max_pending_encode_bytes:
+                self._stats.dropped_backpressure += 1
+                return
+            self._pending_encode_bytes += block.nbytes
+        future = self._encoders.submit(
+            self._encode_and_put, client, namespace, key, part, block, dtype
+        )
+        with self._lock:
+            self._encoding.add(future)
+        future.add_done_callback(self._forget_encoding)
+
+    def lookup(
+        self, namespace: bytes, keys: Sequence[bytes], parts_by_vault: Mapping[str, Sequence[int]]
+    ) -> int:
+        """How many leading `keys` have every part present in every vault (0 on any failure)."""
+        if not keys or not parts_by_vault:
+            return 0
+        hit = min(
+            self._client(vault).lookup(namespace, keys, parts)
+            for vault, parts in parts_by_vault.items()
+        )
+        with self._lock:
+            self._stats.lookups += 1
+            self._stats.lookup_hit_blocks += hit
+        return hit
+
+    def load(
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts_by_vault: Mapping[str, Sequence[int]],
+        out_for: Callable[[int, int], np.ndarray],
+    ) -> set[int]:
+        """Fetch every part of every key (one Promote per vault) and decode into `out_for(i, part)`.
+
+        Returns the indices of the keys that could not be restored whole (a part missing, failing
+        its checksum or failing to decode); their output arrays must be treated as garbage.
+        """
+        promotes = {
+            vault: self._promoters.submit(self._client(vault).promote, namespace, keys, parts)
+            for vault, parts in parts_by_vault.items()
+        }
+        failed: set[int] = set()
+        decodes = []
+        for vault, parts in parts_by_vault.items():
+            try:
+                payloads = promotes[vault].result()
+            except Exception:
+                log.exception("tierkv: promote from the %s vault failed; recomputing", vault)
+                payloads = {}
+            for index in range(len(keys)):
+                for part in parts:
+                    payload = payloads.get((index, part))
+                    if payload is None:
+                        failed.add(index)
+                    else:
+                        decodes.append(
+                            (
+                                index,
+                                self._decoders.submit(self._decode, payload, index, part, out_for),
+                            )
+                        )
+        for index, future in decodes:
+            if not future.result():
+                failed.add(index)
+        with self._lock:
+            self._stats.loaded_blocks += len(keys) - len(failed)
+            self._stats.load_failures += len(failed)
+        return failed
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every stored block is encoded and acknowledged by its vault."""
+        with self._lock:
+            pending = list(self._encoding)
+        _, not_done = wait(pending, timeout=timeout)
+        if not_done:
+            return False
+        return all(client.flush(timeout) for client in self.vaults.values())
+
+    def stats(self) -> dict[str, int]:
+        """The tier's counters as a plain dict."""
+        with self._lock:
+            return asdict(self._stats)
+
+    def close(self) -> None:
+        """Stop the background threads and close the vault connections."""
+        self._encoders.shutdown(wait=True)
+        self._decoders.shutdown(wait=True)
+        self._promoters.shutdown(wait=True)
+        for client in self.vaults.values():
+            client.close()
+
+    def _client(self, vault: str) -> VaultClient:
+        try:
+            return self.vaults[vault]
+        except KeyError:
+            raise ValueError(
+                f"no {vault!r} vault is configured (configured: {sorted(self.vaults) or 'none'})"
+            ) from None
+
+    def _forget_encoding(self, future: Future[None]) -> None:
+        with self._lock:
+            self._encoding.discard(future)
+
+    def _encode_and_put(
+        self,
+        client: VaultClient,
+        namespace: bytes,
+        key: bytes,
+        part: int,
+        block: np.ndarray,
+        dtype: str | None,
+    ) -> None:
+        try:
+            payload = encode_block(self.codec, block, dtype, self.min_cosine)
+        except NonFiniteError:
+            with self._lock:
+                self._stats.skipped_nonfinite += 1
+            return
+        except Exception:
+            log.exception("tierkv: encoding a block failed; it is not stored")
+            with self._lock:
+                self._stats.encode_errors += 1
+            return
+        finally:
+            with self._lock:
+                self._pending_encode_bytes -= block.nbytes
+        client.put(namespace, key, part, payload)
+        with self._lock:
+            self._stats.sent_blocks += 1
+            self._stats.sent_raw_bytes += block.nbytes
+            self._stats.sent_payload_bytes += len(payload)
+
+    def _decode(
+        self,
+        payload: memoryview,
+        index: int,
+        part: int,
+        out_for: Callable[[int, int], np.ndarray],
+    ) -> bool:
+        try:
+            decode_into(payload, out_for(index, part))
+        except PayloadError as exc:
+            log.warning(
+                "tierkv: block %d part %d does not decode (%s); recomputing it", index, part, exc
+            )
+            return False
+        except Exception:
+            log.exception("tierkv: decoding block %d part %d failed; recomputing it", index, part)
+            return False
+        with self._lock:
+            self._stats.loaded_payload_bytes += len(payload)
+        return True
