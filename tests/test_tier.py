@@ -1,0 +1,154 @@
+"""ColdTier against real in-process vaults and the real codecs."""
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from tests.conftest import VaultHandle
+from tierkv.keys import chain_block_keys, namespace_fingerprint
+from tierkv.quant import get_codec
+from tierkv.tier import ColdTier
+from tierkv.vault.client import VaultClient
+
+NS = namespace_fingerprint({"test": "tier"})
+KEYS = chain_block_keys(list(range(4 * 32)), block_tokens=32)
+KV_PARTS = [0, 1, 2]
+SSM_PARTS = [0]
+
+
+def blocks(seed: int = 0) -> dict[tuple[int, str, int], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    found = {}
+    for index in range(len(KEYS)):
+        for part in KV_PARTS:
+            found[(index, "kv", part)] = rng.standard_normal((2, 32, 2, 64)).astype(np.float16)
+        for part in SSM_PARTS:
+            found[(index, "ssm", part)] = rng.standard_normal(4096).astype(np.float32)
+    return found
+
+
+def make_tier(codec: str, kv: VaultHandle, ssm: VaultHandle, deadline_s: float = 2.0) -> ColdTier:
+    clients = {
+        name: VaultClient(handle.address, deadline_s=deadline_s, promote_deadline_s=deadline_s)
+        for name, handle in (("kv", kv), ("ssm", ssm))
+    }
+    return ColdTier(get_codec(codec, group_size=64), clients)
+
+
+def store_all(tier: ColdTier, data: dict[tuple[int, str, int], np.ndarray]) -> None:
+    for (index, vault, part), array in data.items():
+        tier.store(NS, KEYS[index], part, array.copy(), vault=vault)
+    assert tier.flush(timeout=30)
+
+
+def load_all(
+    tier: ColdTier, data: dict[tuple[int, str, int], np.ndarray], keys: list[bytes] = KEYS
+) -> tuple[set[int], dict[tuple[int, str, int], np.ndarray]]:
+    outs = {slot: np.zeros_like(array) for slot, array in data.items()}
+
+    def out_for(vault: str) -> Callable[[int, int], np.ndarray]:
+        return lambda index, part: outs[(index, vault, part)]
+
+    failed = set()
+    for vault, parts in (("kv", KV_PARTS), ("ssm", SSM_PARTS)):
+        failed |= tier.load(NS, keys, {vault: parts}, out_for(vault))
+    return failed, outs
+
+
+@pytest.fixture
+def two_vaults(vault_factory: Callable[..., VaultHandle]) -> tuple[VaultHandle, VaultHandle]:
+    return vault_factory(), vault_factory(role="ssm_cold")
+
+
+@pytest.mark.parametrize("codec", ["none", "int8"])
+def test_store_lookup_load_round_trip(
+    codec: str, two_vaults: tuple[VaultHandle, VaultHandle]
+) -> None:
+    tier = make_tier(codec, *two_vaults)
+    data = blocks()
+    store_all(tier, data)
+    assert tier.lookup(NS, KEYS, {"kv": KV_PARTS, "ssm": SSM_PARTS}) == len(KEYS)
+    failed, outs = load_all(tier, data)
+    assert failed == set()
+    for slot, array in data.items():
+        if codec == "none":
+            np.testing.assert_array_equal(outs[slot], array)
+        else:
+            np.testing.assert_allclose(outs[slot], array, atol=0.05, rtol=0.02)
+    assert tier.stats()["loaded_blocks"] == 2 * len(KEYS)
+    tier.close()
+
+
+def test_hit_is_the_prefix_every_vault_holds(two_vaults: tuple[VaultHandle, VaultHandle]) -> None:
+    tier = make_tier("none", *two_vaults)
+    data = blocks()
+    del data[(2, "ssm", 0)]  # the SSM vault lacks block 2
+    store_all(tier, data)
+    assert tier.lookup(NS, KEYS, {"kv": KV_PARTS}) == 4
+    assert tier.lookup(NS, KEYS, {"kv": KV_PARTS, "ssm": SSM_PARTS}) == 2
+    outs = {0: np.zeros(4096, np.float32)}
+    failed = tier.load(NS, KEYS, {"ssm": SSM_PARTS}, lambda index, part: outs[0])
+    assert failed == {2}
+    tier.close()
+
+
+def test_corrupted_payload_is_a_failed_block_never_data(
+    two_vaults: tuple[VaultHandle, VaultHandle],
+) -> None:
+    kv, ssm = two_vaults
+    tier = make_tier("none", kv, ssm)
+    data = blocks()
+    store_all(tier, data)
+    entries = kv.store._entries
+    entry_key = (NS, KEYS[1], 2)
+    payload, checksum = entries[entry_key]
+    flipped = bytearray(payload)
+    flipped[-1] ^= 0xFF
+    entries[entry_key] = (bytes(flipped), checksum)
+    failed, outs = load_all(tier, data)
+    assert failed == {1}
+    for slot, array in data.items():
+        if slot[0] != 1:
+            np.testing.assert_array_equal(outs[slot], array)
+    tier.close()
+
+
+def test_non_finite_blocks_are_skipped_not_stored(
+    two_vaults: tuple[VaultHandle, VaultHandle],
+) -> None:
+    tier = make_tier("int8", *two_vaults)
+    bad = np.ones((2, 32, 2, 64), np.float16)
+    bad[0, 3, 1, 7] = np.inf
+    tier.store(NS, KEYS[0], 0, bad)
+    assert tier.flush(timeout=30)
+    assert tier.stats()["skipped_nonfinite"] == 1
+    assert tier.lookup(NS, KEYS, {"kv": [0]}) == 0
+    tier.close()
+
+
+def test_unknown_vault_is_named(two_vaults: tuple[VaultHandle, VaultHandle]) -> None:
+    kv, _ = two_vaults
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(kv.address)})
+    with pytest.raises(ValueError, match="'ssm' vault"):
+        tier.store(NS, KEYS[0], 0, np.zeros(8, np.float16), vault="ssm")
+    tier.close()
+
+
+def test_dead_vault_is_a_fast_miss(two_vaults: tuple[VaultHandle, VaultHandle]) -> None:
+    kv, ssm = two_vaults
+    tier = make_tier("none", kv, ssm, deadline_s=0.5)
+    data = blocks()
+    store_all(tier, data)
+    kv.stop()
+    start = time.monotonic()
+    for (index, vault, part), array in data.items():
+        tier.store(NS, KEYS[index], part, array, vault=vault)
+    assert time.monotonic() - start < 1.0, "store must never wait for a vault"
+    start = time.monotonic()
+    assert tier.lookup(NS, KEYS, {"kv": KV_PARTS, "ssm": SSM_PARTS}) == 0
+    failed, _ = load_all(tier, data)
+    assert failed == set(range(len(KEYS)))
+    assert time.monotonic() - start < 3 * 0.5 + 1.0
+    tier.close()
