@@ -13,6 +13,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Table
 
 from tierkv.bench import DEFAULT_MODEL_SHAPE, MODEL_SHAPES, BenchResult, run_bench
+from tierkv.bench_engines import EngineBench, exo_bench, long_prompt
 from tierkv.cli import app
 from tierkv.config import ConfigError, load_config
 from tierkv.quant import CODEC_NAMES
@@ -37,13 +38,33 @@ def bench(
     block_tokens: Annotated[int, typer.Option(help="Tokens per stored block.", min=1)] = 256,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     config: Annotated[Path | None, typer.Option(help="tierkv.toml to read.")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(help="Time a real engine instead: vllm (needs --model) or exo (--exo-api)."),
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="--engine vllm/exo: the model.")] = None,
+    exo_api: Annotated[
+        str | None, typer.Option(help="--engine exo: EXO's API, e.g. http://127.0.0.1:52415.")
+    ] = None,
+    prompt_file: Annotated[
+        Path | None,
+        typer.Option(help="--engine: the prompt [default: a long varied built-in text]."),
+    ] = None,
 ) -> None:
-    """Encode, store, look up, promote and decode a prompt's KV; print each phase's speed."""
+    """Encode, store, look up, promote and decode a prompt's KV; print each phase's speed.
+
+    With --engine, time to first token of one prompt three ways instead: cold, from the engine's
+    own prefix cache, and restored from the vault after the engine's cache lost it.
+    """
     try:
         cfg = load_config(config)
     except ConfigError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2) from None
+    if engine is not None:
+        prompt = prompt_file.read_text() if prompt_file else long_prompt(words=tokens * 3 // 4)
+        _engine_bench(engine, model, exo_api, prompt, as_json)
+        return
     codec = codec or cfg.turbo_quant.codec_name
     if codec != "all" and codec not in CODEC_NAMES:
         console.print(
@@ -119,4 +140,40 @@ def results_table(results: list[BenchResult]) -> Table:
     ]
     for label, cell in rows:
         table.add_row(label, *(cell(result) for result in results))
+    return table
+
+
+def _engine_bench(
+    engine: str, model: str | None, exo_api: str | None, prompt: str, as_json: bool
+) -> None:
+    if engine != "exo":
+        console.print(f"[red]--engine {engine!r} is unknown; use vllm or exo")
+        raise typer.Exit(2)
+    if not exo_api or not model:
+        console.print("[red]--engine exo needs --exo-api URL and --model NAME")
+        raise typer.Exit(2)
+    with console.status("asking EXO") as status:
+        result = exo_bench(exo_api, model, prompt, on_run=lambda label: status.update(label))
+    if as_json:
+        print(json.dumps(result.as_json(), indent=2))
+    else:
+        Console().print(engine_table(result))
+
+
+def engine_table(result: EngineBench) -> Table:
+    """One row per run: TTFT, speed-up over the cold run, tokens the engine reused."""
+    table = Table(
+        title=f"tierkv bench --engine {result.engine}: {result.prompt_tokens or '?'} prompt tokens",
+        caption="greedy outputs "
+        + ("match" if result.outputs_match else "[red]DIFFER[/] between runs of the same prompt"),
+    )
+    for column in ("run", "TTFT s", "speed-up", "cached tokens"):
+        table.add_column(column, justify="left" if column == "run" else "right")
+    for run in result.runs:
+        table.add_row(
+            run.label,
+            f"{run.ttft_s:.3f}",
+            f"{result.speedup(run.label):.1f}×" if run.same_prompt else "",
+            "" if run.cached_tokens is None else str(run.cached_tokens),
+        )
     return table
