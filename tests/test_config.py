@@ -204,3 +204,11 @@ def test_example_toml_documents_every_key_and_loads() -> None:
         )
         assert set(config_field_names(section)) <= written | commented, section
     assert cfg.source == str(example)
+
+
+def test_readme_toml_examples_load(tmp_path: Path) -> None:
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", readme, re.S)
+    assert blocks
+    for number, block in enumerate(blocks):
+        load_config(write(tmp_path / f"readme-{number}.toml", block))

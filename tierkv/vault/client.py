@@ -23,7 +23,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.config import MIB, ClientConfig, parse_address
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.wire import batched_by_size, decode_bulk, encode_bulk, split_payloads
+from tierkv.vault.wire import (
+    CHANNEL_OPTIONS,
+    batched_by_size,
+    decode_bulk,
+    encode_bulk,
+    split_payloads,
+)
 
 PUT_BATCH_BYTES = 1 * MIB
 """Small payloads are batched up to this many bytes per PutBatch; larger ones go alone, which
@@ -32,9 +38,8 @@ PUT_STREAM_BYTES = 128 * MIB
 """At most this many payload bytes per Put stream (each stream gets its own deadline)."""
 MIN_PUT_BYTES_PER_S = 50e6
 """A Put stream's deadline is deadline_s plus its bytes at this rate."""
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
+CLIENT_OPTIONS = [
+    *CHANNEL_OPTIONS,
     # Reconnect quickly after a vault restarts (gRPC's default backoff grows to 2 minutes).
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
@@ -147,7 +152,7 @@ class VaultClient:
         self.deadline_s = deadline_s
         self.promote_deadline_s = promote_deadline_s
         self.max_pending_bytes = max_pending_bytes
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         self._stub = vault_pb2_grpc.VaultStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         # The bulk methods bypass per-message protobuf copies (see wire.py).

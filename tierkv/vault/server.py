@@ -22,6 +22,7 @@ from tierkv.config import VAULT_ROLES, format_address, parse_address
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
+    CHANNEL_OPTIONS,
     MalformedMessage,
     batched_by_size,
     decode_bulk,
@@ -33,12 +34,8 @@ SERVICE_NAME = vault_pb2.DESCRIPTOR.services_by_name["Vault"].full_name
 CHUNK_BYTES = 8 * 1024 * 1024
 """Target payload bytes per Promote chunk (a larger single payload gets a chunk of its own)."""
 MAX_REPORTED_REJECTIONS = 100
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", -1),
-    ("grpc.max_send_message_length", -1),
-]
 SERVER_OPTIONS = [
-    *GRPC_OPTIONS,
+    *CHANNEL_OPTIONS,
     # Linux gRPC sets SO_REUSEPORT by default, which lets a second vault "bind" a taken port.
     ("grpc.so_reuseport", 0),
 ]

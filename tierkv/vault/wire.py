@@ -14,6 +14,13 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
 
+CHANNEL_OPTIONS = [
+    # Bulk messages are bounded by the chunking, not by gRPC's 4 MiB default.
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+]
+"""gRPC options both ends of a vault connection use."""
+
 _INDEX_TAG = 0x0A  # field 1, length-delimited
 _DATA_TAG = 0x12  # field 2, length-delimited
 

@@ -1,0 +1,171 @@
+"""Vault throughput: Put then Promote N bytes in blocks, against numpy memcpy of the same bytes.
+
+    python benchmarks/bench_vault.py                      # 1 GiB in 1 MiB blocks, vault process
+    python benchmarks/bench_vault.py --block 512KiB --block 4MiB --rounds 5
+    python benchmarks/bench_vault.py --in-process         # vault embedded in this process
+
+The vault runs as a real `tierkv vault` process on 127.0.0.1 (as on a LAN machine, but without
+the network) unless --in-process. Put = queue every block with VaultClient.put and wait for
+flush() (every block acknowledged by the vault); Promote = one VaultClient.promote of every block
+(checksums verified). memcpy = numpy copy of the same number of bytes into a buffer that was
+already touched ("warm"), the tighter reference; "cold" copies into fresh memory. Each round
+re-stores the same keys, so later rounds show the steady state of a full vault.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from tierkv.config import format_size, parse_size
+from tierkv.vault.client import VaultClient
+from tierkv.vault.server import serve
+
+NAMESPACE = b"bench-vault-0000"
+
+
+def memcpy_gbps(total: int, rounds: int) -> tuple[float, float]:
+    """(warm, cold) numpy copy GB/s of `total` bytes; warm is the best of `rounds`."""
+    src = np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8)
+    started = time.perf_counter()
+    dst = src.copy()  # fresh pages: the cold figure
+    cold = total / (time.perf_counter() - started) / 1e9
+    warm = 0.0
+    for _ in range(rounds):
+        started = time.perf_counter()
+        np.copyto(dst, src)
+        warm = max(warm, total / (time.perf_counter() - started) / 1e9)
+    return warm, cold
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextmanager
+def running_vault(in_process: bool) -> Iterator[str]:
+    """The address of an unlimited vault on 127.0.0.1, stopped on exit."""
+    if in_process:
+        server = serve("127.0.0.1:0", 0)
+        try:
+            yield server.address
+        finally:
+            server.stop(grace=0)
+        return
+    address = f"127.0.0.1:{_free_port()}"
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "tierkv.toml"
+        config.write_text("")
+        command = [sys.executable, "-m", "tierkv", "vault", "--config", str(config)]
+        command += ["--listen", address, "--max-bytes", "unlimited"]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        try:
+            with VaultClient(address) as probe:
+                if not probe.wait_ready(60):
+                    raise RuntimeError(f"tierkv vault did not start on {address}")
+            yield address
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+
+
+def bench_block_size(
+    address: str, data: np.ndarray, block: int, rounds: int
+) -> list[tuple[float, float]]:
+    """(put GB/s, promote GB/s) per round for `data` cut into blocks of `block` bytes."""
+    count = len(data) // block
+    total = count * block
+    payloads = [data[i * block : (i + 1) * block].tobytes() for i in range(count)]
+    keys = [i.to_bytes(16, "little") for i in range(count)]
+    figures = []
+    with VaultClient(
+        address, deadline_s=30, promote_deadline_s=300, max_pending_bytes=total
+    ) as client:
+
+        def put_all() -> None:
+            for key, payload in zip(keys, payloads, strict=True):
+                client.put(NAMESPACE, key, 0, payload)
+            if not client.flush(timeout=600):
+                raise RuntimeError(f"puts were lost: {client.counters()}")
+
+        for _ in range(rounds):
+            started = time.perf_counter()
+            put_all()
+            put_s = time.perf_counter() - started
+            started = time.perf_counter()
+            found = client.promote(NAMESPACE, keys, [0])
+            promote_s = time.perf_counter() - started
+            if len(found) != count or client.checksum_failures:
+                raise RuntimeError(f"promote returned {len(found)} of {count} blocks")
+            del found
+            figures.append((total / put_s / 1e9, total / promote_s / 1e9))
+        client.clear(NAMESPACE)
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--total", default="1GiB", help="bytes moved per round (default 1GiB)")
+    parser.add_argument("--block", action="append", help="block size, repeatable (default 1MiB)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--in-process", action="store_true", help="embed the vault")
+    args = parser.parse_args()
+    total = parse_size(args.total)
+    blocks = [parse_size(b) for b in args.block or ["1MiB"]]
+    console = Console()
+    console.print(
+        f"{format_size(total)} per round, {args.rounds} rounds, "
+        f"vault {'in this process' if args.in_process else 'in its own process'}, "
+        f"{os.cpu_count()} CPUs"
+    )
+    warm, cold = memcpy_gbps(total, args.rounds)
+    data = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+    table = Table(title="vault throughput (GB/s; ratio = / warm memcpy)")
+    for column in ("block", "round", "Put", "Put ratio", "Promote", "Promote ratio"):
+        table.add_column(column, justify="right")
+    with running_vault(args.in_process) as address:
+        for block in blocks:
+            figures = bench_block_size(address, data, block, args.rounds)
+            for number, (put, promote) in enumerate(figures, 1):
+                table.add_row(
+                    format_size(block),
+                    str(number),
+                    f"{put:.2f}",
+                    f"{put / warm:.3f}x",
+                    f"{promote:.2f}",
+                    f"{promote / warm:.3f}x",
+                )
+            put_median = statistics.median(f[0] for f in figures)
+            promote_median = statistics.median(f[1] for f in figures)
+            table.add_row(
+                format_size(block),
+                "median",
+                f"{put_median:.2f}",
+                f"{put_median / warm:.3f}x",
+                f"{promote_median:.2f}",
+                f"{promote_median / warm:.3f}x",
+                style="bold",
+            )
+    console.print(table)
+    console.print(f"numpy memcpy: warm {warm:.2f} GB/s, cold (fresh pages) {cold:.2f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
