@@ -109,6 +109,9 @@ def test_hung_vault_costs_one_deadline_and_the_queue_drops_the_oldest(
             started = time.monotonic()
             assert client.lookup(NS, [key(100)], [0]) == 0
             assert 0.9 < time.monotonic() - started < 1.5
+            started = time.monotonic()
+            assert client.promote(NS, [key(100)], [0]) == {}  # promote deadline is 30 s
+            assert 0.9 < time.monotonic() - started < 1.8
             client.put(NS, key(99), 0, b"k" * KIB)  # the sender takes it and hangs
             assert wait_until(lambda: client.pending_bytes == 0, timeout=1)
             for i in range(20):

@@ -134,6 +134,29 @@ class CircuitBreaker:
                     return
 
 
+class _StallGuard:
+    """Cancels a streaming call when no message arrives for `idle_s` seconds (a hung vault)."""
+
+    def __init__(self, call: grpc.RpcContext, idle_s: float) -> None:
+        self._call = call
+        self._idle_s = idle_s
+        self._last = time.monotonic()
+        self._finished = threading.Event()
+        threading.Thread(target=self._watch, name="tierkv-stall-guard", daemon=True).start()
+
+    def progress(self) -> None:
+        self._last = time.monotonic()
+
+    def done(self) -> None:
+        self._finished.set()
+
+    def _watch(self) -> None:
+        while not self._finished.wait(self._idle_s / 4):
+            if time.monotonic() - self._last > self._idle_s:
+                self._call.cancel()
+                return
+
+
 class VaultClient:
     """One vault at `address` ("host:port"); thread-safe; see the module docstring."""
 
@@ -311,7 +334,8 @@ class VaultClient:
         """(key index, part) → verified payload for every block the vault returned in time.
 
         Payloads are zero-copy views of the received chunks. Missing, checksum-failed and
-        failed-call blocks are simply absent; this never raises.
+        failed-call blocks are simply absent; this never raises. The whole call is bounded by
+        promote_deadline_s, and a vault that sends nothing for deadline_s is given up on.
         """
         found: dict[tuple[int, int], memoryview] = {}
         if not keys or not parts or not self._breaker.allow():
@@ -319,8 +343,11 @@ class VaultClient:
         request = vault_pb2.PromoteRequest(namespace=namespace, keys=keys, parts=parts)
         wanted_parts = set(parts)
         bad_checksums = 0
+        call = self._promote_call(request, timeout=self.promote_deadline_s)
+        guard = _StallGuard(call, self.deadline_s)
         try:
-            for index, data in self._promote_call(request, timeout=self.promote_deadline_s):
+            for index, data in call:
+                guard.progress()
                 payloads = split_payloads(data, index.lengths)
                 for key_index, part, payload, checksum in zip(
                     index.key_indices, index.parts, payloads, index.checksums, strict=False
@@ -335,6 +362,8 @@ class VaultClient:
             self._record_failure()
         else:
             self._breaker.record_success()
+        finally:
+            guard.done()
         if bad_checksums:
             with self._cond:
                 self.checksum_failures += bad_checksums
