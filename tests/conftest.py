@@ -6,7 +6,8 @@
 
 `vault_factory` (fixture, callable)
     ``vault_factory(max_bytes="1GiB", *, role="kv_cold", subprocess=False) -> VaultHandle``
-    starts a REAL vault on 127.0.0.1 on a free port and returns a handle with:
+    (max_bytes: bytes, a size string, or "unlimited") starts a REAL vault on 127.0.0.1 on a
+    free port and returns a handle with:
       ``.address``  "127.0.0.1:PORT", ready to pass to VaultClient / tierkv.toml
       ``.port``     the port
       ``.stop()``   graceful stop (idempotent); every vault is stopped at teardown anyway
@@ -35,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from tierkv.config import parse_size
+from tierkv.config import parse_max_bytes
 from tierkv.vault.client import VaultClient
 from tierkv.vault.server import VaultServer, serve
 from tierkv.vault.store import VaultStore
@@ -139,7 +140,7 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
             handles.append(handle)
             _wait_serving(handle.address, process)
         else:
-            server = serve(f"{LOOPBACK}:0", parse_size(max_bytes), role=role)
+            server = serve(f"{LOOPBACK}:0", parse_max_bytes(max_bytes), role=role)
             handle = VaultHandle(address=server.address, port=server.port, server=server)
             handles.append(handle)
         return handle
