@@ -25,6 +25,7 @@ from tierkv.config import MIB, ClientConfig, parse_address
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
+    already_encoded,
     batched_by_size,
     decode_bulk,
     encode_bulk,
@@ -181,7 +182,7 @@ class VaultClient:
         # The bulk methods bypass per-message protobuf copies (see wire.py).
         self._put_call = self._channel.stream_unary(
             _METHOD + "Put",
-            request_serializer=_already_encoded,
+            request_serializer=already_encoded,
             response_deserializer=vault_pb2.PutSummary.FromString,
         )
         self._promote_call = self._channel.unary_stream(
@@ -468,10 +469,6 @@ class VaultClient:
         except grpc.RpcError:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-
-def _already_encoded(message: bytes) -> bytes:
-    return message
 
 
 def _decode_promote_chunk(buf: bytes) -> tuple[vault_pb2.PromoteIndex, memoryview]:

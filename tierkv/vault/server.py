@@ -24,6 +24,7 @@ from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
     MalformedMessage,
+    already_encoded,
     batched_by_size,
     decode_bulk,
     encode_bulk,
@@ -48,18 +49,13 @@ class VaultBindError(OSError):
 def _bind_problem(host: str, port: int) -> str:
     """Why binding (host, port) fails, in the operating system's words."""
     try:
-        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[
-            0
-        ]
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, sockaddr = addresses[0]
         with socket.socket(family, kind, proto) as probe:
             probe.bind(sockaddr)
     except OSError as exc:
         return exc.strerror or str(exc)
     return "gRPC refused the address"
-
-
-def _already_encoded(chunk: bytes) -> bytes:
-    return chunk
 
 
 def _decode_put_batch(buf: bytes) -> tuple[vault_pb2.PutIndex, memoryview]:
@@ -186,7 +182,7 @@ def _method_handlers(servicer: VaultServicer) -> grpc.GenericRpcHandler:
             "Promote": grpc.unary_stream_rpc_method_handler(
                 servicer.Promote,
                 request_deserializer=vault_pb2.PromoteRequest.FromString,
-                response_serializer=_already_encoded,
+                response_serializer=already_encoded,
             ),
             "Lookup": unary(servicer.Lookup, vault_pb2.LookupRequest, vault_pb2.LookupReply),
             "Stats": unary(servicer.Stats, vault_pb2.StatsRequest, vault_pb2.StatsReply),

@@ -53,6 +53,11 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
     raise MalformedMessage("truncated varint")
 
 
+def already_encoded(message: bytes) -> bytes:
+    """gRPC serializer for messages that encode_bulk has already serialised."""
+    return message
+
+
 def encode_bulk(index: Message, payloads: Sequence[bytes | memoryview]) -> bytes:
     """One serialised bulk message: `index` as field 1, the concatenated `payloads` as field 2."""
     index_bytes = index.SerializeToString()
