@@ -3,13 +3,19 @@ byte-identical uninstall, clear refusals."""
 
 from __future__ import annotations
 
+import json
+import os
+import site
+import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import VaultHandle
 from fake_exo.tree import SITE_PACKAGES, make_exo_tree, tree_digest
 from typer.testing import CliRunner
 
+import tierkv
 from tierkv.cli import app
 from tierkv.patches.exo import (
     CACHE_PY,
@@ -188,3 +194,55 @@ def test_a_failed_runtime_install_leaves_nothing_behind(tmp_path: Path) -> None:
     assert code == 1
     assert "failed" in out and "no-such-project" in out
     assert tree_digest(root) == before
+
+
+def test_exos_python_starts_with_the_hook_armed_until_uninstalled(tmp_path: Path) -> None:
+    root = make_exo_tree(tmp_path / "exo", venv_kind="real")
+    assert invoke("--exo-path", str(root), "--no-runtime")[0] == 0
+    # tierkv and mlx come from this venv (what `--runtime` would install into the hook's dir).
+    paths = [str(Path(tierkv.__file__).parent.parent), *site.getsitepackages()]
+    env = {k: v for k, v in os.environ.items() if k != "TIERKV_DISABLE"}
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    patched = (
+        "import exo.worker.engines.mlx.cache as cache, exo.worker.runner.bootstrap as boot;"
+        "print(hasattr(cache.KVPrefixCache, '__tierkv_patched__'),"
+        " hasattr(boot.entrypoint, '__tierkv_patched__'))"
+    )
+    armed = (
+        "import sys; print('tierkv_exo_boot' in sys.modules,"
+        " any(type(f).__name__ == 'HookFinder' for f in sys.meta_path))"
+    )
+
+    def run(code: str, **extra_env: str) -> str:
+        done = subprocess.run(
+            [str(root / ".venv/bin/python"), "-c", code],
+            env={**env, **extra_env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        return done.stdout.strip()
+
+    assert run(patched) == "True True"
+    assert run(armed, TIERKV_DISABLE="1") == "True False"
+    assert invoke("--exo-path", str(root), "--uninstall")[0] == 0
+    assert run(armed) == "False False"
+
+
+def test_status_shows_whether_the_hook_is_installed(tmp_path: Path, vault: VaultHandle) -> None:
+    root = make_exo_tree(tmp_path / "exo")
+
+    def status() -> tuple[int, dict[str, object]]:
+        args = ["status", "--vault", vault.address, "--exo-path", str(root), "--json"]
+        result = CliRunner().invoke(app, args)
+        (row,) = json.loads(result.stdout)["exo"]
+        return result.exit_code, row
+
+    code, row = status()
+    assert (code, row["up"]) == (1, False)
+    assert "not installed" in str(row["error"])
+    assert invoke("--exo-path", str(root), "--no-runtime")[0] == 0
+    code, row = status()
+    assert (code, row["up"]) == (0, True)
+    assert row["detail"] == "installed for EXO v1.0.70 or newer"

@@ -24,6 +24,7 @@ from tierkv.config import (
     load_config,
     parse_address,
 )
+from tierkv.patches.exo import hook_state
 from tierkv.vault.client import VaultClient, VaultUnavailable
 
 VAULT_COLUMNS = {
@@ -97,6 +98,15 @@ def check_vaults(cfg: TierKVConfig, addresses: list[str]) -> CheckResult:
     return CheckResult("vaults", VAULT_COLUMNS, rows, all(row["up"] for row in rows))
 
 
+def check_exo_hook(exo_path: Path) -> CheckResult:
+    """Whether the tierkv hook is installed in the EXO checkout at `exo_path`."""
+    state = hook_state(exo_path)
+    row = {"name": "EXO hook", "address": str(exo_path), "up": state.installed}
+    row["detail" if state.installed else "error"] = state.detail
+    columns = {"address": "EXO checkout", "up": "up", "detail": "detail"}
+    return CheckResult("exo", columns, [row], state.installed)
+
+
 def _cell(row: dict[str, Any], key: str) -> str:
     """The table text of one value of a row."""
     if key == "up":
@@ -134,8 +144,15 @@ def status(
         typer.Option(help="HOST:PORT of a vault to check (repeatable; default: cluster.*)."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    exo_path: Annotated[
+        Path | None,
+        typer.Option(help="EXO checkout: also check that the tierkv hook is installed."),
+    ] = None,
 ) -> None:
-    """Check each vault: reachable, round trip, role, entries, bytes used / cap, hits, uptime."""
+    """Check each vault: reachable, round trip, role, entries, bytes used / cap, hits, uptime.
+
+    With --exo-path, also check that the tierkv hook is installed in that EXO checkout.
+    """
     addresses = vault or []
     try:
         cfg = load_config(config)
@@ -148,6 +165,8 @@ def status(
         typer.echo(f"tierkv status: {exc}", err=True)
         raise typer.Exit(2) from None
     results = [check_vaults(cfg, addresses)]
+    if exo_path is not None:
+        results.append(check_exo_hook(exo_path))
     if as_json:
         typer.echo(json.dumps({result.title: result.rows for result in results}, indent=2))
     else:

@@ -1,0 +1,44 @@
+"""Test fixture: the request flow of EXO's `mlx_generate`, reduced to greedy decoding of token ids.
+
+Like EXO: ask the prefix cache for a cache and the tokens still to prefill, prefill all but the
+last two of them (EXO prefills all but the last one, then rolls the cache back by two), store the
+cache with `add_kv_cache` before decoding, then decode starting from the last two prompt tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from exo.worker.engines.mlx.cache import KVPrefixCache, make_kv_cache
+
+
+@dataclass(frozen=True)
+class Generation:
+    tokens: list[int]
+    """The greedy (argmax) tokens generated."""
+    prefilled: int
+    """Prompt tokens the model computed (the rest came from a cache)."""
+
+
+def mlx_generate(
+    model: Any, prompt_tokens: mx.array, kv_prefix_cache: KVPrefixCache | None, max_tokens: int
+) -> Generation:
+    if kv_prefix_cache is None:
+        caches, remaining = make_kv_cache(model), prompt_tokens
+    else:
+        caches, remaining, _, _ = kv_prefix_cache.get_kv_cache(model, prompt_tokens)
+    prefill, feed = remaining[:-2], remaining[-2:]
+    if len(prefill) > 0:
+        model(prefill[None], cache=caches)
+        mx.eval([(c.keys, c.values) for c in caches])
+    if kv_prefix_cache is not None:
+        kv_prefix_cache.add_kv_cache(prompt_tokens, caches)
+    tokens: list[int] = []
+    for _ in range(max_tokens):
+        logits = model(feed[None], cache=caches)[0, -1]
+        tokens.append(int(mx.argmax(logits).item()))
+        feed = mx.array(tokens[-1:])
+    return Generation(tokens, len(remaining))

@@ -1,0 +1,79 @@
+"""One rank of a two-rank EXO-shaped run (started by `mlx.launch -n 2`, ring backend on loopback).
+
+Each rank binds a pipeline shard of its own (rank r holds global layers 2r and 2r+1, so the ranks
+store different parts), spills an evicted prompt, then asks for a longer prompt twice:
+1. rank 1's lookup finds only three blocks: both ranks must restore the three blocks they agree on;
+2. rank 1's lookup raises: both ranks must recompute everything.
+Prints one JSON line per rank: what each request prefilled and its tokens, and a cold run's.
+Configuration comes from TIERKV_CONFIG (a vault on loopback).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).parent / "src"))
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from fake_exo.tiny_mlx import random_tokens, tiny_llama
+from tierkv.connectors.exo import boot, hook
+
+
+def main() -> None:
+    group = mx.distributed.init()
+    rank = group.rank()
+    boot.arm()
+    from exo.worker.engines.mlx import cache as exo_cache
+    from exo.worker.engines.mlx.generator.generate import mlx_generate
+    from exo.worker.runner.bootstrap import entrypoint
+
+    shard: Any = type("PipelineShardMetadata", (), {})()
+    shard.model_card = SimpleNamespace(model_id="tests/tiny-llama")
+    shard.start_layer, shard.end_layer, shard.device_rank, shard.world_size = 2 * rank, 2, rank, 2
+    entrypoint(SimpleNamespace(bound_shard=shard, work=lambda: None), None, None, None, None)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(60)
+
+    model = tiny_llama()
+    prompt = random_tokens(100, seed=1)
+    prefix_cache = exo_cache.KVPrefixCache(group)
+    mlx_generate(model, prompt, prefix_cache, max_tokens=1)
+    exo_cache._MEMORY_THRESHOLD = 0.0
+    prefix_cache._evict_if_needed()
+    exo_cache._MEMORY_THRESHOLD = 2.0
+    assert runtime.flush(10) and runtime.tier is not None
+    mx.eval(mx.distributed.all_sum(mx.array([1.0]), group=group))  # both spilled
+
+    lookup = runtime.tier.lookup
+    if rank == 1:
+        runtime.tier.lookup = lambda *args: min(lookup(*args), 3)  # type: ignore[method-assign]
+
+    longer = mx.concatenate([prompt, random_tokens(20, seed=2)])
+    cold = mlx_generate(model, longer, None, max_tokens=4)
+    partial = mlx_generate(model, longer, exo_cache.KVPrefixCache(group), max_tokens=4)
+
+    if rank == 1:
+
+        def broken_lookup(*args: object) -> int:
+            raise ConnectionError("this rank's vault lookup fails")
+
+        runtime.tier.lookup = broken_lookup  # type: ignore[method-assign]
+    failed = mlx_generate(model, longer, exo_cache.KVPrefixCache(group), max_tokens=4)
+    result = {
+        "rank": rank,
+        "cold": [cold.prefilled, cold.tokens],
+        "partial": [partial.prefilled, partial.tokens],
+        "failed": [failed.prefilled, failed.tokens],
+    }
+    print(json.dumps(result), flush=True)
+    hook.shutdown()
+
+
+if __name__ == "__main__":
+    main()

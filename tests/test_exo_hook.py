@@ -1,0 +1,238 @@
+"""The EXO hook end to end: a tiny random mlx-lm Llama, the EXO-shaped fixture package armed by
+the real boot module, and a real vault on loopback."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import VaultHandle
+from fake_exo.tiny_mlx import random_tokens, tiny_llama
+from fake_exo.tree import FIXTURE_SRC
+from mlx_lm.models.cache import RotatingKVCache
+
+from tierkv.connectors.exo import boot, hook
+
+pytestmark = pytest.mark.mlx
+
+BLOCK = 16
+
+
+@dataclass
+class Exo:
+    """The fixture package as EXO's runner would see it, with the hook armed."""
+
+    cache: ModuleType
+    generate: ModuleType
+    bootstrap: ModuleType
+
+
+def start_exo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault_address: str, write_through: bool = False
+) -> Exo:
+    """Point tierkv's config at `vault_address`, arm the boot hook, import the fixture package and
+    start a runner through EXO's entry point (which binds the shard)."""
+    config = tmp_path / "tierkv.toml"
+    config.write_text(
+        f'[cluster]\nkv_cold = "{vault_address}"\n[client]\ndeadline_ms = 300\n'
+        f"[exo]\nblock_tokens = {BLOCK}\nwrite_through = {str(write_through).lower()}\n"
+    )
+    monkeypatch.setenv("TIERKV_CONFIG", str(config))
+    monkeypatch.syspath_prepend(str(FIXTURE_SRC))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    for name in [m for m in sys.modules if m == "exo" or m.startswith("exo.")]:
+        monkeypatch.delitem(sys.modules, name)
+    boot.arm()
+    exo = Exo(
+        importlib.import_module("exo.worker.engines.mlx.cache"),
+        importlib.import_module("exo.worker.engines.mlx.generator.generate"),
+        importlib.import_module("exo.worker.runner.bootstrap"),
+    )
+    shard = type("PipelineShardMetadata", (), {})()
+    shard.model_card = SimpleNamespace(model_id="tests/tiny-llama")
+    shard.start_layer, shard.end_layer, shard.device_rank, shard.world_size = 0, 2, 0, 1
+    exo.bootstrap.entrypoint(SimpleNamespace(bound_shard=shard, work=lambda: None), *[None] * 4)
+    return exo
+
+
+@pytest.fixture(autouse=True)
+def stop_runtime() -> Iterator[None]:
+    yield
+    hook.shutdown()
+
+
+def evict_everything(exo: Exo, monkeypatch: pytest.MonkeyPatch, prefix_cache: Any) -> None:
+    """What EXO does under memory pressure (EXO_MEMORY_THRESHOLD=0): the next add evicts."""
+    monkeypatch.setattr(exo.cache, "_MEMORY_THRESHOLD", 0.0)
+    prefix_cache._evict_if_needed()
+    monkeypatch.setattr(exo.cache, "_MEMORY_THRESHOLD", 2.0)
+
+
+def test_eviction_spills_and_the_next_request_restores_only_the_missing_suffix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+) -> None:
+    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(60)
+    model = tiny_llama(dtype=mx.bfloat16)
+    prompt = random_tokens(100, seed=1)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+
+    first = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+    assert first.prefilled == 100
+    (entry,) = prefix_cache.caches
+    assert [layer.offset for layer in entry] == [98, 98]  # EXO keeps len(prompt) - 2 tokens
+    stored_keys = np.array(entry[1].keys[..., :96, :].astype(mx.float32))
+
+    evict_everything(exo, monkeypatch, prefix_cache)
+    assert prefix_cache.caches == []
+    assert runtime.flush(10)
+    stats = runtime.tier.stats() if runtime.tier else {}
+    assert stats["sent_blocks"] == 6 * 2 * 2  # 6 full blocks of 98 tokens, 2 layers, K and V
+    assert vault.store.stats().entries == 24
+
+    longer = mx.concatenate([prompt, random_tokens(20, seed=2)])
+    cache, remaining, index, exact = prefix_cache.get_kv_cache(model, longer)
+    assert (len(remaining), index, exact) == (120 - 96, None, False)
+    assert all(layer.offset == 96 for layer in cache)
+    assert np.array_equal(np.array(cache[1].keys[..., :96, :].astype(mx.float32)), stored_keys)
+
+    # EXO v1.0.68-v1.0.69 returned a 3-tuple: the rebuilt result keeps the caller's shape.
+    plain = type(prefix_cache).get_kv_cache.__wrapped__(prefix_cache, model, longer)
+    assert len(runtime.restore(prefix_cache, model, longer, plain[:3])) == 3
+
+    restored = exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=6)
+    cold = exo.generate.mlx_generate(model, longer, None, max_tokens=6)
+    assert restored.prefilled == 24
+    assert cold.prefilled == 120
+    assert restored.tokens == cold.tokens
+
+
+def test_a_local_hit_as_long_as_the_vault_prefix_is_left_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+) -> None:
+    exo = start_exo(tmp_path, monkeypatch, vault.address, write_through=True)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(60)
+    model = tiny_llama()
+    prompt = random_tokens(70, seed=3)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=1)
+    assert runtime.flush(10)
+    assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 4 * 2 * 2
+
+    again = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=4)
+    assert again.prefilled == 2  # EXO's own hit (68 = len - 2 tokens) beats the vault's 64
+    assert again.tokens == exo.generate.mlx_generate(model, prompt, None, max_tokens=4).tokens
+
+
+@pytest.mark.parametrize("never_up", [False, True])
+def test_with_the_vault_down_exo_gives_the_same_tokens_as_without_tierkv(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    free_port: int,
+    never_up: bool,
+) -> None:
+    address = f"127.0.0.1:{free_port}" if never_up else vault.address
+    exo = start_exo(tmp_path, monkeypatch, address)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(60)
+    model = tiny_llama()
+    prompt = random_tokens(100, seed=4)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=1)
+    evict_everything(exo, monkeypatch, prefix_cache)
+    runtime.flush(5)
+    vault.stop()  # the spilled blocks die with it
+
+    longer = mx.concatenate([prompt, random_tokens(20, seed=5)])
+    started = time.monotonic()
+    with_tierkv = exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=6)
+    assert time.monotonic() - started < 2.0  # at most one 300 ms deadline, never a stall
+    without = exo.generate.mlx_generate(model, longer, None, max_tokens=6)
+    assert with_tierkv.prefilled == 120
+    assert with_tierkv.tokens == without.tokens
+
+
+def test_other_cache_kinds_are_left_to_exo_and_reported_once(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(60)
+    model = tiny_llama()
+    model.make_cache = lambda: [RotatingKVCache(max_size=512) for _ in model.layers]
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    monkeypatch.setattr(hook, "_reported", set())
+    with caplog.at_level(logging.WARNING, logger="tierkv.exo"):
+        for seed in (6, 7):
+            prompt = random_tokens(60, seed=seed)
+            exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=1)
+            evict_everything(exo, monkeypatch, prefix_cache)
+            again = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=2)
+            assert again.prefilled == 60
+    assert runtime.flush(10)
+    assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 0
+    reports = [r for r in caplog.records if "RotatingKVCache" in r.getMessage()]
+    assert len(reports) == 1
+
+
+def test_tierkv_disable_leaves_exo_unpatched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TIERKV_DISABLE", "1")
+    exo = start_exo(tmp_path, monkeypatch, "127.0.0.1:1")
+    assert not boot.arm()
+    assert not hasattr(exo.cache.KVPrefixCache, "__tierkv_patched__")
+    assert not hasattr(exo.bootstrap.entrypoint, "__tierkv_patched__")
+
+
+def test_ranks_agree_on_the_shortest_restorable_prefix(
+    tmp_path: Path, vault: VaultHandle, free_port: int
+) -> None:
+    """Two ring-backend ranks on loopback (see fake_exo/two_ranks.py for the scenario)."""
+    config = tmp_path / "tierkv.toml"
+    config.write_text(f'[cluster]\nkv_cold = "{vault.address}"\n[exo]\nblock_tokens = {BLOCK}\n')
+    script = Path(__file__).parent / "fake_exo" / "two_ranks.py"
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    command = [str(launcher), "-n", "2", "-p", str(free_port), "--python", sys.executable]
+    process = subprocess.Popen(
+        [*command, str(script)],
+        env={**os.environ, "TIERKV_CONFIG": str(config)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    ranks = {r["rank"]: r for r in map(json.loads, re.findall(r"^\{.*\}$", output, re.M))}
+    assert sorted(ranks) == [0, 1], output
+    for rank in ranks.values():
+        cold_prefilled, cold_tokens = rank["cold"]
+        assert cold_prefilled == 120
+        assert rank["partial"] == [120 - 3 * BLOCK, cold_tokens]  # rank 1 holds 3 blocks only
+        assert rank["failed"] == [120, cold_tokens]  # rank 1's lookup failed: nobody restores
