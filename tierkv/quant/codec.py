@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
-from tierkv.quant import int8, lossless
+from tierkv.quant import int8, lossless, turbo
 from tierkv.quant.fidelity import fidelity
 from tierkv.quant.payload import (
     CODEC_NAMES,
     DTYPE_BYTES,
+    TURBO_MODES,
     PayloadError,
     PayloadHeader,
     input_words,
@@ -34,6 +36,7 @@ class Codec(Protocol):
 _FACTORIES: dict[str, Callable[[int], Codec]] = {
     "none": lossless.LosslessCodec,
     "int8": int8.Int8Codec,
+    **{name: functools.partial(turbo.named_codec, name) for name in TURBO_MODES},
 }
 
 _BodyBytes = Callable[[PayloadHeader], int]
@@ -41,10 +44,12 @@ _Decoder = Callable[[PayloadHeader, np.ndarray, np.ndarray], None]
 _BODY_BYTES: dict[str, _BodyBytes] = {
     "none": lambda h: h.size * DTYPE_BYTES[h.dtype],
     "int8": lambda h: int8.body_bytes(h.size, h.group_size),
+    **dict.fromkeys(TURBO_MODES, turbo.body_bytes),
 }
 _DECODERS: dict[str, _Decoder] = {
     "none": lambda h, body, out: lossless.decode_body(body, out),
     "int8": int8.decode_body,
+    **dict.fromkeys(TURBO_MODES, turbo.decode_body),
 }
 
 
@@ -61,6 +66,14 @@ def decode_into(payload: bytes | bytearray | memoryview, out: np.ndarray) -> Non
     `out` must be C-contiguous with the payload's element size and element count; the kernels
     release the GIL. Raises PayloadError for a malformed payload or a mismatching `out`.
     """
+    header, body = checked_body(payload)
+    words = output_words(out, header)
+    _DECODERS[header.codec](header, np.frombuffer(body, np.uint8), words)
+
+
+def checked_body(payload: bytes | bytearray | memoryview) -> tuple[PayloadHeader, memoryview]:
+    """The validated header and body of `payload`; PayloadError when the body length does not
+    match what the header's codec, shape and group size need."""
     header, body = parse_header(payload)
     expected = _BODY_BYTES[header.codec](header)
     if len(body) != expected:
@@ -68,8 +81,7 @@ def decode_into(payload: bytes | bytearray | memoryview, out: np.ndarray) -> Non
             f"{header.codec} payload body is {len(body)} bytes, shape {header.shape} with "
             f"group_size {header.group_size} needs {expected}"
         )
-    words = output_words(out, header)
-    _DECODERS[header.codec](header, np.frombuffer(body, np.uint8), words)
+    return header, body
 
 
 def encode_block(
@@ -91,8 +103,6 @@ def encode_block(
 def warmup() -> None:
     """Compile (or load from Numba's cache) every kernel for every dtype, so no request pays it."""
     for name in CODEC_NAMES:
-        if name not in _FACTORIES:
-            continue
         codec = get_codec(name, 128)
         for dtype, array in (
             ("fp16", np.zeros((2, 128), np.float16)),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from tierkv.quant.kernels import to_f32
+from tierkv.quant.kernels import CHUNK_VALUES, to_f32, use_threads
 from tierkv.quant.payload import DTYPE_CODES, input_words
 
 
@@ -21,33 +21,49 @@ class Fidelity:
     max_abs_err: float
 
 
-_CHUNK_VALUES = 4096
+@njit(cache=True, nogil=True)
+def _sums_range(ref, approx, code, start, stop, sums):
+    """Add sum ref^2, sum approx^2, sum ref*approx, sum err^2 over [start, stop) to sums[:4] and
+    fold max |err| into sums[4] (float64)."""
+    r32 = np.empty(stop - start, np.float32)
+    a32 = np.empty(stop - start, np.float32)
+    to_f32(ref[start:stop], code, r32)
+    to_f32(approx[start:stop], code, a32)
+    rr = aa = ra = ee = mx = 0.0
+    for i in range(stop - start):
+        r = np.float64(r32[i])
+        a = np.float64(a32[i])
+        rr += r * r
+        aa += a * a
+        ra += r * a
+        ee += (r - a) * (r - a)
+        mx = max(mx, abs(r - a))
+    sums[0] += rr
+    sums[1] += aa
+    sums[2] += ra
+    sums[3] += ee
+    sums[4] = max(sums[4], mx)
+
+
+@njit(cache=True, nogil=True)
+def _sums_serial(ref, approx, code):
+    sums = np.zeros(5, np.float64)
+    for start in range(0, ref.size, CHUNK_VALUES):
+        _sums_range(ref, approx, code, start, min(ref.size, start + CHUNK_VALUES), sums)
+    return sums
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _sums(ref, approx, code):
-    """(sum ref^2, sum approx^2, sum ref*approx, sum err^2, max |err|), accumulated in float64."""
-    n = ref.size
-    n_chunks = (n + _CHUNK_VALUES - 1) // _CHUNK_VALUES
+def _sums_parallel(ref, approx, code):
+    n_chunks = (ref.size + CHUNK_VALUES - 1) // CHUNK_VALUES
     parts = np.zeros((n_chunks, 5), np.float64)
     for c in prange(n_chunks):
-        start, stop = c * _CHUNK_VALUES, min(n, (c + 1) * _CHUNK_VALUES)
-        r32 = np.empty(stop - start, np.float32)
-        a32 = np.empty(stop - start, np.float32)
-        to_f32(ref[start:stop], code, r32)
-        to_f32(approx[start:stop], code, a32)
-        rr = aa = ra = ee = mx = 0.0
-        for i in range(stop - start):
-            r = np.float64(r32[i])
-            a = np.float64(a32[i])
-            rr += r * r
-            aa += a * a
-            ra += r * a
-            ee += (r - a) * (r - a)
-            mx = max(mx, abs(r - a))
-        parts[c, 0], parts[c, 1], parts[c, 2], parts[c, 3], parts[c, 4] = rr, aa, ra, ee, mx
-    totals = parts.sum(axis=0)
-    return totals[0], totals[1], totals[2], totals[3], parts[:, 4].max() if n_chunks else 0.0
+        start = c * CHUNK_VALUES
+        _sums_range(ref, approx, code, start, min(ref.size, start + CHUNK_VALUES), parts[c])
+    sums = parts.sum(axis=0)
+    if n_chunks:
+        sums[4] = parts[:, 4].max()
+    return sums
 
 
 def fidelity(ref: np.ndarray, approx: np.ndarray, dtype: str | None = None) -> Fidelity:
@@ -59,7 +75,8 @@ def fidelity(ref: np.ndarray, approx: np.ndarray, dtype: str | None = None) -> F
         raise ValueError(f"fidelity needs equal shapes, got {ref.shape} and {approx.shape}")
     ref_words, dtype = input_words(ref, dtype)
     approx_words, _ = input_words(approx, dtype)
-    rr, aa, ra, ee, mx = _sums(ref_words, approx_words, DTYPE_CODES[dtype])
+    sums = _sums_parallel if use_threads(ref_words.nbytes) else _sums_serial
+    rr, aa, ra, ee, mx = (float(v) for v in sums(ref_words, approx_words, DTYPE_CODES[dtype]))
     snr = math.inf if ee == 0.0 else (10.0 * math.log10(rr / ee) if rr > 0.0 else -math.inf)
     degenerate = rr == 0.0 or aa == 0.0
     cosine = (1.0 if rr == aa else 0.0) if degenerate else ra / math.sqrt(rr * aa)

@@ -14,13 +14,13 @@ output type. Every step is IEEE float32 arithmetic, so torch_ops reproduces it b
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
 from tierkv.quant.kernels import (
+    CHUNK_VALUES,
     bits_value,
+    block_exponent,
     f32_to_half,
     from_f32,
     half_to_f32,
@@ -29,6 +29,7 @@ from tierkv.quant.kernels import (
     pow2,
     read_u16,
     to_f32,
+    use_threads,
     write_u16,
 )
 from tierkv.quant.payload import (
@@ -42,25 +43,11 @@ from tierkv.quant.payload import (
 _ROUND_MAGIC = np.float32(12582912.0)
 """1.5 * 2**23: (x + M) - M rounds x half to even for |x| < 2**22."""
 _QMAX = np.float32(127.0)
-_SCALE_TOP_EXP = 15
-"""The largest scale of a block is stored in [2**(_SCALE_TOP_EXP - 1), 2**_SCALE_TOP_EXP)."""
 
 
 def body_bytes(n: int, group_size: int) -> int:
     """Body length for `n` values in groups of `group_size`."""
     return 2 + 2 * -(-n // group_size) + n
-
-
-@njit(cache=True, nogil=True)
-def block_exponent(max_value):
-    """k such that max_value * 2**-k lies in [2**14, 2**15); 0 for an all-zero block.
-
-    Clamped to [-149, 127] so 2**k stays a (possibly subnormal) float32.
-    """
-    if max_value <= 0.0:
-        return 0
-    _, e = math.frexp(max_value)
-    return min(max(e - _SCALE_TOP_EXP, -149), 127)
 
 
 @njit(cache=True, nogil=True)
@@ -79,69 +66,112 @@ def step_of(h, pow2k):
     return np.float32(np.float64(half_to_f32(h)) * pow2k)
 
 
-_CHUNK_VALUES = 1 << 15
-"""Values per parallel work item (whole groups)."""
+@njit(cache=True, nogil=True)
+def _scale_groups(words, code, group_size, scales, g_lo, g_hi):
+    """scales[g] = absmax / 127 for groups [g_lo, g_hi); returns how many hold NaN/Inf."""
+    nonfinite = 0
+    for g in range(g_lo, g_hi):
+        bits = max_abs_bits(words[g * group_size : (g + 1) * group_size], code)
+        nonfinite += bits >= nonfinite_bits(code)
+        scales[g] = bits_value(bits, code) / _QMAX
+    return nonfinite
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def encode_kernel(words, code, group_size, out, base):
+@njit(cache=True, nogil=True)
+def _quantize_groups(words, code, group_size, scales, k, out, base, g_lo, g_hi):
+    """Write the fp16 scales and int8 values of groups [g_lo, g_hi) into out[base:]."""
+    n_groups = scales.size
+    pow2k, inv_pow2k = pow2(k), pow2(-k)
+    q_base = base + 2 + 2 * n_groups
+    buf = np.empty(group_size, np.float32)
+    for g in range(g_lo, g_hi):
+        h = scale_to_half(scales[g], inv_pow2k)
+        write_u16(out, base + 2 + 2 * g, h)
+        step = step_of(h, pow2k)
+        group = words[g * group_size : (g + 1) * group_size]
+        q = out[q_base + g * group_size : q_base + g * group_size + group.size]
+        if step > np.float32(0.0):
+            to_f32(group, code, buf)
+            for i in range(group.size):
+                v = min(max(buf[i] / step, -_QMAX), _QMAX)
+                q[i] = np.uint8(np.int8((v + _ROUND_MAGIC) - _ROUND_MAGIC))
+        else:
+            q[:] = 0
+
+
+@njit(cache=True, nogil=True)
+def _dequantize_groups(body, code, group_size, out_words, g_lo, g_hi):
+    """Decode groups [g_lo, g_hi) of an int8 body into `out_words`."""
+    n = out_words.size
+    pow2k = pow2(np.int16(read_u16(body, 0)))
+    q_base = 2 + 2 * ((n + group_size - 1) // group_size)
+    values = body[q_base : q_base + n].view(np.int8)
+    buf = np.empty(group_size, np.float32)
+    for g in range(g_lo, g_hi):
+        step = step_of(read_u16(body, 2 + 2 * g), pow2k)
+        q = values[g * group_size : (g + 1) * group_size]
+        for i in range(q.size):
+            buf[i] = np.float32(q[i]) * step
+        from_f32(buf[: q.size], code, out_words[g * group_size : (g + 1) * group_size])
+
+
+@njit(cache=True, nogil=True)
+def _write_exponent(scales, out, base):
+    """Choose the block exponent from the largest scale and store it; returns it."""
+    k = block_exponent(scales.max()) if scales.size else 0
+    write_u16(out, base, np.uint16(np.int16(k)))
+    return k
+
+
+@njit(cache=True, nogil=True)
+def encode_serial(words, code, group_size, out, base):
     """Quantize `words` into out[base:]; returns the number of groups holding NaN/Inf (0 = ok)."""
-    n = words.size
-    n_groups = (n + group_size - 1) // group_size
-    per_chunk = max(1, _CHUNK_VALUES // group_size)
-    n_chunks = (n_groups + per_chunk - 1) // per_chunk
+    n_groups = (words.size + group_size - 1) // group_size
     scales = np.empty(n_groups, np.float32)
-    bad = 0
-    for c in prange(n_chunks):
-        nonfinite = 0
-        for g in range(c * per_chunk, min(n_groups, (c + 1) * per_chunk)):
-            bits = max_abs_bits(words[g * group_size : (g + 1) * group_size], code)
-            nonfinite += bits >= nonfinite_bits(code)
-            scales[g] = bits_value(bits, code) / _QMAX
-        bad += nonfinite
+    bad = _scale_groups(words, code, group_size, scales, 0, n_groups)
     if bad:
         return bad
-    k = block_exponent(scales.max()) if n_groups else 0
-    write_u16(out, base, np.uint16(np.int16(k)))
-    pow2k = pow2(k)
-    inv_pow2k = pow2(-k)
-    q_base = base + 2 + 2 * n_groups
-    for c in prange(n_chunks):
-        buf = np.empty(group_size, np.float32)
-        for g in range(c * per_chunk, min(n_groups, (c + 1) * per_chunk)):
-            h = scale_to_half(scales[g], inv_pow2k)
-            write_u16(out, base + 2 + 2 * g, h)
-            step = step_of(h, pow2k)
-            group = words[g * group_size : (g + 1) * group_size]
-            q = out[q_base + g * group_size : q_base + g * group_size + group.size]
-            if step > np.float32(0.0):
-                to_f32(group, code, buf)
-                for i in range(group.size):
-                    v = min(max(buf[i] / step, -_QMAX), _QMAX)
-                    q[i] = np.uint8(np.int8((v + _ROUND_MAGIC) - _ROUND_MAGIC))
-            else:
-                q[:] = 0
+    k = _write_exponent(scales, out, base)
+    _quantize_groups(words, code, group_size, scales, k, out, base, 0, n_groups)
     return 0
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def decode_kernel(body, code, group_size, out_words):
-    """Dequantize an int8 body into `out_words` (sizes already validated)."""
-    n = out_words.size
-    n_groups = (n + group_size - 1) // group_size
-    per_chunk = max(1, _CHUNK_VALUES // group_size)
+def encode_parallel(words, code, group_size, out, base):
+    """encode_serial split across threads."""
+    n_groups = (words.size + group_size - 1) // group_size
+    per_chunk = max(1, CHUNK_VALUES // group_size)
     n_chunks = (n_groups + per_chunk - 1) // per_chunk
-    pow2k = pow2(np.int16(read_u16(body, 0)))
-    q_base = 2 + 2 * n_groups
-    values = body[q_base : q_base + n].view(np.int8)
+    scales = np.empty(n_groups, np.float32)
+    bad = 0
     for c in prange(n_chunks):
-        buf = np.empty(group_size, np.float32)
-        for g in range(c * per_chunk, min(n_groups, (c + 1) * per_chunk)):
-            step = step_of(read_u16(body, 2 + 2 * g), pow2k)
-            q = values[g * group_size : (g + 1) * group_size]
-            for i in range(q.size):
-                buf[i] = np.float32(q[i]) * step
-            from_f32(buf[: q.size], code, out_words[g * group_size : (g + 1) * group_size])
+        lo, hi = c * per_chunk, min(n_groups, (c + 1) * per_chunk)
+        bad += _scale_groups(words, code, group_size, scales, lo, hi)
+    if bad:
+        return bad
+    k = _write_exponent(scales, out, base)
+    for c in prange(n_chunks):
+        lo, hi = c * per_chunk, min(n_groups, (c + 1) * per_chunk)
+        _quantize_groups(words, code, group_size, scales, k, out, base, lo, hi)
+    return 0
+
+
+@njit(cache=True, nogil=True)
+def decode_serial(body, code, group_size, out_words):
+    """Dequantize an int8 body into `out_words` (sizes already validated)."""
+    n_groups = (out_words.size + group_size - 1) // group_size
+    _dequantize_groups(body, code, group_size, out_words, 0, n_groups)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def decode_parallel(body, code, group_size, out_words):
+    """decode_serial split across threads."""
+    n_groups = (out_words.size + group_size - 1) // group_size
+    per_chunk = max(1, CHUNK_VALUES // group_size)
+    n_chunks = (n_groups + per_chunk - 1) // per_chunk
+    for c in prange(n_chunks):
+        lo, hi = c * per_chunk, min(n_groups, (c + 1) * per_chunk)
+        _dequantize_groups(body, code, group_size, out_words, lo, hi)
 
 
 class Int8Codec:
@@ -161,7 +191,8 @@ class Int8Codec:
         header = pack_header(self.name, dtype, shape, self.group_size, body_len)
         out = np.empty(len(header) + body_len, np.uint8)
         out[: len(header)] = np.frombuffer(header, np.uint8)
-        bad = encode_kernel(words, DTYPE_CODES[dtype], self.group_size, out, len(header))
+        encode = encode_parallel if use_threads(words.nbytes) else encode_serial
+        bad = encode(words, DTYPE_CODES[dtype], self.group_size, out, len(header))
         if bad:
             raise NonFiniteError(f"block holds NaN/Inf in {bad} of its groups of {self.group_size}")
         return out.tobytes()
@@ -169,4 +200,5 @@ class Int8Codec:
 
 def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) -> None:
     """Decode an int8 body (length already validated) into `out_words`."""
-    decode_kernel(body, DTYPE_CODES[header.dtype], header.group_size, out_words)
+    decode = decode_parallel if use_threads(out_words.nbytes) else decode_serial
+    decode(body, DTYPE_CODES[header.dtype], header.group_size, out_words)

@@ -18,13 +18,27 @@ from numba.extending import intrinsic
 FP16, BF16, FP32 = 0, 1, 2
 """Dtype codes used by the kernels and in the payload header."""
 
+PARALLEL_MIN_BYTES = 8 << 20
+"""Blocks at least this large use the multi-threaded kernels; smaller ones run on the calling
+thread (a parallel region costs milliseconds when the cores are busy, and ColdTier already
+encodes and decodes several blocks at once)."""
+CHUNK_VALUES = 1 << 15
+"""Values per work item of the multi-threaded kernels."""
+
 _FP16_MAX = np.float32(65504.0)
 _BF16_MAX = np.uint32(0x7F7F0000).view(np.float32)
 _FP32_MAX = np.float32(np.finfo(np.float32).max)
 _MAX_FINITE = np.array([_FP16_MAX, _BF16_MAX, _FP32_MAX], dtype=np.float32)
 """Largest finite value per dtype code."""
+_TOP_EXPONENT = 15
+"""block_exponent puts a block's largest stored fp16 value in [2**14, 2**15)."""
 _EXP_ALL_ONES = np.array([0x7C00, 0x7F80, 0x7F800000], dtype=np.uint32)
 """Bit pattern of +Inf per dtype code; |x| bits at or above it are Inf or NaN."""
+
+
+def use_threads(nbytes: int) -> bool:
+    """Whether a block of `nbytes` bytes goes to the multi-threaded kernels."""
+    return nbytes >= PARALLEL_MIN_BYTES
 
 
 @intrinsic
@@ -152,3 +166,15 @@ def write_u16(buf, pos, value):
 def pow2(k):
     """2**k as float64 (exact for the exponents the codecs use)."""
     return math.ldexp(1.0, k)
+
+
+@njit(cache=True, nogil=True)
+def block_exponent(max_value):
+    """k such that max_value * 2**-k lies in [2**14, 2**15); 0 for an all-zero block.
+
+    Clamped to [-126, 127] so 2**k and 2**-k are both normal float32 numbers.
+    """
+    if max_value <= 0.0:
+        return 0
+    _, e = math.frexp(max_value)
+    return min(max(e - _TOP_EXPONENT, -126), 127)

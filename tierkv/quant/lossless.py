@@ -5,26 +5,31 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from tierkv.quant.kernels import max_abs_bits, nonfinite_bits
+from tierkv.quant.kernels import CHUNK_VALUES, max_abs_bits, nonfinite_bits, use_threads
 from tierkv.quant.payload import DTYPE_CODES, NonFiniteError, input_words, pack_header
 
-_CHUNK_VALUES = 1 << 15
+
+@njit(cache=True, nogil=True)
+def count_nonfinite_serial(words, code):
+    """1 when `words` (dtype `code`) holds a NaN or Inf, else 0."""
+    return int(max_abs_bits(words, code) >= nonfinite_bits(code))
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def count_nonfinite_chunks(words, code):
-    """Number of 32K-value chunks of `words` (dtype `code`) that hold a NaN or Inf."""
-    n_chunks = (words.size + _CHUNK_VALUES - 1) // _CHUNK_VALUES
+def count_nonfinite_parallel(words, code):
+    """Number of chunks of `words` (dtype `code`) that hold a NaN or Inf."""
+    n_chunks = (words.size + CHUNK_VALUES - 1) // CHUNK_VALUES
     bad = 0
     for c in prange(n_chunks):
-        chunk = words[c * _CHUNK_VALUES : (c + 1) * _CHUNK_VALUES]
+        chunk = words[c * CHUNK_VALUES : (c + 1) * CHUNK_VALUES]
         bad += max_abs_bits(chunk, code) >= nonfinite_bits(code)
     return bad
 
 
 def check_finite(words: np.ndarray, dtype: str) -> None:
     """Raise NonFiniteError when `words` holds a NaN or Inf."""
-    if count_nonfinite_chunks(words, DTYPE_CODES[dtype]):
+    count = count_nonfinite_parallel if use_threads(words.nbytes) else count_nonfinite_serial
+    if count(words, DTYPE_CODES[dtype]):
         raise NonFiniteError(f"block of {words.size} values holds NaN/Inf")
 
 

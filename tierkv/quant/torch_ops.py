@@ -1,0 +1,274 @@
+"""The codecs on torch tensors (GPU or CPU): the same payloads as the Numba kernels.
+
+A restore on a GPU machine can copy the compressed body over PCIe and decode there. INT8 is bit
+for bit the Numba result (the same float32 operations in the same order); TurboQuant rotates
+with a dense matrix instead of the Walsh–Hadamard butterflies, so it matches within float32
+rounding (an index can flip where a coordinate sits on a decision boundary).
+Only this module of tierkv.quant imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from tierkv.quant.codec import Codec, checked_body
+from tierkv.quant.kernels import block_exponent
+from tierkv.quant.payload import (
+    DTYPE_BYTES,
+    TURBO_MODES,
+    NonFiniteError,
+    PayloadError,
+    PayloadHeader,
+    pack_header,
+)
+from tierkv.quant.turbo import (
+    Instance,
+    TurboCodec,
+    channels_from_mask,
+    named_codec,
+    packed_bytes,
+    selection_groups,
+)
+
+_FLOAT_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+_DTYPE_OF = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_MAX_FINITE = {name: torch.finfo(t).max for name, t in _FLOAT_TYPES.items()}
+
+
+def decode_into(payload: bytes | bytearray | memoryview, out: torch.Tensor) -> None:
+    """Decode `payload` into the contiguous tensor `out` (on any device).
+
+    `out` holds the payload's dtype (float16 / bfloat16 / float32, or a same-size integer view
+    of the raw words) and element count; otherwise PayloadError."""
+    header, body = checked_body(payload)
+    _check_output(out, header)
+    device = out.device
+    raw = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device)
+    if header.codec == "none":
+        values = raw.view(_FLOAT_TYPES[header.dtype])
+        out.view(-1).copy_(values.view(out.dtype))
+        return
+    if header.codec == "int8":
+        decoded = _int8_decode(raw, header)
+    else:
+        decoded = _turbo_decode(raw, header, body)
+    target = _FLOAT_TYPES[header.dtype]
+    bound = _MAX_FINITE[header.dtype]
+    words = decoded.clamp_(-bound, bound).to(target)
+    out.view(-1).copy_(words.view(out.dtype))
+
+
+def encode(codec: Codec, src: torch.Tensor, dtype: str | None = None) -> bytes:
+    """The payload `codec.encode` makes for the same values, computed with torch on src.device.
+
+    dtype is inferred from float16 / bfloat16 / float32 tensors; 16-bit integer views of raw
+    words need dtype="fp16" or "bf16"."""
+    dtype = _dtype_of(src, dtype)
+    shape = tuple(src.shape)
+    flat = src.contiguous().view(-1)
+    if flat.dtype not in _DTYPE_OF:
+        flat = flat.view(_FLOAT_TYPES[dtype])
+    if codec.name == "none":
+        if not bool(torch.isfinite(flat).all()):
+            raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
+        body = flat.view(torch.uint8)
+    else:
+        x = flat.float()
+        if not bool(torch.isfinite(x).all()):
+            raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
+        if codec.name == "int8":
+            body = _int8_encode(x, codec.group_size)
+        elif codec.name in TURBO_MODES:
+            body = _turbo_encode(x, named_codec(codec.name, codec.group_size), shape)
+        else:
+            raise ValueError(f"torch_ops cannot encode with codec {codec.name!r}")
+    header = pack_header(codec.name, dtype, shape, codec.group_size, body.numel())
+    return header + body.cpu().numpy().tobytes()
+
+
+def _dtype_of(src: torch.Tensor, dtype: str | None) -> str:
+    if dtype is None:
+        if src.dtype not in _DTYPE_OF:
+            raise ValueError(
+                f"cannot infer the element type of a {src.dtype} tensor: pass dtype='fp16', "
+                "'bf16' or 'fp32'"
+            )
+        return _DTYPE_OF[src.dtype]
+    if dtype not in DTYPE_BYTES or src.element_size() != DTYPE_BYTES[dtype]:
+        raise ValueError(f"dtype {dtype!r} does not fit a {src.dtype} tensor")
+    return dtype
+
+
+def _check_output(out: torch.Tensor, header: PayloadHeader) -> None:
+    if out.element_size() != DTYPE_BYTES[header.dtype]:
+        raise PayloadError(f"output tensor is {out.dtype} but the payload holds {header.dtype}")
+    if out.dtype.is_floating_point and out.dtype != _FLOAT_TYPES[header.dtype]:
+        raise PayloadError(f"output tensor is {out.dtype} but the payload holds {header.dtype}")
+    if out.numel() != header.size:
+        raise PayloadError(
+            f"output tensor has {out.numel()} elements (shape {tuple(out.shape)}) but the "
+            f"payload holds {header.size} (shape {header.shape})"
+        )
+    if not out.is_contiguous():
+        raise PayloadError("output tensor must be contiguous")
+
+
+# ---- INT8 -----------------------------------------------------------------------------------
+
+
+def _per_group(values: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Pad a flat tensor with zeros to whole groups, shaped (groups, group_size)."""
+    pad = -values.numel() % group_size
+    if pad:
+        values = torch.cat([values, values.new_zeros(pad)])
+    return values.view(-1, group_size)
+
+
+def _int8_steps(scales16: torch.Tensor, k: int) -> torch.Tensor:
+    return (scales16.double() * 2.0**k).float()
+
+
+def _int8_encode(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    n = x.numel()
+    groups = _per_group(x, group_size)
+    scales = groups.abs().amax(dim=1) / 127.0 if n else groups.new_zeros(0)
+    k = int(block_exponent(float(scales.max()))) if n else 0
+    scaled = (scales.double() * 2.0**-k).float()
+    halves = scaled.half()
+    too_big = halves.float() > scaled  # round the scale toward zero, as the kernel does
+    halves = torch.where(too_big, (halves.view(torch.int16) - 1).view(torch.float16), halves)
+    steps = _int8_steps(halves, k)
+    q = torch.where(
+        steps[:, None] > 0,
+        (groups / steps[:, None].clamp_min(torch.finfo(torch.float32).tiny))
+        .clamp(-127.0, 127.0)
+        .round(),
+        0.0,
+    )
+    head = torch.tensor([k], dtype=torch.int16, device=x.device).view(torch.uint8)
+    body = [head, halves.view(torch.uint8), q.view(-1)[:n].to(torch.int8).view(torch.uint8)]
+    return torch.cat(body)
+
+
+def _int8_decode(raw: torch.Tensor, header: PayloadHeader) -> torch.Tensor:
+    n, group_size = header.size, header.group_size
+    n_groups = -(-n // group_size)
+    k = int(raw[:2].view(torch.int16).item())
+    steps = _int8_steps(raw[2 : 2 + 2 * n_groups].view(torch.float16), k)
+    start = 2 + 2 * n_groups
+    q = raw[start : start + n].view(torch.int8).float()
+    return (_per_group(q, group_size) * steps[:, None]).view(-1)[:n]
+
+
+# ---- TurboQuant -----------------------------------------------------------------------------
+
+
+def _index_positions(m: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offset and bit shift of each of m packed indices (the kernels' _pack layout)."""
+    j = np.arange(m)
+    offset = (j // 8) * bits + (j % 8) * bits // 8
+    shift = (j % 8) * bits % 8
+    return offset, shift
+
+
+def _vector_channels(codec: TurboCodec, channels: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """Per vector, its channel order (hi channels first), as an int64 tensor index."""
+    div, mod = selection_groups(shape) if codec.lo is not None else (1, 1)
+    n_vectors = math.prod(shape) // codec.group_size
+    group = (np.arange(n_vectors) // div) % mod
+    return channels[group].astype(np.int64)
+
+
+def _instances(codec: TurboCodec) -> list[tuple[int, Instance, int]]:
+    """(channel offset, instance, packed byte offset in a vector) for each instance."""
+    result = [(0, codec.hi, 0)]
+    if codec.lo is not None:
+        result.append((codec.hi.m, codec.lo, int(packed_bytes(codec.hi.m, codec.hi.bits))))
+    return result
+
+
+def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) -> torch.Tensor:
+    d, device = codec.group_size, x.device
+    if x.numel() % d:
+        raise ValueError(
+            f"{codec.name} encodes whole vectors of group_size={d} values; the block of shape "
+            f"{shape} has {x.numel()} values"
+        )
+    layout = codec.layout(shape)
+    vectors = x.view(-1, d)
+    k = int(block_exponent(float(vectors.abs().max()) * math.sqrt(d))) if x.numel() else 0
+    energy = np.zeros((layout.sel_mod, d))
+    if codec.lo is not None:
+        group = (torch.arange(layout.n_vectors, device=device) // layout.sel_div) % layout.sel_mod
+        sums = torch.zeros((layout.sel_mod, d), dtype=torch.float64, device=device)
+        sums.index_add_(0, group, vectors.double() ** 2)
+        energy = sums.cpu().numpy()
+    channels = codec.channel_map(energy)
+    per_vector = torch.from_numpy(_vector_channels(codec, channels, shape)).to(device)
+    scaled = vectors * 2.0**-k
+    norms = torch.empty((layout.n_vectors, layout.n_instances), device=device)
+    packed = torch.zeros((layout.n_vectors, layout.bytes_per_vector + 1), dtype=torch.int32)
+    packed = packed.to(device)
+    for i, (start, inst, byte_at) in enumerate(_instances(codec)):
+        v = torch.gather(scaled, 1, per_vector[:, start : start + inst.m])
+        norm = v.square().sum(dim=1).sqrt()
+        norms[:, i] = norm
+        inv = torch.where(norm > 0, 1.0 / norm, torch.zeros_like(norm))
+        rot = torch.from_numpy(inst.rotation.as_matrix().astype(np.float32)).to(device)
+        y = (v * inv[:, None]) @ rot.T
+        bounds = torch.from_numpy(inst.codebook.boundaries).to(device)
+        idx = torch.bucketize(y, bounds).to(torch.int32)
+        offset, shift = _index_positions(inst.m, inst.bits)
+        at = torch.from_numpy(offset + byte_at).to(device)
+        shifted = idx << torch.from_numpy(shift).to(device=device, dtype=torch.int32)
+        packed.index_add_(1, at, shifted & 0xFF)
+        packed.index_add_(1, at + 1, shifted >> 8)
+    head = torch.tensor([k], dtype=torch.int16, device=device).view(torch.uint8)
+    parts = [head]
+    if codec.lo is not None:
+        mask = np.zeros((layout.sel_mod, d), bool)
+        np.put_along_axis(mask, channels[:, : codec.hi.m].astype(np.intp), True, axis=1)
+        parts.append(torch.from_numpy(np.packbits(mask, axis=1, bitorder="little")).view(-1))
+        parts[-1] = parts[-1].to(device)
+    parts.append(norms.half().view(-1).view(torch.uint8))
+    parts.append(packed[:, :-1].to(torch.uint8).reshape(-1))
+    return torch.cat(parts)
+
+
+def _turbo_decode(raw: torch.Tensor, header: PayloadHeader, body: memoryview) -> torch.Tensor:
+    codec = named_codec(header.codec, header.group_size)
+    d, device = codec.group_size, raw.device
+    layout = codec.layout(header.shape)
+    host = np.frombuffer(body, np.uint8)
+    k = int(host[:2].view("<i2")[0])
+    if codec.lo is None:
+        channels = np.arange(d, dtype=np.int32)[None, :]
+    else:
+        packed_masks = host[2 : layout.norms_offset].reshape(layout.sel_mod, layout.mask_bytes)
+        mask = np.unpackbits(packed_masks, axis=1, bitorder="little")[:, :d].astype(bool)
+        if np.any(mask.sum(axis=1) != codec.hi.m):
+            raise PayloadError(f"{codec.name} payload has a corrupted channel mask")
+        channels = channels_from_mask(mask)
+    per_vector = torch.from_numpy(_vector_channels(codec, channels, header.shape)).to(device)
+    n = layout.n_vectors
+    norms_end = layout.norms_offset + 2 * layout.n_instances * n
+    norms = raw[layout.norms_offset : norms_end].view(torch.float16).float()
+    norms = norms.view(n, layout.n_instances)
+    indices = raw[norms_end:].view(n, layout.bytes_per_vector).to(torch.int32)
+    indices = torch.cat([indices, indices.new_zeros((n, 1))], dim=1)
+    x = torch.empty((n, d), device=device)
+    for i, (start, inst, byte_at) in enumerate(_instances(codec)):
+        offset, shift = _index_positions(inst.m, inst.bits)
+        at = torch.from_numpy(offset + byte_at).to(device)
+        pair = indices[:, at] | (indices[:, at + 1] << 8)
+        idx = (pair >> torch.from_numpy(shift).to(device=device, dtype=torch.int32)) & (
+            (1 << inst.bits) - 1
+        )
+        centroids = torch.from_numpy(inst.codebook.centroids).to(device)
+        rot = torch.from_numpy(inst.rotation.as_matrix().astype(np.float32)).to(device)
+        u = centroids[idx.long()] @ rot
+        x.scatter_(1, per_vector[:, start : start + inst.m], u * norms[:, i : i + 1])
+    return (x * 2.0**k).view(-1)

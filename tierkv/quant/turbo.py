@@ -1,0 +1,545 @@
+"""TurboQuant codecs: tq4, tq3, tq2 and the mixed-precision tq3.5 and tq2.5.
+
+Each vector of d = group_size values (one head's key or value for one token) is quantized as in
+Zandieh et al. 2025 (arXiv 2504.19874): store its norm, rotate the normalised vector with the
+seeded rotation of `codebooks`, quantize every coordinate with the Lloyd–Max codebook for that
+dimension and bit width, bit-pack the indices. Decode looks the levels up, rotates back and scales.
+
+Mixed modes split the channels into two instances: per selection group (a head, see
+`selection_groups`) the d/4 channels with the most energy in the block (32 of 128) get `hi` bits,
+the other 3d/4 get `lo` bits; each instance has its own norm, rotation and codebook. tq3.5 is
+32 @ 5 + 96 @ 3 bits, tq2.5 is 32 @ 4 + 96 @ 2.
+
+Body: block exponent k (int16)
+      | mixed only: per selection group a bit mask of its hi channels (ceil(d/8) bytes)
+      | per vector and instance an fp16 norm (times 2**-k, so any fp32 norm fits)
+      | per vector its indices, LSB-first bit stream, hi instance first, padded to a byte.
+The element count must be a multiple of d (else encode raises ValueError).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import njit, prange
+
+from tierkv.quant.codebooks import Codebook, Rotation, lloyd_max, rotation
+from tierkv.quant.kernels import (
+    CHUNK_VALUES,
+    bits_value,
+    block_exponent,
+    f32_to_half,
+    from_f32,
+    half_to_f32,
+    max_abs_bits,
+    nonfinite_bits,
+    pow2,
+    read_u16,
+    to_f32,
+    use_threads,
+    write_u16,
+)
+from tierkv.quant.payload import (
+    DTYPE_CODES,
+    TURBO_MODES,
+    NonFiniteError,
+    PayloadError,
+    PayloadHeader,
+    input_words,
+    pack_header,
+)
+
+_ENERGY_CHUNK_VALUES = 1 << 17
+"""Values per work item of the energy scan (each keeps its own per-channel sums)."""
+_TILE = 64
+"""Vectors processed together, laid out as columns so the inner loops run across vectors."""
+
+
+def check_group_size(name: str, group_size: int) -> None:
+    """TurboQuant works on vectors of 16..1024 values, a multiple of 8."""
+    if not (16 <= group_size <= 1024 and group_size % 8 == 0):
+        raise ValueError(
+            f"{name} needs group_size (kv_dim) to be a multiple of 8 in [16, 1024], "
+            f"got {group_size}"
+        )
+
+
+def selection_groups(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(div, mod): vector v belongs to channel-selection group (v // div) % mod.
+
+    A block [..., a, b, d] holds more tokens than KV heads, so the shorter of a and b is taken as
+    the head axis (ties: b), which fits both vLLM's [tokens, heads, d] and MLX's
+    [heads, tokens, d]. Blocks of fewer than three dimensions form a single group.
+    """
+    if len(shape) < 3:
+        return 1, 1
+    a, b = shape[-3], shape[-2]
+    return (1, b) if b <= a else (b, a)
+
+
+class Instance:
+    """One quantizer: `m` channels at `bits` bits, with its rotation and codebook."""
+
+    def __init__(self, m: int, bits: int) -> None:
+        self.m = m
+        self.bits = bits
+        self.rotation: Rotation = rotation(m)
+        self.codebook: Codebook = lloyd_max(m, bits)
+
+    def kernel_args(self) -> tuple[object, ...]:
+        r, c = self.rotation, self.codebook
+        return (self.m, self.bits, r.signs, r.matrix, r.matrix_t, c.centroids, c.boundaries)
+
+
+_NO_INSTANCE = (
+    0,
+    0,
+    np.zeros(0, np.float32),
+    np.zeros((0, 0), np.float32),
+    np.zeros((0, 0), np.float32),
+    np.zeros(1, np.float32),
+    np.zeros(0, np.float32),
+)
+
+
+class Layout:
+    """Byte offsets of a TurboQuant body for `n_vectors` vectors of d values."""
+
+    def __init__(self, d: int, hi: Instance, lo: Instance | None, shape: tuple[int, ...]) -> None:
+        n = math.prod(shape)
+        self.n_vectors = n // d
+        self.sel_div, self.sel_mod = selection_groups(shape) if lo else (1, 1)
+        self.mask_bytes = (d + 7) // 8 if lo else 0
+        self.n_instances = 2 if lo else 1
+        self.norms_offset = 2 + self.sel_mod * self.mask_bytes
+        self.indices_offset = self.norms_offset + 2 * self.n_instances * self.n_vectors
+        self.bytes_per_vector = int(packed_bytes(hi.m, hi.bits)) + (
+            int(packed_bytes(lo.m, lo.bits)) if lo else 0
+        )
+        self.body_bytes = self.indices_offset + self.bytes_per_vector * self.n_vectors
+        self.offsets = (self.norms_offset, self.indices_offset, self.bytes_per_vector)
+
+
+@njit(cache=True, nogil=True)
+def _fwht_columns(y, m, n):
+    """Unnormalised fast Walsh–Hadamard transform of each column y[:m, t], t < n (in place)."""
+    h = 1
+    while h < m:
+        for i in range(0, m, 2 * h):
+            for j in range(i, i + h):
+                for t in range(n):
+                    a = y[j, t]
+                    b = y[j + h, t]
+                    y[j, t] = a + b
+                    y[j + h, t] = a - b
+        h *= 2
+
+
+@njit(cache=True, nogil=True)
+def _scale_rows(y, m, n, factors, common):
+    """y[j, :n] *= factors[j] * common for j < m."""
+    for j in range(m):
+        f = factors[j] * common
+        for t in range(n):
+            y[j, t] *= f
+
+
+@njit(cache=True, nogil=True)
+def _matmul_columns(matrix, y, m, n, tmp):
+    """y[:m, :n] = matrix @ y[:m, :n] (tmp is scratch of the same shape)."""
+    for i in range(m):
+        for t in range(n):
+            tmp[i, t] = np.float32(0.0)
+        for j in range(m):
+            q = matrix[i, j]
+            for t in range(n):
+                tmp[i, t] += q * y[j, t]
+    for i in range(m):
+        for t in range(n):
+            y[i, t] = tmp[i, t]
+
+
+@njit(cache=True, nogil=True)
+def _rotate(y, m, n, signs, matrix, matrix_t, tmp):
+    """y[:m, :n] = R y, columns being vectors (inner loops run across vectors and vectorize).
+    R = WHT . diag(signs) / sqrt(m) when `matrix` is empty, else `matrix`."""
+    if matrix.size == 0:
+        _scale_rows(y, m, n, signs, np.float32(1.0 / math.sqrt(m)))
+        _fwht_columns(y, m, n)
+    else:
+        _matmul_columns(matrix, y, m, n, tmp)
+
+
+@njit(cache=True, nogil=True)
+def _rotate_back(y, m, n, signs, matrix, matrix_t, tmp):
+    """y[:m, :n] = R^T y (inverse of _rotate)."""
+    if matrix.size == 0:
+        _fwht_columns(y, m, n)
+        _scale_rows(y, m, n, signs, np.float32(1.0 / math.sqrt(m)))
+    else:
+        _matmul_columns(matrix_t, y, m, n, tmp)
+
+
+@njit(cache=True, nogil=True)
+def _pack(idx, m, n, bits, out, start, stride):
+    """Bit-pack idx[:m, t] for each vector t into out[start + t * stride:], LSB first, in groups
+    of 8 indices (bits bytes each; a last partial group is padded to a byte)."""
+    for g in range(0, m, 8):
+        count = min(8, m - g)
+        n_bytes = (count * bits + 7) // 8
+        at = start + (g // 8) * bits
+        for t in range(n):
+            acc = np.uint64(0)
+            for i in range(count):
+                acc |= np.uint64(idx[g + i, t]) << np.uint64(bits * i)
+            pos = at + t * stride
+            for byte in range(n_bytes):
+                out[pos + byte] = np.uint8((acc >> np.uint64(8 * byte)) & np.uint64(0xFF))
+
+
+@njit(cache=True, nogil=True)
+def _unpack(buf, m, n, bits, start, stride, idx):
+    """Inverse of _pack."""
+    mask = np.uint64((1 << bits) - 1)
+    for g in range(0, m, 8):
+        count = min(8, m - g)
+        n_bytes = (count * bits + 7) // 8
+        at = start + (g // 8) * bits
+        for t in range(n):
+            pos = at + t * stride
+            acc = np.uint64(0)
+            for byte in range(n_bytes):
+                acc |= np.uint64(buf[pos + byte]) << np.uint64(8 * byte)
+            for i in range(count):
+                idx[g + i, t] = np.int32((acc >> np.uint64(bits * i)) & mask)
+
+
+@njit(cache=True, nogil=True)
+def packed_bytes(m, bits):
+    """Bytes of m indices at `bits` bits packed by _pack."""
+    return (m // 8) * bits + ((m % 8) * bits + 7) // 8
+
+
+@njit(cache=True, nogil=True)
+def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
+    """Norms and packed indices of one instance for vectors v0 .. v0 + n - 1, held in x[:n]
+    (already scaled by 2**-k). select = (channels, div, mod) picks each vector's channel order,
+    offset the instance's first position in it; inst = (m, bits, signs, matrix, matrix_t,
+    centroids, boundaries); scratch = (y, tmp, idx, norms);
+    at = (first norm, norm stride, first index byte, index stride) in out."""
+    channels, sel_div, sel_mod = select
+    m, bits, signs, matrix, matrix_t, _, boundaries = inst
+    y, tmp, idx, norms = scratch
+    norm_at, norm_stride, index_at, index_stride = at
+    for t in range(n):
+        chan = channels[((v0 + t) // sel_div) % sel_mod]
+        ss = np.float32(0.0)
+        for j in range(m):
+            value = x[t, chan[offset + j]]
+            y[j, t] = value
+            ss += value * value
+        norms[t] = np.sqrt(ss)
+        write_u16(out, norm_at + t * norm_stride, f32_to_half(norms[t]))
+        norms[t] = np.float32(1.0) / norms[t] if norms[t] > 0 else np.float32(0.0)
+    for j in range(m):
+        for t in range(n):
+            y[j, t] *= norms[t]
+    _rotate(y, m, n, signs, matrix, matrix_t, tmp)
+    for j in range(m):
+        for t in range(n):
+            idx[j, t] = 0
+        for b in range(boundaries.size):
+            edge = boundaries[b]
+            for t in range(n):
+                idx[j, t] += y[j, t] > edge
+    _pack(idx, m, n, bits, out, index_at, index_stride)
+
+
+@njit(cache=True, nogil=True)
+def _decode_tile(body, n, v0, select, offset, inst, scratch, x, at):
+    """x[:n, channels] = norm * R^T centroids[indices] for one instance (see _encode_tile)."""
+    channels, sel_div, sel_mod = select
+    m, bits, signs, matrix, matrix_t, centroids, _ = inst
+    y, tmp, idx, _ = scratch
+    norm_at, norm_stride, index_at, index_stride = at
+    _unpack(body, m, n, bits, index_at, index_stride, idx)
+    for j in range(m):
+        for t in range(n):
+            y[j, t] = centroids[idx[j, t]]
+    _rotate_back(y, m, n, signs, matrix, matrix_t, tmp)
+    for t in range(n):
+        norm = half_to_f32(read_u16(body, norm_at + t * norm_stride))
+        chan = channels[((v0 + t) // sel_div) % sel_mod]
+        for j in range(m):
+            x[t, chan[offset + j]] = y[j, t] * norm
+
+
+@njit(cache=True, nogil=True)
+def _tile_buffers(d):
+    """Scratch space for one tile: x (vectors as rows), y and tmp (as columns), indices, norms."""
+    return (
+        np.empty((_TILE, d), np.float32),
+        np.empty((d, _TILE), np.float32),
+        np.empty((d, _TILE), np.float32),
+        np.empty((d, _TILE), np.int32),
+        np.empty(_TILE, np.float32),
+    )
+
+
+@njit(cache=True, nogil=True)
+def _scan_range(words, code, d, sel_div, sel_mod, with_energy, v_lo, v_hi, energy):
+    """Largest |x| (as bits) of vectors [v_lo, v_hi); adds their x^2 per selection group and
+    channel to energy when with_energy."""
+    x = np.empty(d, np.float32)
+    max_bits = np.uint32(0)
+    for v in range(v_lo, v_hi):
+        vector = words[v * d : (v + 1) * d]
+        bits = max_abs_bits(vector, code)
+        max_bits = max(max_bits, bits)
+        if with_energy and bits < nonfinite_bits(code):
+            to_f32(vector, code, x)
+            row = energy[(v // sel_div) % sel_mod]
+            for j in range(d):
+                row[j] += np.float64(x[j]) * np.float64(x[j])
+    return max_bits
+
+
+@njit(cache=True, nogil=True)
+def scan_serial(words, code, d, sel_div, sel_mod, with_energy):
+    """(largest |x| as bits, per selection group and channel sum of x^2 when with_energy)."""
+    energy = np.zeros((sel_mod, d), np.float64)
+    max_bits = _scan_range(
+        words, code, d, sel_div, sel_mod, with_energy, 0, words.size // d, energy
+    )
+    return max_bits, energy
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def scan_parallel(words, code, d, sel_div, sel_mod, with_energy):
+    """scan_serial split across threads."""
+    n_vectors = words.size // d
+    per_chunk = max(1, 4 * CHUNK_VALUES // d)
+    n_chunks = (n_vectors + per_chunk - 1) // per_chunk
+    max_bits = np.zeros(max(n_chunks, 1), np.uint32)
+    energy = np.zeros((n_chunks, sel_mod, d), np.float64)
+    for c in prange(n_chunks):
+        lo, hi = c * per_chunk, min(n_vectors, (c + 1) * per_chunk)
+        max_bits[c] = _scan_range(words, code, d, sel_div, sel_mod, with_energy, lo, hi, energy[c])
+    return max_bits.max(), energy.sum(axis=0)
+
+
+@njit(cache=True, nogil=True)
+def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
+    """Encode tiles [t_lo, t_hi) of `words` into `out`.
+
+    select = (channels, div, mod): vector v uses channel order channels[(v // div) % mod];
+    offsets = (norms offset, indices offset, bytes per vector); hi / lo = the instance tuples
+    of _encode_tile (lo has m = 0 when not mixed)."""
+    norms_offset, indices_offset, bpv = offsets
+    n_vectors = words.size // d
+    n_inst = 2 if lo[0] > 0 else 1
+    lo_index_offset = packed_bytes(hi[0], hi[1])
+    inv_pow2k = np.float32(pow2(-k))
+    x, y, tmp, idx, norms = _tile_buffers(d)
+    scratch = (y, tmp, idx, norms)
+    for tile in range(t_lo, t_hi):
+        v0 = tile * _TILE
+        n = min(_TILE, n_vectors - v0)
+        flat = x.reshape(-1)[: n * d]
+        to_f32(words[v0 * d : (v0 + n) * d], code, flat)
+        for i in range(n * d):
+            flat[i] *= inv_pow2k
+        norm_at = norms_offset + 2 * n_inst * v0
+        index_at = indices_offset + bpv * v0
+        at = (norm_at, 2 * n_inst, index_at, bpv)
+        _encode_tile(x, n, v0, select, 0, hi, scratch, out, at)
+        if n_inst == 2:
+            at = (norm_at + 2, 2 * n_inst, index_at + lo_index_offset, bpv)
+            _encode_tile(x, n, v0, select, hi[0], lo, scratch, out, at)
+
+
+@njit(cache=True, nogil=True)
+def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi):
+    """Decode tiles [t_lo, t_hi) of a TurboQuant body into `out_words` (see _encode_tiles)."""
+    norms_offset, indices_offset, bpv = offsets
+    n_vectors = out_words.size // d
+    n_inst = 2 if lo[0] > 0 else 1
+    lo_index_offset = packed_bytes(hi[0], hi[1])
+    pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
+    x, y, tmp, idx, norms = _tile_buffers(d)
+    scratch = (y, tmp, idx, norms)
+    for tile in range(t_lo, t_hi):
+        v0 = tile * _TILE
+        n = min(_TILE, n_vectors - v0)
+        norm_at = norms_offset + 2 * n_inst * v0
+        index_at = indices_offset + bpv * v0
+        _decode_tile(body, n, v0, select, 0, hi, scratch, x, (norm_at, 2 * n_inst, index_at, bpv))
+        if n_inst == 2:
+            at = (norm_at + 2, 2 * n_inst, index_at + lo_index_offset, bpv)
+            _decode_tile(body, n, v0, select, hi[0], lo, scratch, x, at)
+        flat = x.reshape(-1)[: n * d]
+        for i in range(n * d):
+            flat[i] *= pow2k
+        from_f32(flat, code, out_words[v0 * d : (v0 + n) * d])
+
+
+@njit(cache=True, nogil=True)
+def encode_serial(words, code, d, select, k, out, offsets, hi, lo):
+    """Encode every vector of `words` into `out` (offsets relative to out[0])."""
+    n_tiles = (words.size // d + _TILE - 1) // _TILE
+    _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, 0, n_tiles)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def encode_parallel(words, code, d, select, k, out, offsets, hi, lo):
+    """encode_serial split across threads."""
+    n_tiles = (words.size // d + _TILE - 1) // _TILE
+    per_chunk = max(1, CHUNK_VALUES // (_TILE * d))
+    for c in prange((n_tiles + per_chunk - 1) // per_chunk):
+        t_lo, t_hi = c * per_chunk, min(n_tiles, (c + 1) * per_chunk)
+        _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi)
+
+
+@njit(cache=True, nogil=True)
+def decode_serial(body, code, d, select, out_words, offsets, hi, lo):
+    """Decode every vector of a TurboQuant body into `out_words`."""
+    n_tiles = (out_words.size // d + _TILE - 1) // _TILE
+    _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, 0, n_tiles)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def decode_parallel(body, code, d, select, out_words, offsets, hi, lo):
+    """decode_serial split across threads."""
+    n_tiles = (out_words.size // d + _TILE - 1) // _TILE
+    per_chunk = max(1, CHUNK_VALUES // (_TILE * d))
+    for c in prange((n_tiles + per_chunk - 1) // per_chunk):
+        t_lo, t_hi = c * per_chunk, min(n_tiles, (c + 1) * per_chunk)
+        _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
+
+
+class TurboCodec:
+    """TurboQuant with `hi_bits` on every channel, or mixed: d/4 channels at `hi_bits` and the
+    rest at `lo_bits`."""
+
+    def __init__(self, name: str, group_size: int, hi_bits: int, lo_bits: int, mixed: bool):
+        check_group_size(name, group_size)
+        self.name = name
+        self.group_size = group_size
+        self.hi = Instance(group_size // 4 if mixed else group_size, hi_bits)
+        self.lo = Instance(group_size - group_size // 4, lo_bits) if mixed else None
+
+    @classmethod
+    def named(cls, name: str, group_size: int = 128) -> TurboCodec:
+        """The registered mode `name` (tq4, tq3.5, tq3, tq2.5, tq2)."""
+        hi_bits, lo_bits, mixed = TURBO_MODES[name]
+        return cls(name, group_size, hi_bits, lo_bits, mixed)
+
+    def layout(self, shape: tuple[int, ...]) -> Layout:
+        return Layout(self.group_size, self.hi, self.lo, shape)
+
+    def kernel_args(self) -> tuple[tuple[object, ...], tuple[object, ...]]:
+        """The (hi, lo) instance tuples the kernels take."""
+        return self.hi.kernel_args(), self.lo.kernel_args() if self.lo else _NO_INSTANCE
+
+    def channel_map(self, energy: np.ndarray) -> np.ndarray:
+        """Per selection group: its hi channels (ascending) then its lo channels (ascending)."""
+        d = self.group_size
+        if self.lo is None:
+            return np.arange(d, dtype=np.int32)[None, :]
+        top = np.argsort(-energy, axis=1, kind="stable")[:, : self.hi.m]
+        mask = np.zeros(energy.shape, bool)
+        np.put_along_axis(mask, top, True, axis=1)
+        return channels_from_mask(mask)
+
+    def encode(self, src: np.ndarray, dtype: str | None = None) -> bytes:
+        words, dtype = input_words(src, dtype)
+        shape = tuple(src.shape)
+        body = self.encode_words(words, dtype, shape)
+        header = pack_header(self.name, dtype, shape, self.group_size, body.size)
+        return b"".join((header, body.data))
+
+    def encode_words(self, words: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The payload body for the flat words of a block of `shape`."""
+        d, code = self.group_size, DTYPE_CODES[dtype]
+        if words.size % d:
+            raise ValueError(
+                f"{self.name} encodes whole vectors of group_size={d} values; the block of shape "
+                f"{shape} has {words.size} values"
+            )
+        layout = self.layout(shape)
+        with_energy = self.lo is not None
+        threads = use_threads(words.nbytes)
+        scan = scan_parallel if threads else scan_serial
+        max_bits, energy = scan(words, code, d, layout.sel_div, layout.sel_mod, with_energy)
+        if max_bits >= nonfinite_bits(code):
+            raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
+        k = block_exponent(np.float64(bits_value(np.uint32(max_bits), code)) * math.sqrt(d))
+        channels = self.channel_map(energy)
+        body = np.empty(layout.body_bytes, np.uint8)
+        body[:2] = np.frombuffer(np.int16(k).astype("<i2").tobytes(), np.uint8)
+        if self.lo is not None:
+            mask = np.zeros((layout.sel_mod, d), bool)
+            np.put_along_axis(mask, channels[:, : self.hi.m].astype(np.intp), True, axis=1)
+            masks = np.packbits(mask, axis=1, bitorder="little")
+            body[2 : layout.norms_offset] = masks.reshape(-1)
+        encode = encode_parallel if threads else encode_serial
+        select = (channels, layout.sel_div, layout.sel_mod)
+        encode(words, code, d, select, k, body, layout.offsets, *self.kernel_args())
+        return body
+
+    def decode_words(
+        self, body: np.ndarray, dtype: str, shape: tuple[int, ...], out_words: np.ndarray
+    ) -> None:
+        """Decode a body (length already checked) into the flat words of the output."""
+        d = self.group_size
+        layout = self.layout(shape)
+        if self.lo is None:
+            channels = np.arange(d, dtype=np.int32)[None, :]
+        else:
+            packed = body[2 : layout.norms_offset].reshape(layout.sel_mod, layout.mask_bytes)
+            mask = np.unpackbits(packed, axis=1, bitorder="little")[:, :d].astype(bool)
+            if np.any(mask.sum(axis=1) != self.hi.m):
+                raise PayloadError(
+                    f"{self.name} payload has a corrupted channel mask (each must select "
+                    f"{self.hi.m} of {d} channels)"
+                )
+            channels = channels_from_mask(mask)
+        decode = decode_parallel if use_threads(out_words.nbytes) else decode_serial
+        select = (channels, layout.sel_div, layout.sel_mod)
+        decode(body, DTYPE_CODES[dtype], d, select, out_words, layout.offsets, *self.kernel_args())
+
+
+def channels_from_mask(mask: np.ndarray) -> np.ndarray:
+    """Per row: indices of the True channels (ascending) then of the False ones, as int32."""
+    order = np.argsort(~mask, axis=1, kind="stable")
+    return np.ascontiguousarray(order, dtype=np.int32)
+
+
+@lru_cache(maxsize=64)
+def named_codec(name: str, group_size: int) -> TurboCodec:
+    """The shared TurboCodec for a registered mode and group size."""
+    return TurboCodec.named(name, group_size)
+
+
+def body_bytes(header: PayloadHeader) -> int:
+    """Body length a TurboQuant payload with `header` must have (PayloadError if impossible)."""
+    d = header.group_size
+    try:
+        check_group_size(header.codec, d)
+    except ValueError as exc:
+        raise PayloadError(f"invalid payload header: {exc}") from None
+    if header.size % d:
+        raise PayloadError(
+            f"invalid {header.codec} payload header: {header.size} values is not a whole number "
+            f"of {d}-value vectors"
+        )
+    return named_codec(header.codec, d).layout(header.shape).body_bytes
+
+
+def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) -> None:
+    """Decode a TurboQuant body (length already validated) into `out_words`."""
+    named_codec(header.codec, header.group_size).decode_words(
+        body, header.dtype, header.shape, out_words
+    )
