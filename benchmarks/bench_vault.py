@@ -8,8 +8,9 @@ The vault runs as a real `tierkv vault` process on 127.0.0.1 (as on a LAN machin
 the network) unless --in-process. Put = queue every block with VaultClient.put and wait for
 flush() (every block acknowledged by the vault); Promote = one VaultClient.promote of every block
 (checksums verified). memcpy = numpy copy of the same number of bytes into a buffer that was
-already touched ("warm"), the tighter reference; "cold" copies into fresh memory. Each round
-re-stores the same keys, so later rounds show the steady state of a full vault.
+already touched ("warm"), the tighter reference; "cold" copies into fresh memory. A plain gRPC
+stream of raw chunks between two processes is measured in the same run as the transport's
+ceiling. Each round re-stores the same keys, so later rounds show the steady state of a full vault.
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from tierkv.config import format_size, parse_size
 from tierkv.vault.client import VaultClient
-from tierkv.vault.server import serve
+from tierkv.vault.server import CHUNK_BYTES, serve
 
 NAMESPACE = b"bench-vault-0000"
 
@@ -50,6 +53,55 @@ def memcpy_gbps(total: int, rounds: int) -> tuple[float, float]:
         np.copyto(dst, src)
         warm = max(warm, total / (time.perf_counter() - started) / 1e9)
     return warm, cold
+
+
+RAW_METHOD = "/bench.Raw/Stream"
+
+
+def serve_raw_stream(port: int, total: int, chunk: int) -> None:
+    """A plain gRPC server streaming `total` bytes in `chunk`-byte messages."""
+    payload = os.urandom(chunk)
+
+    def stream(request: bytes, context: object) -> Iterator[bytes]:
+        for _ in range(total // chunk):
+            yield payload
+
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Raw",
+        {"Stream": grpc.unary_stream_rpc_method_handler(stream, lambda b: b, lambda b: b)},
+    )
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=2), options=[("grpc.max_send_message_length", -1)]
+    )
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    print("ready", flush=True)
+    server.wait_for_termination()
+
+
+def raw_stream_gbps(total: int, chunk: int, rounds: int) -> list[float]:
+    """GB/s of receiving (and keeping) `total` bytes from a plain gRPC stream in another process."""
+    port = _free_port()
+    command = [sys.executable, __file__, "--serve-raw", str(port), "--total", str(total)]
+    process = subprocess.Popen(
+        [*command, "--raw-chunk", str(chunk)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        options = [("grpc.max_receive_message_length", -1)]
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            call = channel.unary_stream(RAW_METHOD, lambda b: b, lambda b: b)
+            figures = []
+            for _ in range(rounds):
+                started = time.perf_counter()
+                kept = list(call(b"", timeout=300))
+                figures.append(sum(map(len, kept)) / (time.perf_counter() - started) / 1e9)
+                del kept
+            return figures
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 def _free_port() -> int:
@@ -125,7 +177,12 @@ def main() -> int:
     parser.add_argument("--block", action="append", help="block size, repeatable (default 1MiB)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--in-process", action="store_true", help="embed the vault")
+    parser.add_argument("--serve-raw", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-chunk", type=int, default=CHUNK_BYTES, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_raw:
+        serve_raw_stream(args.serve_raw, parse_size(args.total), args.raw_chunk)
+        return 0
     total = parse_size(args.total)
     blocks = [parse_size(b) for b in args.block or ["1MiB"]]
     console = Console()
@@ -164,6 +221,13 @@ def main() -> int:
             )
     console.print(table)
     console.print(f"numpy memcpy: warm {warm:.2f} GB/s, cold (fresh pages) {cold:.2f} GB/s")
+    raw = raw_stream_gbps(total, CHUNK_BYTES, args.rounds)
+    raw_median = statistics.median(raw)
+    console.print(
+        f"plain gRPC stream of {format_size(CHUNK_BYTES)} messages, kept (the transport's ceiling):"
+        f" median {raw_median:.2f} GB/s ({raw_median / warm:.3f}x), rounds "
+        + ", ".join(f"{r:.2f}" for r in raw)
+    )
     return 0
 
 

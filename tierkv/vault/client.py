@@ -21,7 +21,7 @@ import grpc
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierkv.config import MIB, ClientConfig, parse_address
+from tierkv.config import KIB, MIB, ClientConfig, parse_address
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
@@ -32,7 +32,7 @@ from tierkv.vault.wire import (
     split_payloads,
 )
 
-PUT_BATCH_BYTES = 1 * MIB
+PUT_BATCH_BYTES = 256 * KIB
 """Small payloads are batched up to this many bytes per PutBatch; larger ones go alone, which
 lets the vault keep the received message as the stored payload without copying it."""
 PUT_STREAM_BYTES = 128 * MIB
