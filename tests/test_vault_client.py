@@ -56,18 +56,18 @@ def test_killed_vault_gives_misses_in_time_and_puts_never_block(vault_factory: C
             started = time.monotonic()
             assert client.lookup(NS, [key(0)], [0]) == 0
             assert client.promote(NS, [key(0)], [0]) == {}
-            assert time.monotonic() - started < 2 * deadline_s + 0.5
+            assert time.monotonic() - started < 2 * deadline_s + 1.0
         assert client.breaker_state == "open"
         started = time.monotonic()
         assert client.lookup(NS, [key(0)], [0]) == 0  # open breaker: at once
-        assert time.monotonic() - started < 0.05
+        assert time.monotonic() - started < 0.2
 
         slowest = 0.0
         for i in range(500):
             started = time.monotonic()
             client.put(NS, key(i), 0, os.urandom(4 * KIB))
             slowest = max(slowest, time.monotonic() - started)
-        assert slowest < 0.05
+        assert slowest < 0.2
         assert client.pending_bytes <= 64 * KIB
         assert client.flush(timeout=5) is False  # puts were lost, and flush says so
         assert client.dropped_puts + client.failed_puts == 500
@@ -108,10 +108,10 @@ def test_hung_vault_costs_one_deadline_and_the_queue_drops_the_oldest(
         try:
             started = time.monotonic()
             assert client.lookup(NS, [key(100)], [0]) == 0
-            assert 0.9 < time.monotonic() - started < 1.5
+            assert 0.9 < time.monotonic() - started < 2.5
             started = time.monotonic()
             assert client.promote(NS, [key(100)], [0]) == {}  # promote deadline is 30 s
-            assert 0.9 < time.monotonic() - started < 1.8
+            assert 0.9 < time.monotonic() - started < 2.5
             client.put(NS, key(99), 0, b"k" * KIB)  # the sender takes it and hangs
             assert wait_until(lambda: client.pending_bytes == 0, timeout=1)
             for i in range(20):
