@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from numba.core.registry import CPUDispatcher as Dispatcher
 
 from tierkv.quant import (
     CODEC_NAMES,
@@ -15,10 +18,16 @@ from tierkv.quant import (
     decode_into,
     encode_block,
     get_codec,
+    int8,
+    kernels,
+    lossless,
     read_header,
+    turbo,
     warmup,
 )
 from tierkv.quant.payload import header_bytes
+
+fidelity_module = importlib.import_module("tierkv.quant.fidelity")
 
 DTYPES = ("fp16", "bf16", "fp32")
 
@@ -62,6 +71,15 @@ def assert_int8_close(x: np.ndarray, y: np.ndarray, dtype: str, group_size: int)
 
 def test_warmup_compiles_every_kernel() -> None:
     warmup()
+
+
+@pytest.mark.parametrize("module", [lossless, int8, turbo, fidelity_module, kernels])
+def test_every_kernel_releases_the_gil_and_is_cached(module) -> None:  # type: ignore[no-untyped-def]
+    dispatchers = [v for v in vars(module).values() if isinstance(v, Dispatcher)]
+    assert dispatchers
+    for kernel in dispatchers:
+        assert kernel.targetoptions.get("nogil") is True, kernel.__name__
+        assert type(kernel._cache).__name__ == "FunctionCache", kernel.__name__
 
 
 @settings(max_examples=40, deadline=None)

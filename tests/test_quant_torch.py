@@ -1,0 +1,96 @@
+"""torch_ops (CPU torch here) produces and reads the same payloads as the Numba kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tierkv.quant import (
+    CODEC_NAMES,
+    PayloadError,
+    decode_into,
+    fidelity,
+    get_codec,
+    read_header,
+    torch_ops,
+)
+
+TORCH_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def block(dtype: str, shape: tuple[int, ...] = (16, 8, 128), seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., [5, 70]] *= 12.0
+    return torch.from_numpy(x).to(TORCH_TYPES[dtype])
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """The array a caller hands to the Numba codecs (bf16 as uint16 words)."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def numba_decode(payload: bytes, like: torch.Tensor) -> torch.Tensor:
+    out = np.empty_like(as_numpy(like))
+    decode_into(payload, out)
+    t = torch.from_numpy(out.view(np.int16) if like.dtype == torch.bfloat16 else out)
+    return t.view(like.dtype)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", TORCH_TYPES)
+def test_torch_decode_equals_numba_decode(name: str, dtype: str) -> None:
+    x = block(dtype)
+    payload = get_codec(name).encode(as_numpy(x), dtype)
+    expected = numba_decode(payload, x)
+    out = torch.empty_like(x)
+    torch_ops.decode_into(payload, out)
+    if name in ("none", "int8"):
+        assert torch.equal(out.view(torch.uint8), expected.view(torch.uint8))
+    else:
+        scale = float(x.float().abs().max())
+        assert torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-4 * scale)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("dtype", TORCH_TYPES)
+def test_torch_encode_makes_the_numba_payload(name: str, dtype: str) -> None:
+    x = block(dtype, seed=1)
+    codec = get_codec(name)
+    expected = codec.encode(as_numpy(x), dtype)
+    payload = torch_ops.encode(codec, x)
+    assert read_header(payload) == read_header(expected)
+    if name in ("none", "int8"):
+        assert payload == expected
+    else:
+        ours = fidelity(as_numpy(x), as_numpy(numba_decode(payload, x)), dtype)
+        theirs = fidelity(as_numpy(x), as_numpy(numba_decode(expected, x)), dtype)
+        assert ours.cosine == pytest.approx(theirs.cosine, abs=1e-4)
+
+
+@pytest.mark.parametrize("name", ["int8", "tq3", "tq3.5"])
+def test_torch_round_trip_of_odd_group_sizes(name: str) -> None:
+    x = block("fp16", shape=(3, 4, 96), seed=2)
+    codec = get_codec(name, 96)
+    out = torch.empty_like(x)
+    torch_ops.decode_into(torch_ops.encode(codec, x), out)
+    assert torch.allclose(out.float(), numba_decode(codec.encode(x.numpy()), x).float(), atol=0.05)
+
+
+def test_torch_decode_into_raw_words_and_mismatches() -> None:
+    x = block("bf16")
+    payload = get_codec("int8").encode(as_numpy(x), "bf16")
+    words = torch.empty(x.shape, dtype=torch.int16)
+    torch_ops.decode_into(payload, words)
+    assert torch.equal(words.view(torch.bfloat16), numba_decode(payload, x))
+    with pytest.raises(PayloadError, match="float16"):
+        torch_ops.decode_into(payload, torch.empty(x.shape, dtype=torch.float16))
+    with pytest.raises(PayloadError, match="elements"):
+        torch_ops.decode_into(payload, torch.empty(7, dtype=torch.bfloat16))
+    with pytest.raises(PayloadError, match="contiguous"):
+        torch_ops.decode_into(
+            payload, torch.empty((128, 8, 16), dtype=torch.bfloat16).permute(2, 1, 0)
+        )

@@ -1,0 +1,155 @@
+"""TurboQuant payloads: round trips of any shape and dtype, edge values, format checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from tests.test_quant_codec import DTYPES, as_f64, round_trip, to_dtype
+from tierkv.quant import NonFiniteError, PayloadError, decode_into, get_codec, read_header
+from tierkv.quant.codebooks import lloyd_max, rotation
+from tierkv.quant.payload import TURBO_MODES, header_bytes
+from tierkv.quant.turbo import selection_groups
+
+TURBO = tuple(TURBO_MODES)
+
+
+def relative_error(x: np.ndarray, y: np.ndarray, dtype: str) -> float:
+    a, b = as_f64(x, dtype), as_f64(y, dtype)
+    assert np.all(np.isfinite(b))
+    energy = float(np.sum(a * a))
+    return float(np.sum((a - b) ** 2)) / energy if energy else float(np.sum(b * b))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    data=st.data(),
+    name=st.sampled_from(TURBO),
+    dtype=st.sampled_from(DTYPES),
+    group_size=st.sampled_from([16, 64, 96, 128]),
+    lead=hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=6),
+)
+def test_round_trip_any_shape(data, name: str, dtype: str, group_size: int, lead) -> None:  # type: ignore[no-untyped-def]
+    shape = (*lead, group_size)
+    values = st.floats(-1e3, 1e3, width=32, allow_subnormal=True)
+    x = to_dtype(data.draw(hnp.arrays(np.float32, shape, elements=values)), dtype)
+    y = round_trip(name, x, dtype, group_size)
+    assert y.shape == x.shape
+    assert relative_error(x, y, dtype) < 0.6
+
+
+@pytest.mark.parametrize("name", TURBO)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_typical_block_round_trip(name: str, dtype: str) -> None:
+    x = to_dtype(np.random.default_rng(1).standard_normal((2, 16, 8, 128)), dtype)
+    bound = {"tq4": 0.012, "tq3.5": 0.03, "tq3": 0.04, "tq2.5": 0.1, "tq2": 0.13}[name]
+    assert relative_error(x, round_trip(name, x, dtype), dtype) < bound
+
+
+@pytest.mark.parametrize("name", TURBO)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zeros_round_trip_to_zeros(name: str, dtype: str) -> None:
+    x = to_dtype(np.zeros((4, 8, 128)), dtype)
+    assert not as_f64(round_trip(name, x, dtype), dtype).any()
+
+
+@pytest.mark.parametrize("name", TURBO)
+@pytest.mark.parametrize(("dtype", "scale"), [("fp16", 1e-7), ("bf16", 1e-39), ("fp32", 1e-40)])
+def test_denormal_values(name: str, dtype: str, scale: float) -> None:
+    rng = np.random.default_rng(2)
+    x = to_dtype(rng.standard_normal((4, 8, 128)) * scale, dtype)
+    assert relative_error(x, round_trip(name, x, dtype), dtype) < 0.2
+
+
+@pytest.mark.parametrize("name", TURBO)
+@pytest.mark.parametrize(("dtype", "big"), [("fp16", 6e4), ("bf16", 3e38), ("fp32", 3e38)])
+def test_huge_values_stay_finite(name: str, dtype: str, big: float) -> None:
+    x = np.random.default_rng(3).uniform(-1, 1, (4, 8, 128)).astype(np.float32) * np.float32(big)
+    x = to_dtype(x, dtype)
+    assert relative_error(x, round_trip(name, x, dtype), dtype) < 0.2
+
+
+@pytest.mark.parametrize("name", TURBO)
+def test_length_not_a_multiple_of_the_group_is_rejected(name: str) -> None:
+    with pytest.raises(ValueError, match="group_size=128"):
+        get_codec(name, 128).encode(np.ones(200, np.float16))
+
+
+@pytest.mark.parametrize("group_size", [0, 12, 100, 2048])
+def test_unusable_group_size_is_rejected(group_size: int) -> None:
+    with pytest.raises(ValueError, match="group_size"):
+        get_codec("tq3", group_size)
+
+
+@pytest.mark.parametrize("name", TURBO)
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_input_is_rejected(name: str, bad: float) -> None:
+    x = np.ones((4, 8, 128), np.float16)
+    x[1, 2, 3] = bad
+    with pytest.raises(NonFiniteError):
+        get_codec(name).encode(x)
+
+
+@pytest.mark.parametrize("name", TURBO)
+def test_every_corrupted_header_byte_is_detected(name: str) -> None:
+    payload = get_codec(name).encode(np.ones((2, 8, 128), np.float16))
+    for i in range(header_bytes(3)):
+        corrupted = bytearray(payload)
+        corrupted[i] ^= 0x21
+        with pytest.raises(PayloadError):
+            decode_into(bytes(corrupted), np.empty((2, 8, 128), np.float16))
+    with pytest.raises(PayloadError, match="truncated"):
+        decode_into(payload[:-3], np.empty((2, 8, 128), np.float16))
+
+
+def test_corrupted_channel_mask_is_detected() -> None:
+    payload = bytearray(get_codec("tq2.5").encode(np.ones((2, 8, 128), np.float16)))
+    payload[header_bytes(3) + 2] ^= 0x01  # first mask byte: one channel more or less
+    with pytest.raises(PayloadError, match="channel mask"):
+        decode_into(bytes(payload), np.empty((2, 8, 128), np.float16))
+
+
+def test_header_and_encoding_are_deterministic() -> None:
+    x = np.random.default_rng(4).standard_normal((16, 8, 128)).astype(np.float16)
+    codec = get_codec("tq3.5", 128)
+    payload = codec.encode(x)
+    assert payload == codec.encode(x.copy())
+    header = read_header(payload)
+    assert (header.codec, header.shape, header.group_size, header.bits) == (
+        "tq3.5",
+        (16, 8, 128),
+        128,
+        3.5,
+    )
+
+
+def test_selection_groups_follow_the_head_axis() -> None:
+    assert selection_groups((16, 8, 128)) == (1, 8)  # vLLM block: tokens, heads, d
+    assert selection_groups((2, 16, 8, 128)) == (1, 8)  # K and V
+    assert selection_groups((8, 256, 128)) == (256, 8)  # MLX: heads, tokens, d
+    assert selection_groups((4, 128)) == (1, 1)
+
+
+def test_mixed_mode_keeps_each_heads_outlier_channels_at_high_precision() -> None:
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((32, 4, 128)).astype(np.float32)
+    for head, channel in enumerate([3, 40, 77, 120]):
+        x[:, head, channel] *= 50.0
+    y = round_trip("tq2.5", x.astype(np.float16), "fp16").astype(np.float32)
+    for head, channel in enumerate([3, 40, 77, 120]):
+        err = np.abs(y[:, head, channel] - x[:, head, channel]) / np.abs(x[:, head, channel]).max()
+        assert err.max() < 0.15
+
+
+@pytest.mark.parametrize("m", [32, 96, 128])
+def test_codebooks_and_rotations_are_well_formed(m: int) -> None:
+    for bits in (1, 2, 3, 4, 5):
+        book = lloyd_max(m, bits)
+        assert book.centroids.size == 2**bits
+        assert np.all(np.diff(book.centroids) > 0)
+        assert np.allclose(book.centroids, -book.centroids[::-1], atol=1e-7)
+    r = rotation(m).as_matrix()
+    assert np.allclose(r @ r.T, np.eye(m), atol=1e-5)
