@@ -97,6 +97,7 @@ def test_install_is_idempotent_and_uninstall_restores_every_byte(tmp_path: Path)
     runtime = root / ".venv" / RUNTIME_DIR_NAME
     assert pth.read_text().splitlines() == [
         str(runtime.resolve()),
+        str(runtime.resolve() / "lib"),
         "import tierkv_exo_boot; tierkv_exo_boot.arm()",
     ]
     assert (runtime / "tierkv_exo_boot.py").read_text() == boot_source()
@@ -182,6 +183,13 @@ def test_installs_the_runtime_packages_for_exos_python_and_removes_them(tmp_path
     assert code == 0, out
     lib = root / ".venv" / RUNTIME_DIR_NAME / "lib"
     assert (lib / "tierkv_probe.py").read_text() == "ANSWER = 42\n"
+    probe = [
+        str(root / ".venv/bin/python"),
+        "-c",
+        "import tierkv_probe; print(tierkv_probe.ANSWER)",
+    ]
+    done = subprocess.run(probe, capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert done.stdout == "42\n"  # EXO's Python finds the runtime packages
     assert invoke("--exo-path", str(root), "--uninstall")[0] == 0
     assert tree_digest(root) == before
 

@@ -57,8 +57,10 @@ class ExoLayout:
         return self.venv / RUNTIME_DIR_NAME
 
     def pth_text(self) -> str:
-        """The `.pth` content: a path line, then one import line (both run by `site`)."""
-        return f"{self.runtime_dir}\nimport {BOOT_MODULE}; {BOOT_MODULE}.arm()\n"
+        """The `.pth` content: path lines (`site` adds those that exist to the end of sys.path, so
+        EXO's own packages win) for the boot module and the runtime packages, then the import."""
+        lib = self.runtime_dir / RUNTIME_LIB_NAME
+        return f"{self.runtime_dir}\n{lib}\nimport {BOOT_MODULE}; {BOOT_MODULE}.arm()\n"
 
 
 @dataclass(frozen=True)
