@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Protocol
@@ -10,6 +11,7 @@ import numpy as np
 
 from tierkv.quant import int8, lossless, turbo
 from tierkv.quant.fidelity import fidelity
+from tierkv.quant.kernels import threads_for_every_block
 from tierkv.quant.payload import (
     CODEC_NAMES,
     DTYPE_BYTES,
@@ -68,7 +70,9 @@ def decode_into(payload: bytes | bytearray | memoryview, out: np.ndarray) -> Non
     """
     header, body = checked_body(payload)
     words = output_words(out, header)
-    _DECODERS[header.codec](header, np.frombuffer(body, np.uint8), words)
+    body_array = np.frombuffer(body, np.uint8)
+    body_array.flags.writeable = False  # one kernel specialisation for bytes and bytearrays
+    _DECODERS[header.codec](header, body_array, words)
 
 
 def checked_body(payload: bytes | bytearray | memoryview) -> tuple[PayloadHeader, memoryview]:
@@ -102,13 +106,16 @@ def encode_block(
 
 def warmup() -> None:
     """Compile (or load from Numba's cache) every kernel for every dtype, so no request pays it."""
-    for name in CODEC_NAMES:
-        codec = get_codec(name, 128)
-        for dtype, array in (
-            ("fp16", np.zeros((2, 128), np.float16)),
-            ("bf16", np.zeros((2, 128), np.uint16)),
-            ("fp32", np.zeros((2, 128), np.float32)),
-        ):
-            payload = codec.encode(array, dtype)
-            decode_into(payload, np.empty_like(array))
-            fidelity(array, array, dtype)
+    blocks: dict[str, np.ndarray] = {
+        "fp16": np.ones((2, 128), np.float16),
+        "bf16": np.ones((2, 128), np.float16).view(np.uint16),
+        "fp32": np.ones((2, 128), np.float32),
+    }
+    for threaded in (False, True):
+        with threads_for_every_block() if threaded else contextlib.nullcontext():
+            for name in CODEC_NAMES:
+                codec = get_codec(name, 128)
+                for dtype, array in blocks.items():
+                    payload = codec.encode(array, dtype)
+                    decode_into(payload, np.empty_like(array))
+                    fidelity(array, array, dtype)

@@ -8,7 +8,9 @@ Stores clamp to the largest finite value of the target type, so a decoder never 
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import numpy as np
 from llvmlite import ir
@@ -36,9 +38,22 @@ _EXP_ALL_ONES = np.array([0x7C00, 0x7F80, 0x7F800000], dtype=np.uint32)
 """Bit pattern of +Inf per dtype code; |x| bits at or above it are Inf or NaN."""
 
 
+_threads_from_bytes = [PARALLEL_MIN_BYTES]
+
+
 def use_threads(nbytes: int) -> bool:
     """Whether a block of `nbytes` bytes goes to the multi-threaded kernels."""
-    return nbytes >= PARALLEL_MIN_BYTES
+    return nbytes >= _threads_from_bytes[0]
+
+
+@contextlib.contextmanager
+def threads_for_every_block() -> Iterator[None]:
+    """Inside, every block takes the multi-threaded kernels (so warmup compiles them too)."""
+    _threads_from_bytes[0] = 0
+    try:
+        yield
+    finally:
+        _threads_from_bytes[0] = PARALLEL_MIN_BYTES
 
 
 @intrinsic

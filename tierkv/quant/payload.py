@@ -204,8 +204,9 @@ def input_words(src: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
         )
     if len(src.shape) > MAX_NDIM:
         raise ValueError(f"codec input has {len(src.shape)} dimensions, at most {MAX_NDIM}")
-    flat = np.ascontiguousarray(src).reshape(-1)
-    return flat.view(WORD_TYPES[DTYPE_BYTES[dtype]]), dtype
+    words = np.ascontiguousarray(src).reshape(-1).view(WORD_TYPES[DTYPE_BYTES[dtype]])
+    words.flags.writeable = False  # one kernel specialisation whatever the caller passes
+    return words, dtype
 
 
 def output_words(out: np.ndarray, header: PayloadHeader) -> np.ndarray:
