@@ -43,14 +43,21 @@ class Exo:
 
 
 def start_exo(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault_address: str, write_through: bool = False
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault_address: str,
+    *,
+    write_through: bool = False,
+    block_tokens: int = BLOCK,
+    staging_bytes: str = "64MiB",
 ) -> Exo:
     """Point tierkv's config at `vault_address`, arm the boot hook, import the fixture package and
     start a runner through EXO's entry point (which binds the shard)."""
     config = tmp_path / "tierkv.toml"
     config.write_text(
         f'[cluster]\nkv_cold = "{vault_address}"\n[client]\ndeadline_ms = 300\n'
-        f"[exo]\nblock_tokens = {BLOCK}\nwrite_through = {str(write_through).lower()}\n"
+        f'[connector]\nstaging_bytes = "{staging_bytes}"\n'
+        f"[exo]\nblock_tokens = {block_tokens}\nwrite_through = {str(write_through).lower()}\n"
     )
     monkeypatch.setenv("TIERKV_CONFIG", str(config))
     monkeypatch.syspath_prepend(str(FIXTURE_SRC))
@@ -194,6 +201,50 @@ def test_other_cache_kinds_are_left_to_exo_and_reported_once(
     assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 0
     reports = [r for r in caplog.records if "RotatingKVCache" in r.getMessage()]
     assert len(reports) == 1
+
+
+def test_a_full_spill_budget_drops_the_entry_and_counts_it(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    exo = start_exo(tmp_path, monkeypatch, vault.address, staging_bytes="1KiB")
+    runtime = hook.runtime()
+    assert runtime.ready.wait(60)
+    model = tiny_llama()
+    prompt = random_tokens(100, seed=8)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=1)
+    monkeypatch.setattr(hook, "_reported", set())
+    with caplog.at_level(logging.WARNING, logger="tierkv.exo"):
+        evict_everything(exo, monkeypatch, prefix_cache)
+    assert runtime.flush(10)
+    assert runtime.dropped_spills == 1
+    assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 0
+    assert any("staging_bytes" in r.getMessage() for r in caplog.records)
+
+
+def test_a_bad_config_is_reported_and_exo_runs_as_without_tierkv(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(hook, "_reported", set())
+    with caplog.at_level(logging.WARNING, logger="tierkv.exo"):
+        exo = start_exo(tmp_path, monkeypatch, vault.address, block_tokens=0)
+        runtime = hook.runtime()
+        runtime._starter.join(30)
+    assert not runtime.ready.is_set()
+    assert any("exo.block_tokens" in r.getMessage() for r in caplog.records)
+    model = tiny_llama()
+    prompt = random_tokens(60, seed=9)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    first = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+    evict_everything(exo, monkeypatch, prefix_cache)
+    again = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+    assert (first.prefilled, again.prefilled, again.tokens) == (60, 60, first.tokens)
 
 
 def test_tierkv_disable_leaves_exo_unpatched(
