@@ -1,0 +1,159 @@
+"""Codec throughput and fidelity on the K and V of 30,000 tokens x 8 KV heads x 128 dims.
+
+For every codec and for fp16 and bf16 input it prints encode and decode GB/s (of uncompressed
+bytes), the same figures as a fraction of numpy memcpy of the same bytes measured in the same
+run, the compression ratio against the 16-bit input and the fidelity of the decoded K and V.
+Two ways of calling the codecs are measured:
+
+  whole   one call per K and per V tensor (the multi-threaded kernels),
+  blocks  one call per block of --block-tokens tokens from --threads Python threads, as ColdTier
+          does (the single-threaded kernels; they release the GIL, so the threads run in parallel).
+
+Targets on a 2-core machine: int8 encode >= 0.35x memcpy, decode >= 0.40x (fp16) / 0.60x (bf16);
+tq3 encode and decode >= 0.10x. Timings are the best of --repeats runs.
+
+    .venv/bin/python benchmarks/bench_codecs.py [--tokens 30000] [--codecs int8,tq3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from tierkv.quant import CODEC_NAMES, decode_into, fidelity, get_codec, warmup
+
+HEADS, HEAD_DIM = 8, 128
+
+
+def synthetic_kv(tokens: int, seed: int = 0) -> np.ndarray:
+    """K and V as one float32 array [2, tokens, heads, dim]; K has a few 10-20x outlier channels
+    per head, as real keys do."""
+    rng = np.random.default_rng(seed)
+    kv = rng.standard_normal((2, tokens, HEADS, HEAD_DIM), dtype=np.float32)
+    for head in range(HEADS):
+        channels = rng.choice(HEAD_DIM, 4, replace=False)
+        kv[0, :, head, channels] *= rng.uniform(10, 20, size=(4, 1)).astype(np.float32)
+    return kv
+
+
+def as_dtype(kv: np.ndarray, dtype: str) -> np.ndarray:
+    """fp16 array, or bf16 words (uint16, rounded to nearest even)."""
+    if dtype == "fp16":
+        return kv.astype(np.float16)
+    bits = kv.view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def best_time(run: Callable[[], object], repeats: int) -> float:
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def split_blocks(kv: np.ndarray, block_tokens: int) -> list[np.ndarray]:
+    """Contiguous [block_tokens, heads, dim] blocks of K, then of V."""
+    tokens = kv.shape[1]
+    return [kv[p, t : t + block_tokens] for p in range(2) for t in range(0, tokens, block_tokens)]
+
+
+def measure(
+    name: str, kv: np.ndarray, dtype: str, args: argparse.Namespace, pool: ThreadPoolExecutor
+) -> list[list[str]]:
+    """Table rows (whole, blocks) for one codec on one dtype."""
+    codec = get_codec(name, HEAD_DIM)
+    copy, out = np.empty_like(kv), np.empty_like(kv)
+    payloads = [codec.encode(kv[p], dtype) for p in range(2)]
+    for p in range(2):
+        decode_into(payloads[p], out[p])
+    quality = fidelity(kv, out, dtype)
+    ratio = kv.nbytes / sum(len(payload) for payload in payloads)
+    blocks = split_blocks(kv, args.block_tokens)
+    block_outs = [np.empty_like(block) for block in blocks]
+    block_payloads = [codec.encode(block, dtype) for block in blocks]
+
+    def encode_whole() -> None:
+        for p in range(2):
+            codec.encode(kv[p], dtype)
+
+    def decode_whole() -> None:
+        for p in range(2):
+            decode_into(payloads[p], out[p])
+
+    def encode_blocks() -> None:
+        list(pool.map(lambda block: codec.encode(block, dtype), blocks))
+
+    def decode_blocks() -> None:
+        list(pool.map(decode_into, block_payloads, block_outs))
+
+    rows = []
+    for mode, encode, decode in (
+        ("whole", encode_whole, decode_whole),
+        ("blocks", encode_blocks, decode_blocks),
+    ):
+        memcpy_s = best_time(lambda: np.copyto(copy, kv), args.repeats)
+        encode_s = best_time(encode, args.repeats)
+        decode_s = best_time(decode, args.repeats)
+        rows.append(
+            [
+                dtype,
+                name,
+                mode,
+                f"{kv.nbytes / encode_s / 1e9:.2f}",
+                f"{memcpy_s / encode_s:.2f}",
+                f"{kv.nbytes / decode_s / 1e9:.2f}",
+                f"{memcpy_s / decode_s:.2f}",
+                f"{ratio:.2f}",
+                f"{quality.cosine:.5f}",
+                f"{quality.snr_db:.1f}",
+            ]
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=30_000)
+    parser.add_argument("--codecs", default=",".join(CODEC_NAMES))
+    parser.add_argument("--dtypes", default="fp16,bf16")
+    parser.add_argument("--block-tokens", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    console = Console()
+    start = time.perf_counter()
+    warmup()
+    console.print(f"warmup (compile or load cached kernels): {time.perf_counter() - start:.1f} s")
+    kv32 = synthetic_kv(args.tokens)
+    table = Table(title=f"codecs on K+V of {args.tokens} tokens x {HEADS} heads x {HEAD_DIM}")
+    for column in ("dtype", "codec", "mode", "encode GB/s", "x memcpy", "decode GB/s",
+                   "x memcpy", "ratio", "cosine", "SNR dB"):  # fmt: skip
+        table.add_column(column, justify="right")
+    with ThreadPoolExecutor(args.threads) as pool:
+        for dtype in args.dtypes.split(","):
+            kv = as_dtype(kv32, dtype)
+            copy = np.empty_like(kv)
+            memcpy_s = best_time(lambda kv=kv, copy=copy: np.copyto(copy, kv), args.repeats)
+            table.add_row(dtype, "memcpy", "", f"{kv.nbytes / memcpy_s / 1e9:.2f}", "1.00")
+            for name in args.codecs.split(","):
+                for row in measure(name, kv, dtype, args, pool):
+                    table.add_row(*row)
+    console.print(table)
+    console.print(
+        "x memcpy: numpy memcpy time of the same bytes (measured just before) / codec time. "
+        "ratio: 16-bit input bytes / payload bytes of the whole tensors (headers, scales, "
+        "norms and masks included); cosine and SNR over K and V together."
+    )
+
+
+if __name__ == "__main__":
+    main()
