@@ -19,7 +19,14 @@ from collections.abc import Sequence
 from types import ModuleType
 
 DISABLE_ENV = "TIERKV_DISABLE"
-HOOKED_MODULES = frozenset({"exo.worker.engines.mlx.cache", "exo.worker.runner.bootstrap"})
+CACHE_MODULE = "exo.worker.engines.mlx.cache"
+BOOTSTRAP_MODULE = "exo.worker.runner.bootstrap"
+HOOKED_MODULES = frozenset({CACHE_MODULE, BOOTSTRAP_MODULE})
+
+
+def disabled() -> bool:
+    """Whether TIERKV_DISABLE=1 turns the hook off in this process."""
+    return os.environ.get(DISABLE_ENV, "") == "1"
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -66,7 +73,7 @@ class HookFinder(importlib.abc.MetaPathFinder):
 
 def arm() -> bool:
     """Put the hook first on `sys.meta_path` (once); False when TIERKV_DISABLE=1 keeps it off."""
-    if os.environ.get(DISABLE_ENV, "") == "1":
+    if disabled():
         return False
     if not any(type(finder).__name__ == HookFinder.__name__ for finder in sys.meta_path):
         sys.meta_path.insert(0, HookFinder())

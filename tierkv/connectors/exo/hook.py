@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -40,16 +39,14 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 from tierkv.config import TierKVConfig, load_config
+from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.tier import ColdTier
 
 log = logging.getLogger("tierkv.exo")
 
-DISABLE_ENV = "TIERKV_DISABLE"
 FORMAT_VERSION = 1
 VAULT = "kv"
-CACHE_MODULE = "exo.worker.engines.mlx.cache"
-BOOTSTRAP_MODULE = "exo.worker.runner.bootstrap"
 _PATCHED = "__tierkv_patched__"
 HOOKED_METHODS = ("__init__", "get_kv_cache", "add_kv_cache", "_evict_if_needed")
 
@@ -114,10 +111,6 @@ def report_once(topic: str, message: str, *args: object) -> None:
     if topic not in _reported:
         _reported.add(topic)
         log.warning("tierkv: " + message, *args)
-
-
-def disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "") == "1"
 
 
 # ---- patching ----------------------------------------------------------------------------------
