@@ -33,7 +33,7 @@ def install(
     ] = True,
     runtime_requirement: Annotated[
         str | None,
-        typer.Option(help="pip requirement to install for EXO [default: this tierkv]."),
+        typer.Option(help="pip requirement to install for EXO's Python (default: this tierkv)."),
     ] = None,
 ) -> None:
     """Hook tierkv into EXO: evicted prompt caches go to the vault and come back on a miss."""
