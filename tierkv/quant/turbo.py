@@ -137,49 +137,13 @@ def _fwht_columns(y, m, n):
         h *= 2
 
 
-@njit(cache=True, nogil=True)
-def _scale_rows(y, m, n, factors, common):
-    """y[j, :n] *= factors[j] * common for j < m."""
+@njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
+def _dot(a, b, m):
+    """sum(a[:m] * b[:m]) in float32 (reassociated, so it vectorizes)."""
+    acc = np.float32(0.0)
     for j in range(m):
-        f = factors[j] * common
-        for t in range(n):
-            y[j, t] *= f
-
-
-@njit(cache=True, nogil=True)
-def _matmul_columns(matrix, y, m, n, tmp):
-    """y[:m, :n] = matrix @ y[:m, :n] (tmp is scratch of the same shape)."""
-    for i in range(m):
-        for t in range(n):
-            tmp[i, t] = np.float32(0.0)
-        for j in range(m):
-            q = matrix[i, j]
-            for t in range(n):
-                tmp[i, t] += q * y[j, t]
-    for i in range(m):
-        for t in range(n):
-            y[i, t] = tmp[i, t]
-
-
-@njit(cache=True, nogil=True)
-def _rotate(y, m, n, signs, matrix, matrix_t, tmp):
-    """y[:m, :n] = R y, columns being vectors (inner loops run across vectors and vectorize).
-    R = WHT . diag(signs) / sqrt(m) when `matrix` is empty, else `matrix`."""
-    if matrix.size == 0:
-        _scale_rows(y, m, n, signs, np.float32(1.0 / math.sqrt(m)))
-        _fwht_columns(y, m, n)
-    else:
-        _matmul_columns(matrix, y, m, n, tmp)
-
-
-@njit(cache=True, nogil=True)
-def _rotate_back(y, m, n, signs, matrix, matrix_t, tmp):
-    """y[:m, :n] = R^T y (inverse of _rotate)."""
-    if matrix.size == 0:
-        _fwht_columns(y, m, n)
-        _scale_rows(y, m, n, signs, np.float32(1.0 / math.sqrt(m)))
-    else:
-        _matmul_columns(matrix_t, y, m, n, tmp)
+        acc += a[j] * b[j]
+    return acc
 
 
 @njit(cache=True, nogil=True)
@@ -227,26 +191,36 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
     """Norms and packed indices of one instance for vectors v0 .. v0 + n - 1, held in x[:n]
     (already scaled by 2**-k). select = (channels, div, mod) picks each vector's channel order,
     offset the instance's first position in it; inst = (m, bits, signs, matrix, matrix_t,
-    centroids, boundaries); scratch = (y, tmp, idx, norms);
-    at = (first norm, norm stride, first index byte, index stride) in out."""
+    centroids, boundaries); scratch = (rows, y, idx, norms);
+    at = (first norm, norm stride, first index byte, index stride) in out.
+
+    The rotated coordinates land in y[:m, :n], one column per vector, so quantizing and the
+    Walsh-Hadamard butterflies run across vectors."""
     channels, sel_div, sel_mod = select
-    m, bits, signs, matrix, matrix_t, _, boundaries = inst
-    y, tmp, idx, norms = scratch
+    m, bits, signs, matrix, _, _, boundaries = inst
+    rows, y, idx, inv_norms = scratch
     norm_at, norm_stride, index_at, index_stride = at
     for t in range(n):
         chan = channels[((v0 + t) // sel_div) % sel_mod]
         ss = np.float32(0.0)
         for j in range(m):
             value = x[t, chan[offset + j]]
-            y[j, t] = value
+            rows[t, j] = value
             ss += value * value
-        norms[t] = np.sqrt(ss)
-        write_u16(out, norm_at + t * norm_stride, f32_to_half(norms[t]))
-        norms[t] = np.float32(1.0) / norms[t] if norms[t] > 0 else np.float32(0.0)
-    for j in range(m):
-        for t in range(n):
-            y[j, t] *= norms[t]
-    _rotate(y, m, n, signs, matrix, matrix_t, tmp)
+        norm = np.sqrt(ss)
+        write_u16(out, norm_at + t * norm_stride, f32_to_half(norm))
+        inv_norms[t] = np.float32(1.0) / norm if norm > 0 else np.float32(0.0)
+    if matrix.size == 0:
+        scale = np.float32(1.0 / math.sqrt(m))
+        for j in range(m):
+            f = signs[j] * scale
+            for t in range(n):
+                y[j, t] = rows[t, j] * inv_norms[t] * f
+        _fwht_columns(y, m, n)
+    else:
+        for i in range(m):
+            for t in range(n):
+                y[i, t] = _dot(matrix[i], rows[t], m) * inv_norms[t]
     for j in range(m):
         for t in range(n):
             idx[j, t] = 0
@@ -262,26 +236,37 @@ def _decode_tile(body, n, v0, select, offset, inst, scratch, x, at):
     """x[:n, channels] = norm * R^T centroids[indices] for one instance (see _encode_tile)."""
     channels, sel_div, sel_mod = select
     m, bits, signs, matrix, matrix_t, centroids, _ = inst
-    y, tmp, idx, _ = scratch
+    rows, y, idx, _ = scratch
     norm_at, norm_stride, index_at, index_stride = at
     _unpack(body, m, n, bits, index_at, index_stride, idx)
-    for j in range(m):
-        for t in range(n):
-            y[j, t] = centroids[idx[j, t]]
-    _rotate_back(y, m, n, signs, matrix, matrix_t, tmp)
-    for t in range(n):
-        norm = half_to_f32(read_u16(body, norm_at + t * norm_stride))
-        chan = channels[((v0 + t) // sel_div) % sel_mod]
+    if matrix.size == 0:
         for j in range(m):
-            x[t, chan[offset + j]] = y[j, t] * norm
+            for t in range(n):
+                y[j, t] = centroids[idx[j, t]]
+        _fwht_columns(y, m, n)
+        scale = np.float32(1.0 / math.sqrt(m))
+        for t in range(n):
+            norm = half_to_f32(read_u16(body, norm_at + t * norm_stride))
+            chan = channels[((v0 + t) // sel_div) % sel_mod]
+            for j in range(m):
+                x[t, chan[offset + j]] = y[j, t] * (signs[j] * scale) * norm
+    else:
+        for t in range(n):
+            for j in range(m):
+                rows[t, j] = centroids[idx[j, t]]
+        for t in range(n):
+            norm = half_to_f32(read_u16(body, norm_at + t * norm_stride))
+            chan = channels[((v0 + t) // sel_div) % sel_mod]
+            for i in range(m):
+                x[t, chan[offset + i]] = _dot(matrix_t[i], rows[t], m) * norm
 
 
 @njit(cache=True, nogil=True)
 def _tile_buffers(d):
-    """Scratch space for one tile: x (vectors as rows), y and tmp (as columns), indices, norms."""
+    """Scratch space for one tile: x and rows (vectors as rows), y (as columns), indices, norms."""
     return (
         np.empty((_TILE, d), np.float32),
-        np.empty((d, _TILE), np.float32),
+        np.empty((_TILE, d), np.float32),
         np.empty((d, _TILE), np.float32),
         np.empty((d, _TILE), np.int32),
         np.empty(_TILE, np.float32),
@@ -342,8 +327,8 @@ def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
     n_inst = 2 if lo[0] > 0 else 1
     lo_index_offset = packed_bytes(hi[0], hi[1])
     inv_pow2k = np.float32(pow2(-k))
-    x, y, tmp, idx, norms = _tile_buffers(d)
-    scratch = (y, tmp, idx, norms)
+    x, rows, y, idx, norms = _tile_buffers(d)
+    scratch = (rows, y, idx, norms)
     for tile in range(t_lo, t_hi):
         v0 = tile * _TILE
         n = min(_TILE, n_vectors - v0)
@@ -368,8 +353,8 @@ def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
     n_inst = 2 if lo[0] > 0 else 1
     lo_index_offset = packed_bytes(hi[0], hi[1])
     pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
-    x, y, tmp, idx, norms = _tile_buffers(d)
-    scratch = (y, tmp, idx, norms)
+    x, rows, y, idx, norms = _tile_buffers(d)
+    scratch = (rows, y, idx, norms)
     for tile in range(t_lo, t_hi):
         v0 = tile * _TILE
         n = min(_TILE, n_vectors - v0)
