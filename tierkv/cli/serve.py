@@ -1,0 +1,81 @@
+"""`tierkv serve MODEL [vllm serve args...]`: run `vllm serve` with the TierKV connector.
+
+The command line comes from tierkv.patches.vllm; the vaults named in tierkv.toml are checked
+first (a vault that is down is a warning, not a refusal: tierkv then answers "miss" until it is
+back). `--dry-run` prints the command instead of running it.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from tierkv.cli import app
+from tierkv.cli.status import check_vault
+from tierkv.config import ConfigError, load_config
+from tierkv.patches.vllm import is_hybrid, read_hf_config, serve_command, vllm_launcher
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def serve(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="Model path or Hugging Face name for vLLM.")],
+    config: Annotated[Path | None, typer.Option(help="tierkv.toml to use.")] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the vllm command; do not run it.")
+    ] = False,
+) -> None:
+    """Run `vllm serve MODEL` with the TierKV connector; other arguments go to vLLM unchanged."""
+    console = Console(stderr=True)
+    try:
+        cfg = load_config(config)
+    except ConfigError as exc:
+        typer.echo(f"tierkv serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    vaults = cfg.cluster.vault_addresses()
+    if cfg.source == "defaults" or not cfg.cluster.kv_cold:
+        typer.echo(
+            f"tierkv serve: {cfg.source}: cluster.kv_cold is not set; name the KV vault "
+            '(e.g. kv_cold = "192.168.1.10:50051") in tierkv.toml or pass --config',
+            err=True,
+        )
+        raise typer.Exit(2)
+    hf_config = read_hf_config(model)
+    hybrid = hf_config is not None and is_hybrid(hf_config)
+    if hybrid and not cfg.cluster.ssm_cold:
+        typer.echo(
+            f"tierkv serve: {cfg.source}: {model} has recurrent-state layers; set "
+            "cluster.ssm_cold to the SSM vault",
+            err=True,
+        )
+        raise typer.Exit(2)
+    try:
+        command = serve_command(
+            model,
+            Path(cfg.source).resolve(),
+            ctx.args,
+            hybrid=hybrid,
+            launcher=vllm_launcher(),
+        )
+    except ValueError as exc:
+        typer.echo(f"tierkv serve: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for name, address in vaults.items():
+        row = check_vault(name, address, cfg)
+        if not row["up"]:
+            console.print(
+                f"[yellow]warning[/yellow]: vault {name} ({address}) is down: {row['error']}; "
+                "serving anyway, its blocks are misses until it is back",
+                highlight=False,
+            )
+    if dry_run:
+        typer.echo(shlex.join(command))
+        return
+    os.execvp(command[0], command)
