@@ -17,6 +17,7 @@ from tierkv.quant import (
     PayloadError,
     decode_into,
     encode_block,
+    fidelity,
     get_codec,
     int8,
     kernels,
@@ -231,3 +232,28 @@ def test_encode_block_falls_back_to_lossless_under_min_cosine() -> None:
     out = np.empty_like(x)
     decode_into(fallback, out)
     assert out.tobytes() == x.tobytes()
+
+
+@pytest.mark.parametrize("name", ["none", "int8", "tq3", "tq2.5"])
+def test_multi_threaded_kernels_match_the_single_threaded_ones(name: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    x = np.random.default_rng(7).standard_normal((4096, 8, 128)).astype(np.float16)
+    assert x.nbytes >= kernels.PARALLEL_MIN_BYTES
+    codec = get_codec(name)
+    threaded_payload = codec.encode(x)
+    threaded_out = np.empty_like(x)
+    decode_into(threaded_payload, threaded_out)
+    threaded_fidelity = fidelity(x, threaded_out)
+    monkeypatch.setattr(kernels, "PARALLEL_MIN_BYTES", 1 << 62)
+    assert codec.encode(x) == threaded_payload
+    serial_out = np.empty_like(x)
+    decode_into(threaded_payload, serial_out)
+    assert serial_out.tobytes() == threaded_out.tobytes()
+    serial_fidelity = fidelity(x, serial_out)
+    assert serial_fidelity.cosine == pytest.approx(threaded_fidelity.cosine, abs=1e-12)
+    assert serial_fidelity.max_abs_err == threaded_fidelity.max_abs_err
+
+
+def test_warmup_builds_the_multi_threaded_kernels_without_running_them() -> None:
+    warmup()
+    for kernel in kernels.Threaded.every:
+        assert kernel.parallel.signatures, kernel.parallel.__name__

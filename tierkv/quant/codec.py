@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Protocol
@@ -11,7 +10,7 @@ import numpy as np
 
 from tierkv.quant import int8, lossless, turbo
 from tierkv.quant.fidelity import fidelity
-from tierkv.quant.kernels import threads_for_every_block
+from tierkv.quant.kernels import Threaded
 from tierkv.quant.payload import (
     CODEC_NAMES,
     DTYPE_BYTES,
@@ -111,11 +110,11 @@ def warmup() -> None:
         "bf16": np.ones((2, 128), np.float16).view(np.uint16),
         "fp32": np.ones((2, 128), np.float32),
     }
-    for threaded in (False, True):
-        with threads_for_every_block() if threaded else contextlib.nullcontext():
-            for name in CODEC_NAMES:
-                codec = get_codec(name, 128)
-                for dtype, array in blocks.items():
-                    payload = codec.encode(array, dtype)
-                    decode_into(payload, np.empty_like(array))
-                    fidelity(array, array, dtype)
+    for name in CODEC_NAMES:
+        codec = get_codec(name, 128)
+        for dtype, array in blocks.items():
+            payload = codec.encode(array, dtype)
+            decode_into(payload, np.empty_like(array))
+            fidelity(array, array, dtype)
+    for kernel in Threaded.every:
+        kernel.compile_parallel()

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
-from tierkv.quant.kernels import CHUNK_VALUES, to_f32, use_threads
+from tierkv.quant.kernels import CHUNK_VALUES, Threaded, to_f32
 from tierkv.quant.payload import DTYPE_CODES, input_words
 
 
@@ -66,6 +66,9 @@ def _sums_parallel(ref, approx, code):
     return sums
 
 
+_sums = Threaded(_sums_serial, _sums_parallel)
+
+
 def fidelity(ref: np.ndarray, approx: np.ndarray, dtype: str | None = None) -> Fidelity:
     """Compare a decoded block with its original (same shape and element type).
 
@@ -75,8 +78,8 @@ def fidelity(ref: np.ndarray, approx: np.ndarray, dtype: str | None = None) -> F
         raise ValueError(f"fidelity needs equal shapes, got {ref.shape} and {approx.shape}")
     ref_words, dtype = input_words(ref, dtype)
     approx_words, _ = input_words(approx, dtype)
-    sums = _sums_parallel if use_threads(ref_words.nbytes) else _sums_serial
-    rr, aa, ra, ee, mx = (float(v) for v in sums(ref_words, approx_words, DTYPE_CODES[dtype]))
+    sums = _sums(ref_words.nbytes, ref_words, approx_words, DTYPE_CODES[dtype])
+    rr, aa, ra, ee, mx = (float(v) for v in sums)
     snr = math.inf if ee == 0.0 else (10.0 * math.log10(rr / ee) if rr > 0.0 else -math.inf)
     degenerate = rr == 0.0 or aa == 0.0
     cosine = (1.0 if rr == aa else 0.0) if degenerate else ra / math.sqrt(rr * aa)

@@ -19,6 +19,7 @@ from numba import njit, prange
 
 from tierkv.quant.kernels import (
     CHUNK_VALUES,
+    Threaded,
     bits_value,
     block_exponent,
     f32_to_half,
@@ -29,7 +30,6 @@ from tierkv.quant.kernels import (
     pow2,
     read_u16,
     to_f32,
-    use_threads,
     write_u16,
 )
 from tierkv.quant.payload import (
@@ -174,6 +174,10 @@ def decode_parallel(body, code, group_size, out_words):
         _dequantize_groups(body, code, group_size, out_words, lo, hi)
 
 
+encode_kernel = Threaded(encode_serial, encode_parallel)
+decode_kernel = Threaded(decode_serial, decode_parallel)
+
+
 class Int8Codec:
     """Symmetric absmax INT8, one fp16 scale per group of `group_size` values (≈1.97x vs fp16)."""
 
@@ -191,8 +195,8 @@ class Int8Codec:
         header = pack_header(self.name, dtype, shape, self.group_size, body_len)
         out = np.empty(len(header) + body_len, np.uint8)
         out[: len(header)] = np.frombuffer(header, np.uint8)
-        encode = encode_parallel if use_threads(words.nbytes) else encode_serial
-        bad = encode(words, DTYPE_CODES[dtype], self.group_size, out, len(header))
+        code = DTYPE_CODES[dtype]
+        bad = encode_kernel(words.nbytes, words, code, self.group_size, out, len(header))
         if bad:
             raise NonFiniteError(f"block holds NaN/Inf in {bad} of its groups of {self.group_size}")
         return out.tobytes()
@@ -200,5 +204,5 @@ class Int8Codec:
 
 def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) -> None:
     """Decode an int8 body (length already validated) into `out_words`."""
-    decode = decode_parallel if use_threads(out_words.nbytes) else decode_serial
-    decode(body, DTYPE_CODES[header.dtype], header.group_size, out_words)
+    code = DTYPE_CODES[header.dtype]
+    decode_kernel(out_words.nbytes, body, code, header.group_size, out_words)

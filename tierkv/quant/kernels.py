@@ -8,9 +8,9 @@ Stores clamp to the largest finite value of the target type, so a decoder never 
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
+import threading
+from typing import Any, ClassVar
 
 import numpy as np
 from llvmlite import ir
@@ -38,22 +38,34 @@ _EXP_ALL_ONES = np.array([0x7C00, 0x7F80, 0x7F800000], dtype=np.uint32)
 """Bit pattern of +Inf per dtype code; |x| bits at or above it are Inf or NaN."""
 
 
-_threads_from_bytes = [PARALLEL_MIN_BYTES]
+class Threaded:
+    """A kernel built twice with the same arguments: single-threaded and with prange.
 
+    `kernel(nbytes, *args)` runs the multi-threaded build for blocks of at least
+    PARALLEL_MIN_BYTES, one call at a time (Numba's workqueue threading layer is not
+    re-entrant), and the single-threaded build on the calling thread otherwise.
+    """
 
-def use_threads(nbytes: int) -> bool:
-    """Whether a block of `nbytes` bytes goes to the multi-threaded kernels."""
-    return nbytes >= _threads_from_bytes[0]
+    every: ClassVar[list[Threaded]] = []
+    _parallel_lock = threading.Lock()
 
+    def __init__(self, serial: Any, parallel: Any) -> None:
+        self.serial = serial
+        self.parallel = parallel
+        Threaded.every.append(self)
 
-@contextlib.contextmanager
-def threads_for_every_block() -> Iterator[None]:
-    """Inside, every block takes the multi-threaded kernels (so warmup compiles them too)."""
-    _threads_from_bytes[0] = 0
-    try:
-        yield
-    finally:
-        _threads_from_bytes[0] = PARALLEL_MIN_BYTES
+    def __call__(self, nbytes: int, *args: Any) -> Any:
+        if nbytes >= PARALLEL_MIN_BYTES:
+            with Threaded._parallel_lock:
+                return self.parallel(*args)
+        return self.serial(*args)
+
+    def compile_parallel(self) -> None:
+        """Compile (or load from the cache) the multi-threaded build for every signature the
+        single-threaded one has seen, without running it: starting the OpenMP pool in a process
+        that later forks would hang the children."""
+        for signature in self.serial.signatures:
+            self.parallel.compile(signature)
 
 
 @intrinsic

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from tierkv.quant.kernels import CHUNK_VALUES, max_abs_bits, nonfinite_bits, use_threads
+from tierkv.quant.kernels import CHUNK_VALUES, Threaded, max_abs_bits, nonfinite_bits
 from tierkv.quant.payload import DTYPE_CODES, NonFiniteError, input_words, pack_header
 
 
@@ -26,10 +26,12 @@ def count_nonfinite_parallel(words, code):
     return bad
 
 
+count_nonfinite = Threaded(count_nonfinite_serial, count_nonfinite_parallel)
+
+
 def check_finite(words: np.ndarray, dtype: str) -> None:
     """Raise NonFiniteError when `words` holds a NaN or Inf."""
-    count = count_nonfinite_parallel if use_threads(words.nbytes) else count_nonfinite_serial
-    if count(words, DTYPE_CODES[dtype]):
+    if count_nonfinite(words.nbytes, words, DTYPE_CODES[dtype]):
         raise NonFiniteError(f"block of {words.size} values holds NaN/Inf")
 
 

@@ -28,6 +28,7 @@ from numba import njit, prange
 from tierkv.quant.codebooks import Codebook, Rotation, lloyd_max, rotation
 from tierkv.quant.kernels import (
     CHUNK_VALUES,
+    Threaded,
     bits_value,
     block_exponent,
     f32_to_half,
@@ -38,7 +39,6 @@ from tierkv.quant.kernels import (
     pow2,
     read_u16,
     to_f32,
-    use_threads,
     write_u16,
 )
 from tierkv.quant.payload import (
@@ -404,6 +404,11 @@ def decode_parallel(body, code, d, select, out_words, offsets, hi, lo):
         _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
 
 
+scan_kernel = Threaded(scan_serial, scan_parallel)
+encode_kernel = Threaded(encode_serial, encode_parallel)
+decode_kernel = Threaded(decode_serial, decode_parallel)
+
+
 class TurboCodec:
     """TurboQuant with `hi_bits` on every channel, or mixed: d/4 channels at `hi_bits` and the
     rest at `lo_bits`."""
@@ -455,9 +460,9 @@ class TurboCodec:
             )
         layout = self.layout(shape)
         with_energy = self.lo is not None
-        threads = use_threads(words.nbytes)
-        scan = scan_parallel if threads else scan_serial
-        max_bits, energy = scan(words, code, d, layout.sel_div, layout.sel_mod, with_energy)
+        max_bits, energy = scan_kernel(
+            words.nbytes, words, code, d, layout.sel_div, layout.sel_mod, with_energy
+        )
         if max_bits >= nonfinite_bits(code):
             raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
         k = block_exponent(np.float64(bits_value(np.uint32(max_bits), code)) * math.sqrt(d))
@@ -469,9 +474,10 @@ class TurboCodec:
             np.put_along_axis(mask, channels[:, : self.hi.m].astype(np.intp), True, axis=1)
             masks = np.packbits(mask, axis=1, bitorder="little")
             body[2 : layout.norms_offset] = masks.reshape(-1)
-        encode = encode_parallel if threads else encode_serial
         select = (channels, layout.sel_div, layout.sel_mod)
-        encode(words, code, d, select, k, body, layout.offsets, *self.kernel_args())
+        encode_kernel(
+            words.nbytes, words, code, d, select, k, body, layout.offsets, *self.kernel_args()
+        )
         return body
 
     def decode_words(
@@ -491,9 +497,11 @@ class TurboCodec:
                     f"{self.hi.m} of {d} channels)"
                 )
             channels = channels_from_mask(mask)
-        decode = decode_parallel if use_threads(out_words.nbytes) else decode_serial
         select = (channels, layout.sel_div, layout.sel_mod)
-        decode(body, DTYPE_CODES[dtype], d, select, out_words, layout.offsets, *self.kernel_args())
+        code = DTYPE_CODES[dtype]
+        decode_kernel(
+            out_words.nbytes, body, code, d, select, out_words, layout.offsets, *self.kernel_args()
+        )
 
 
 def channels_from_mask(mask: np.ndarray) -> np.ndarray:
