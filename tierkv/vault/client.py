@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import grpc
+import grpc.experimental
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -45,6 +46,8 @@ CLIENT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Promote streams are read on the calling thread, without a hand-off thread (less CPU).
+    (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 ]
 _METHOD = "/" + vault_pb2.DESCRIPTOR.services_by_name["Vault"].full_name + "/"
 
