@@ -113,16 +113,16 @@ def test_hung_vault_costs_one_deadline_and_the_queue_drops_the_oldest(
             assert client.promote(NS, [key(100)], [0]) == {}  # promote deadline is 30 s
             assert 0.9 < time.monotonic() - started < 2.5
             client.put(NS, key(99), 0, b"k" * KIB)  # the sender takes it and hangs
-            assert wait_until(lambda: client.pending_bytes == 0, timeout=1)
+            assert wait_until(lambda: client.in_flight_puts == 1, timeout=1)
             for i in range(20):
                 client.put(NS, key(i), 0, bytes([i]) * KIB)
-            assert client.pending_bytes == 10 * KIB
-            assert client.dropped_puts == 10
+            assert client.pending_bytes == 10 * KIB  # 1 KiB on its way + the 9 newest
+            assert client.dropped_puts == 11
         finally:
             os.kill(vault.process.pid, signal.SIGCONT)
-        assert client.flush(timeout=10) is False  # ten were dropped
+        assert client.flush(timeout=10) is False  # eleven were dropped
         present = [i for i in range(20) if client.lookup(NS, [key(i)], [0]) == 1]
-        assert present == list(range(10, 20))
+        assert present == list(range(11, 20))
     finally:
         client.close()
 

@@ -199,6 +199,7 @@ class VaultClient:
         self._pending: deque[_PendingPut] = deque()
         self._pending_bytes = 0
         self._in_flight = 0
+        self._in_flight_bytes = 0
         self._lost_since_flush = False
         self._closed = False
         self.dropped_puts = 0
@@ -235,8 +236,14 @@ class VaultClient:
         return self._breaker.state
 
     @property
+    def in_flight_puts(self) -> int:
+        """Puts on a Put stream that the vault has not answered yet."""
+        return self._in_flight
+
+    @property
     def pending_bytes(self) -> int:
-        return self._pending_bytes
+        """Bytes of puts queued or being sent (at most max_pending_bytes)."""
+        return self._pending_bytes + self._in_flight_bytes
 
     # ---- puts --------------------------------------------------------------------------------
 
@@ -244,12 +251,12 @@ class VaultClient:
         """Queue a block for the vault and return at once (a memoryview is copied first)."""
         data = payload if isinstance(payload, bytes) else bytes(payload)
         with self._cond:
-            if self._closed or len(data) > self.max_pending_bytes:
-                self._count_dropped(1)
-                return
-            while self._pending_bytes + len(data) > self.max_pending_bytes:
+            while self._pending and self._held_bytes() + len(data) > self.max_pending_bytes:
                 self._pending_bytes -= len(self._pending.popleft().payload)
                 self._count_dropped(1)
+            if self._closed or self._held_bytes() + len(data) > self.max_pending_bytes:
+                self._count_dropped(1)
+                return
             self._pending.append(_PendingPut(namespace, key, part, data))
             self._pending_bytes += len(data)
             self._cond.notify_all()
@@ -268,6 +275,10 @@ class VaultClient:
                 self._cond.wait(remaining)
             lost, self._lost_since_flush = self._lost_since_flush, False
             return not lost
+
+    def _held_bytes(self) -> int:
+        """Bytes queued or on their way (the bound of max_pending_bytes); caller holds _cond."""
+        return self._pending_bytes + self._in_flight_bytes
 
     def _count_dropped(self, count: int) -> None:
         """Caller holds self._cond."""
@@ -295,9 +306,10 @@ class VaultClient:
                     stream_bytes += len(item.payload)
                 self._pending_bytes -= stream_bytes
                 self._in_flight = len(stream)
+                self._in_flight_bytes = stream_bytes
             self._send_stream(stream, stream_bytes)
             with self._cond:
-                self._in_flight = 0
+                self._in_flight = self._in_flight_bytes = 0
                 self._cond.notify_all()
 
     def _send_stream(self, stream: list[_PendingPut], stream_bytes: int) -> None:
@@ -423,7 +435,8 @@ class VaultClient:
                 "rejected_puts": self.rejected_puts,
                 "checksum_failures": self.checksum_failures,
                 "failed_calls": self.failed_calls,
-                "pending_bytes": self._pending_bytes,
+                "pending_bytes": self.pending_bytes,
+                "in_flight_puts": self._in_flight,
                 "breaker": self._breaker.state,
             }
 
