@@ -313,10 +313,7 @@ def _nest_dotted_keys(data: Mapping[str, Any], source: str) -> dict[str, Any]:
                 raise ConfigError(f"{source}: {key}: expected a table [{key}], got {value!r}")
             nested[section].update(value)
         else:
-            target = nested.setdefault(section, {})
-            if not isinstance(target, dict):
-                raise ConfigError(f"{source}: {section}: expected a table")
-            target[name] = value
+            nested.setdefault(section, {})[name] = value
     return nested
 
 
