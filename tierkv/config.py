@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -371,8 +371,3 @@ def load_config(path: str | Path | None = None) -> TierKVConfig:
             raise ConfigError(f"{candidate}: cannot read TOML: {exc}") from None
         return config_from_mapping(document.unwrap(), str(candidate))
     return TierKVConfig()
-
-
-def config_field_names(section: str) -> tuple[str, ...]:
-    """The keys a section accepts (for documentation and tests)."""
-    return tuple(f.name for f in fields(_SECTIONS[section][0]))
