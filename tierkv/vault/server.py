@@ -204,7 +204,6 @@ class VaultServer:
     ) -> None:
         self._server = server
         self._health = health_servicer
-        self.servicer = servicer
         self.store = servicer.store
         self.role = servicer.role
         self.address = address
@@ -214,10 +213,6 @@ class VaultServer:
         """Stop accepting calls, let running ones finish for `grace` seconds, then return."""
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until the server stops (or `timeout` passes); True when it has stopped."""
-        return self._server.wait_for_termination(timeout)
 
 
 def serve(
