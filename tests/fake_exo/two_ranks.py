@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 from fake_exo.tiny_mlx import random_tokens, tiny_llama
 from tierkv.connectors.exo import boot, hook
 
+READY_TIMEOUT_S = 280  # as in test_exo_hook.py
+
 
 def main() -> None:
     group = mx.distributed.init()
@@ -38,7 +40,7 @@ def main() -> None:
     shard.start_layer, shard.end_layer, shard.device_rank, shard.world_size = 2 * rank, 2, rank, 2
     entrypoint(SimpleNamespace(bound_shard=shard, work=lambda: None), None, None, None, None)
     runtime = hook.runtime()
-    assert runtime.ready.wait(60)
+    assert runtime.ready.wait(READY_TIMEOUT_S)
 
     model = tiny_llama()
     prompt = random_tokens(100, seed=1)
