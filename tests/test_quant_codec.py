@@ -211,6 +211,10 @@ def test_mismatching_output_array_is_rejected() -> None:
         decode_into(payload, np.empty((4, 128), np.float32))
     with pytest.raises(PayloadError, match="contiguous"):
         decode_into(payload, np.empty((128, 4), np.float16).T)
+    bf16_payload = get_codec("int8").encode(np.ones((4, 128), np.uint16), "bf16")
+    with pytest.raises(PayloadError, match="bf16"):
+        decode_into(bf16_payload, np.empty((4, 128), np.float16))
+    decode_into(bf16_payload, np.empty((4, 128), np.int16))
 
 
 def test_bad_codec_and_input_errors_name_the_problem() -> None:
@@ -220,6 +224,8 @@ def test_bad_codec_and_input_errors_name_the_problem() -> None:
         get_codec("int8").encode(np.zeros(8, np.uint16))
     with pytest.raises(ValueError, match="4-byte"):
         get_codec("int8").encode(np.zeros(8, np.float16), "fp32")
+    with pytest.raises(ValueError, match="float16 array cannot hold 'bf16'"):
+        get_codec("int8").encode(np.zeros(8, np.float16), "bf16")
     assert set(CODEC_NAMES) == {"none", "int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2"}
 
 

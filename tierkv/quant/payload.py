@@ -32,6 +32,8 @@ DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 WORD_TYPES = {2: np.uint16, 4: np.uint32}
 
+_FLOAT_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+"""numpy float types and the only dtype each can hold; integer views hold raw words of any."""
 _FIXED = struct.Struct("<4sBBBBIBBHQ")
 _CRC = struct.Struct("<I")
 
@@ -189,7 +191,7 @@ def input_words(src: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
     if src.dtype.byteorder == ">":
         raise ValueError(f"codec input must be little-endian, got dtype {src.dtype}")
     if dtype is None:
-        inferred = {"float16": "fp16", "float32": "fp32", "bfloat16": "bf16"}.get(src.dtype.name)
+        inferred = _FLOAT_NAMES.get(src.dtype.name)
         if inferred is None:
             raise ValueError(
                 f"cannot infer the element type of a {src.dtype} array: pass dtype='fp16', "
@@ -202,6 +204,8 @@ def input_words(src: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
         raise ValueError(
             f"dtype {dtype!r} needs {DTYPE_BYTES[dtype]}-byte elements, got a {src.dtype} array"
         )
+    if _FLOAT_NAMES.get(src.dtype.name, dtype) != dtype:
+        raise ValueError(f"a {src.dtype} array cannot hold {dtype!r} values")
     if len(src.shape) > MAX_NDIM:
         raise ValueError(f"codec input has {len(src.shape)} dimensions, at most {MAX_NDIM}")
     words = np.ascontiguousarray(src).reshape(-1).view(WORD_TYPES[DTYPE_BYTES[dtype]])
@@ -213,7 +217,9 @@ def output_words(out: np.ndarray, header: PayloadHeader) -> np.ndarray:
     """`out` as a flat writable word array after checking it fits `header` (else PayloadError)."""
     if not isinstance(out, np.ndarray):
         raise PayloadError(f"output must be a numpy array, got {type(out).__name__}")
-    if out.dtype.itemsize != DTYPE_BYTES[header.dtype]:
+    if out.dtype.itemsize != DTYPE_BYTES[header.dtype] or (
+        _FLOAT_NAMES.get(out.dtype.name, header.dtype) != header.dtype
+    ):
         raise PayloadError(
             f"output array has {out.dtype.itemsize}-byte elements ({out.dtype}) but the payload "
             f"holds {header.dtype}"
