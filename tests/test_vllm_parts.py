@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,3 +80,75 @@ def test_stats_intervals_and_aggregation():
     assert reduced["lookup_miss_blocks"] == 2 and reduced["loaded_blocks"] == 3
     assert reduced["avg_load_ms"] == pytest.approx(10.0)
     assert "load_seconds" not in reduced
+
+
+def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
+    """Blocks go out and come back through a real vault, whatever dimension holds the block id
+    (here K/V first, so each block is a strided view restored via staging); a block the vault
+    lacks is reported as a load error and nothing is written into it."""
+    import torch
+
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.worker import TierWorker
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+    from tierkv.vault.client import VaultClient
+
+    plan = GroupPlan(0, "kv", ("layer0", "layer1"), (), 4, (bytes(16),))
+    caches = {name: torch.randn(2, 6, 4, 2, 8).to(torch.bfloat16) for name in plan.layer_names}
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 20)
+    try:
+        worker.register_kv_caches(caches, num_blocks=6)
+        keys = [bytes([i + 1]) * 16 for i in range(3)]
+        stores = [StoreJob(0, block_id, key) for block_id, key in zip((1, 2, 3), keys, strict=True)]
+        worker.store_blocks(TierKVMetadata(stores=stores))
+        assert tier.flush(10)
+        stored = {name: cache[:, 1:4].clone() for name, cache in caches.items()}
+        for cache in caches.values():
+            cache.zero_()
+
+        missing = bytes([9]) * 16
+        load = GroupLoad(0, [*keys, missing], [4, 5, 0, 3])
+        worker.start_loads(TierKVMetadata(loads=[LoadJob("req", [load])]))
+        deadline = time.monotonic() + 10
+        finished: set[str] = set()
+        while "req" not in finished and time.monotonic() < deadline:
+            finished |= worker.finished_loads()[0]
+            time.sleep(0.01)
+        assert finished == {"req"}
+        assert worker.take_invalid_block_ids() == {3}
+        for name, cache in caches.items():
+            assert torch.equal(cache[:, [4, 5, 0]], stored[name])
+            assert not cache[:, 3].any()
+        assert worker.stats.data["loaded_blocks"] == 3
+        assert worker.stats.data["load_failed_blocks"] == 1
+    finally:
+        worker.shutdown()
+        tier.close()
+
+
+def test_worker_drops_what_does_not_fit_the_staging_budget(vault):
+    import torch
+
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.worker import TierWorker
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+    from tierkv.vault.client import VaultClient
+
+    plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),))
+    cache = torch.ones(3, 2, 4, 16, dtype=torch.float16)  # 256 bytes per block
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=600)
+    try:
+        worker.register_kv_caches({"layer0": cache}, num_blocks=3)
+        stores = [StoreJob(0, block_id, bytes([block_id + 1]) * 16) for block_id in range(3)]
+        worker.store_blocks(TierKVMetadata(stores=stores))
+        assert worker.stats.data["stored_blocks"] == 2
+        assert worker.stats.data["staging_dropped_blocks"] == 1
+    finally:
+        worker.shutdown()
+        tier.close()

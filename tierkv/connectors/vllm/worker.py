@@ -7,8 +7,10 @@ background; the engine block is free again as soon as the copy returns. A step c
 `staging_bytes`; what does not fit is dropped and counted.
 
 Loads run on a background thread: one ColdTier.load per KV-cache group (one Promote per vault,
-parallel decode) writes straight into the paged buffer. Blocks that failed are reported through
-vLLM's load-error path, so vLLM recomputes them; their bytes are never used.
+parallel decode) writes straight into the paged buffer when a block is contiguous host memory
+(the CPU backend), else into host staging arrays copied into the blocks afterwards (GPU, strided
+layouts). Blocks that failed are reported through vLLM's load-error path, so vLLM recomputes
+them; their bytes are never used.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from tierkv.connectors.vllm.groups import GroupPlan
-from tierkv.connectors.vllm.scheduler import LoadJob, TierKVMetadata
+from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
 
 if TYPE_CHECKING:
@@ -45,27 +47,37 @@ class _LoadResult:
 
 
 class BlockViews:
-    """Per part, a tensor whose first dimension is the engine block id."""
+    """Per part, a KV tensor and which of its dimensions is the engine block id.
+
+    The CPU backend puts the block first ([blocks, heads, tokens, K|V]); layouts that put it
+    elsewhere (e.g. K/V first) work too, their blocks are just strided views.
+    """
 
     def __init__(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor], num_blocks: int):
         self.plan = plan
-        self.parts: list[torch.Tensor] = []
+        self.parts: list[tuple[torch.Tensor, int]] = []
         for name in plan.layer_names:
             cache = kv_caches[name]
-            if not isinstance(cache, torch.Tensor) or cache.shape[0] != num_blocks:
-                shape = getattr(cache, "shape", type(cache).__name__)
+            shape = tuple(getattr(cache, "shape", ()))
+            if not isinstance(cache, torch.Tensor) or num_blocks not in shape:
                 raise ValueError(
-                    f"tierkv: KV cache of layer {name} has shape {shape}; expected the block id "
-                    f"({num_blocks} blocks) as its first dimension"
+                    f"tierkv: KV cache of layer {name} has shape {shape or type(cache).__name__}; "
+                    f"expected one dimension of {num_blocks} blocks"
                 )
             if plan.state_layout:
-                self.parts.extend(_state_views(cache, plan.state_layout))
+                if shape[0] != num_blocks:
+                    raise ValueError(
+                        f"tierkv: Mamba cache of layer {name} has shape {shape}; expected "
+                        f"its {num_blocks} pages first"
+                    )
+                self.parts.extend((state, 0) for state in _state_views(cache, plan.state_layout))
             else:
                 _codec_dtype(cache.dtype, name)
-                self.parts.append(cache)
+                self.parts.append((cache, shape.index(num_blocks)))
 
     def block(self, part: int, block_id: int) -> torch.Tensor:
-        return self.parts[part][block_id]
+        tensor, dim = self.parts[part]
+        return tensor.select(dim, block_id)
 
 
 class TierWorker:
@@ -120,19 +132,9 @@ class TierWorker:
     def _load(self, job: LoadJob) -> _LoadResult:
         started = time.perf_counter()
         failed_block_ids: set[int] = set()
-        blocks = 0
         for load in job.groups:
-            views = self._views[load.group_id]
-            plan = views.plan
-            blocks += len(load.keys)
-
-            def out_for(index: int, part: int, views: BlockViews = views, ids=load.block_ids):
-                return _writable_view(views.block(part, ids[index]))
-
             try:
-                failed = self.tier.load(
-                    plan.namespaces[self.tp_rank], load.keys, {plan.vault: plan.parts}, out_for
-                )
+                failed = self._load_group(load)
             except Exception:
                 log.exception("tierkv: loading request %s failed; recomputing it", job.req_id)
                 failed = set(range(len(load.keys)))
@@ -141,9 +143,31 @@ class TierWorker:
             job.req_id,
             failed_block_ids,
             bool(failed_block_ids),
-            blocks,
+            sum(len(load.keys) for load in job.groups),
             time.perf_counter() - started,
         )
+
+    def _load_group(self, load: GroupLoad) -> set[int]:
+        """Restore one group's blocks; the indices (into load.keys) that failed."""
+        views = self._views[load.group_id]
+        plan = views.plan
+        staged: dict[tuple[int, int], np.ndarray] = {}
+
+        def out_for(index: int, part: int) -> np.ndarray:
+            block = views.block(part, load.block_ids[index])
+            if block.device.type == "cpu" and block.is_contiguous():
+                return _numpy_view(block)[0]  # decode straight into the paged buffer
+            array = _numpy_view(torch.empty(block.shape, dtype=block.dtype))[0]
+            staged[index, part] = array
+            return array
+
+        namespace = plan.namespaces[self.tp_rank]
+        failed = self.tier.load(namespace, load.keys, {plan.vault: plan.parts}, out_for)
+        for (index, part), array in staged.items():
+            if index not in failed:
+                block = views.block(part, load.block_ids[index])
+                block.copy_(torch.from_numpy(array).view(block.dtype))
+        return failed
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids of loads done since the last call.
@@ -199,16 +223,6 @@ def _numpy_view(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
 def _host_copy(block: torch.Tensor) -> tuple[np.ndarray, str]:
     """A contiguous host copy of one block part that the tier may keep."""
     return _numpy_view(block.detach().to("cpu", copy=True).contiguous())
-
-
-def _writable_view(block: torch.Tensor) -> np.ndarray:
-    """The block part itself as a numpy array the decoder writes into."""
-    if block.device.type != "cpu" or not block.is_contiguous():
-        raise ValueError(
-            f"tierkv loads straight into contiguous host KV blocks; got a {block.device.type} "
-            f"block with strides {block.stride()}"
-        )
-    return _numpy_view(block)[0]
 
 
 def _state_views(page: torch.Tensor, layout: Sequence[tuple[tuple[int, ...], str]]):
