@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tierkv.quant import decode_into, fidelity, get_codec
+from tierkv.quant.codebooks import lloyd_max
 from tierkv.quant.turbo import TurboCodec
 
 PAPER_MSE = {1: 0.3634, 2: 0.1175, 3: 0.0345, 4: 0.0095}
@@ -43,6 +44,11 @@ def test_turboquant_mse_on_unit_vectors_matches_the_paper(bits: int) -> None:
     codec.decode_words(body, "fp32", x.shape, y.reshape(-1).view(np.uint32))
     mse = float(np.mean(np.sum((x - y) ** 2, axis=1)))
     assert abs(mse - PAPER_MSE[bits]) <= 0.03 * PAPER_MSE[bits]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_codebook_expected_mse_matches_the_paper(bits: int) -> None:
+    assert abs(lloyd_max(128, bits).mse - PAPER_MSE[bits]) <= 0.03 * PAPER_MSE[bits]
 
 
 def test_turboquant_4_bit_cosine() -> None:
