@@ -180,8 +180,8 @@ def _pack(idx, m, n, bits, out, start, stride):
 
 
 @njit(cache=True, nogil=True)
-def _unpack(buf, m, n, bits, start, stride, idx):
-    """Inverse of _pack."""
+def _unpack_levels(buf, m, n, bits, start, stride, levels, y):
+    """Read what _pack wrote and look the indices up: y[j, t] = levels[index j of vector t]."""
     mask = np.uint64((1 << bits) - 1)
     for g in range(0, m, 8):
         count = min(8, m - g)
@@ -193,7 +193,7 @@ def _unpack(buf, m, n, bits, start, stride, idx):
             for byte in range(n_bytes):
                 acc |= np.uint64(buf[pos + byte]) << np.uint64(8 * byte)
             for i in range(count):
-                idx[g + i, t] = np.int32((acc >> np.uint64(bits * i)) & mask)
+                y[g + i, t] = levels[(acc >> np.uint64(bits * i)) & mask]
 
 
 @njit(cache=True, nogil=True)
@@ -254,29 +254,31 @@ def _decode_tile(body, n, v0, select, offset, inst, scratch, x, at):
     """x[:n, channels] = norm * R^T centroids[indices] for one instance (see _encode_tile)."""
     channels, sel_div, sel_mod = select
     m, bits, signs, matrix, matrix_t, centroids, _ = inst
-    rows, y, idx, norms = scratch
+    rows, y, _, norms = scratch
     norm_at, norm_stride, index_at, index_stride = at
-    _unpack(body, m, n, bits, index_at, index_stride, idx)
+    _unpack_levels(body, m, n, bits, index_at, index_stride, centroids, y)
     for t in range(n):
         norms[t] = half_to_f32(read_u16(body, norm_at + t * norm_stride))
     if matrix.size == 0:
-        for j in range(m):
-            for t in range(n):
-                y[j, t] = centroids[idx[j, t]]
         _fwht_columns(y, m, n)
         scale = np.float32(1.0 / math.sqrt(m))
         for j in range(m):
             f = signs[j] * scale
             for t in range(n):
                 y[j, t] = y[j, t] * f * norms[t]
-        for t in range(n):
-            chan = channels[((v0 + t) // sel_div) % sel_mod]
-            for j in range(m):
-                x[t, chan[offset + j]] = y[j, t]
+        if m == x.shape[1]:  # every channel, in order
+            for t in range(n):
+                for j in range(m):
+                    x[t, j] = y[j, t]
+        else:
+            for t in range(n):
+                chan = channels[((v0 + t) // sel_div) % sel_mod]
+                for j in range(m):
+                    x[t, chan[offset + j]] = y[j, t]
     else:
         for t in range(n):
             for j in range(m):
-                rows[t, j] = centroids[idx[j, t]]
+                rows[t, j] = y[j, t]
         for t in range(n):
             chan = channels[((v0 + t) // sel_div) % sel_mod]
             for i in range(m):
