@@ -249,13 +249,18 @@ class TierScheduler:
             self._hash_keys.popitem(last=False)
 
     def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]]) -> None:
-        """Stop following a finished request; with `store = "on_finish"` store its blocks."""
+        """Stop following a finished request; store its blocks with `store = "on_finish"`, and
+        also on eviction when fewer blocks are free than the watermark: then they may be reused
+        by the very next schedule, before a walk of the free queue could see them."""
         self._pending_loads.pop(request.request_id, None)
-        if self.store_mode == "on_finish" and self._pool is not None:
+        pool = self._pool
+        if pool is not None and (
+            self.store_mode == "on_finish" or pool.get_num_free_blocks() < self.watermark
+        ):
             self._map_hashes()
             for plan in self.plans:
                 for block_id in block_ids[plan.group_id]:
-                    self._store_if_known(self._pool.blocks[block_id])
+                    self._store_if_known(pool.blocks[block_id])
         self._tracked.pop(request.request_id, None)
 
     def _collect_evictions(self) -> None:
