@@ -22,7 +22,7 @@ TORCH_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.floa
 def block(dtype: str, shape: tuple[int, ...] = (16, 8, 128), seed: int = 0) -> torch.Tensor:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape).astype(np.float32)
-    x[..., [5, 70]] *= 12.0
+    x[..., [5, shape[-1] - 3]] *= 12.0
     return torch.from_numpy(x).to(TORCH_TYPES[dtype])
 
 
@@ -94,3 +94,17 @@ def test_torch_decode_into_raw_words_and_mismatches() -> None:
         torch_ops.decode_into(
             payload, torch.empty((128, 8, 16), dtype=torch.bfloat16).permute(2, 1, 0)
         )
+
+
+@pytest.mark.parametrize("shape", [(4, 24, 128), (5, 3, 40), (2, 16, 8, 64)])
+@pytest.mark.parametrize("name", ["tq2.5", "tq3"])
+def test_torch_matches_numba_for_other_layouts_and_head_dims(name: str, shape) -> None:  # type: ignore[no-untyped-def]
+    x = block("fp16", shape=shape, seed=3)
+    codec = get_codec(name, shape[-1])
+    payload = codec.encode(x.numpy())
+    out = torch.empty_like(x)
+    torch_ops.decode_into(payload, out)
+    expected = numba_decode(payload, x)
+    assert torch.allclose(out.float(), expected.float(), rtol=1e-2, atol=1e-3)
+    ours = fidelity(x.numpy(), numba_decode(torch_ops.encode(codec, x), x).numpy())
+    assert ours.cosine == pytest.approx(fidelity(x.numpy(), expected.numpy()).cosine, abs=1e-3)

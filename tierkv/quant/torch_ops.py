@@ -26,11 +26,11 @@ from tierkv.quant.payload import (
 )
 from tierkv.quant.turbo import (
     Instance,
+    Layout,
     TurboCodec,
     channels_from_mask,
     named_codec,
     packed_bytes,
-    selection_groups,
 )
 
 _FLOAT_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -174,20 +174,19 @@ def _index_positions(m: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
     return offset, shift
 
 
-def _vector_channels(codec: TurboCodec, channels: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    """Per vector, its channel order (hi channels first), as an int64 tensor index."""
-    div, mod = selection_groups(shape) if codec.lo is not None else (1, 1)
-    n_vectors = math.prod(shape) // codec.group_size
-    group = (np.arange(n_vectors) // div) % mod
-    return channels[group].astype(np.int64)
-
-
 def _instances(codec: TurboCodec) -> list[tuple[int, Instance, int]]:
     """(channel offset, instance, packed byte offset in a vector) for each instance."""
     result = [(0, codec.hi, 0)]
     if codec.lo is not None:
         result.append((codec.hi.m, codec.lo, int(packed_bytes(codec.hi.m, codec.hi.bits))))
     return result
+
+
+def _by_group(t: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A per-vector tensor [n_vectors, ...] viewed as [outer, group, div, ...]: vector v belongs
+    to channel-selection group (v // div) % groups (see turbo.selection_groups)."""
+    groups, div = layout.sel_mod, layout.sel_div
+    return t.view(-1, groups, div, *t.shape[1:])
 
 
 def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) -> torch.Tensor:
@@ -200,39 +199,41 @@ def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) ->
     layout = codec.layout(shape)
     vectors = x.view(-1, d)
     k = int(block_exponent(float(vectors.abs().max()) * math.sqrt(d))) if x.numel() else 0
+    grouped = _by_group(vectors, layout)
     energy = np.zeros((layout.sel_mod, d))
     if codec.lo is not None:
-        group = (torch.arange(layout.n_vectors, device=device) // layout.sel_div) % layout.sel_mod
-        sums = torch.zeros((layout.sel_mod, d), dtype=torch.float64, device=device)
-        sums.index_add_(0, group, vectors.double() ** 2)
-        energy = sums.cpu().numpy()
+        for s in range(layout.sel_mod):
+            energy[s] = grouped[:, s].double().square().sum(dim=(0, 1)).cpu().numpy()
     channels = codec.channel_map(energy)
-    per_vector = torch.from_numpy(_vector_channels(codec, channels, shape)).to(device)
-    scaled = vectors * 2.0**-k
+    scaled = _by_group(vectors * 2.0**-k, layout)
     norms = torch.empty((layout.n_vectors, layout.n_instances), device=device)
-    packed = torch.zeros((layout.n_vectors, layout.bytes_per_vector + 1), dtype=torch.int32)
-    packed = packed.to(device)
+    packed = torch.zeros(
+        (layout.n_vectors, layout.bytes_per_vector + 1), dtype=torch.int32, device=device
+    )
     for i, (start, inst, byte_at) in enumerate(_instances(codec)):
-        v = torch.gather(scaled, 1, per_vector[:, start : start + inst.m])
-        norm = v.square().sum(dim=1).sqrt()
-        norms[:, i] = norm
-        inv = torch.where(norm > 0, 1.0 / norm, torch.zeros_like(norm))
         rot = torch.from_numpy(inst.rotation.as_matrix().astype(np.float32)).to(device)
-        y = (v * inv[:, None]) @ rot.T
         bounds = torch.from_numpy(inst.codebook.boundaries).to(device)
-        idx = torch.bucketize(y, bounds).to(torch.int32)
         offset, shift = _index_positions(inst.m, inst.bits)
         at = torch.from_numpy(offset + byte_at).to(device)
-        shifted = idx << torch.from_numpy(shift).to(device=device, dtype=torch.int32)
-        packed.index_add_(1, at, shifted & 0xFF)
-        packed.index_add_(1, at + 1, shifted >> 8)
+        shifts = torch.from_numpy(shift).to(device=device, dtype=torch.int32)
+        for s in range(layout.sel_mod):
+            chan = torch.from_numpy(channels[s, start : start + inst.m].astype(np.int64))
+            v = scaled[:, s][..., chan.to(device)].reshape(-1, inst.m)
+            norm = v.square().sum(dim=1).sqrt()
+            _by_group(norms, layout)[:, s, :, i] = norm.view(-1, layout.sel_div)
+            inv = torch.where(norm > 0, 1.0 / norm, torch.zeros_like(norm))
+            idx = torch.bucketize((v * inv[:, None]) @ rot.T, bounds).to(torch.int32) << shifts
+            idx = idx.view(-1, layout.sel_div, inst.m)
+            target = _by_group(packed, layout)[:, s]
+            target.index_add_(2, at, idx & 0xFF)
+            target.index_add_(2, at + 1, idx >> 8)
     head = torch.tensor([k], dtype=torch.int16, device=device).view(torch.uint8)
     parts = [head]
     if codec.lo is not None:
         mask = np.zeros((layout.sel_mod, d), bool)
         np.put_along_axis(mask, channels[:, : codec.hi.m].astype(np.intp), True, axis=1)
-        parts.append(torch.from_numpy(np.packbits(mask, axis=1, bitorder="little")).view(-1))
-        parts[-1] = parts[-1].to(device)
+        masks = np.packbits(mask, axis=1, bitorder="little").reshape(-1)
+        parts.append(torch.from_numpy(masks).to(device))
     parts.append(norms.half().view(-1).view(torch.uint8))
     parts.append(packed[:, :-1].to(torch.uint8).reshape(-1))
     return torch.cat(parts)
@@ -252,23 +253,25 @@ def _turbo_decode(raw: torch.Tensor, header: PayloadHeader, body: memoryview) ->
         if np.any(mask.sum(axis=1) != codec.hi.m):
             raise PayloadError(f"{codec.name} payload has a corrupted channel mask")
         channels = channels_from_mask(mask)
-    per_vector = torch.from_numpy(_vector_channels(codec, channels, header.shape)).to(device)
     n = layout.n_vectors
     norms_end = layout.norms_offset + 2 * layout.n_instances * n
-    norms = raw[layout.norms_offset : norms_end].view(torch.float16).float()
-    norms = norms.view(n, layout.n_instances)
+    # clone: the norms may start at an odd byte offset, which a float16 view cannot
+    norms = raw[layout.norms_offset : norms_end].clone().view(torch.float16).float()
+    norms = _by_group(norms.view(n, layout.n_instances), layout)
     indices = raw[norms_end:].view(n, layout.bytes_per_vector).to(torch.int32)
-    indices = torch.cat([indices, indices.new_zeros((n, 1))], dim=1)
+    indices = _by_group(torch.cat([indices, indices.new_zeros((n, 1))], dim=1), layout)
     x = torch.empty((n, d), device=device)
+    grouped = _by_group(x, layout)
     for i, (start, inst, byte_at) in enumerate(_instances(codec)):
         offset, shift = _index_positions(inst.m, inst.bits)
         at = torch.from_numpy(offset + byte_at).to(device)
-        pair = indices[:, at] | (indices[:, at + 1] << 8)
-        idx = (pair >> torch.from_numpy(shift).to(device=device, dtype=torch.int32)) & (
-            (1 << inst.bits) - 1
-        )
+        shifts = torch.from_numpy(shift).to(device=device, dtype=torch.int32)
         centroids = torch.from_numpy(inst.codebook.centroids).to(device)
         rot = torch.from_numpy(inst.rotation.as_matrix().astype(np.float32)).to(device)
-        u = centroids[idx.long()] @ rot
-        x.scatter_(1, per_vector[:, start : start + inst.m], u * norms[:, i : i + 1])
+        for s in range(layout.sel_mod):
+            rows = indices[:, s]
+            idx = ((rows[..., at] | (rows[..., at + 1] << 8)) >> shifts) & ((1 << inst.bits) - 1)
+            u = centroids[idx.long()] @ rot
+            chan = torch.from_numpy(channels[s, start : start + inst.m].astype(np.int64))
+            grouped[:, s, :, chan.to(device)] = u * norms[:, s, :, i : i + 1]
     return (x * 2.0**k).view(-1)
