@@ -32,8 +32,17 @@ DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 WORD_TYPES = {2: np.uint16, 4: np.uint32}
 
-_FLOAT_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+_FLOAT_DTYPES = {np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
 """numpy float types and the only dtype each can hold; integer views hold raw words of any."""
+
+
+def _float_dtype(array: np.ndarray) -> str | None:
+    """The dtype a float16 / float32 / bfloat16 array holds, None for other (integer) arrays."""
+    if array.dtype.kind == "V":  # ml_dtypes' bfloat16
+        return "bf16" if array.dtype.name == "bfloat16" else None
+    return _FLOAT_DTYPES.get(array.dtype)
+
+
 _FIXED = struct.Struct("<4sBBBBIBBHQ")
 _CRC = struct.Struct("<I")
 
@@ -191,7 +200,7 @@ def input_words(src: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
     if src.dtype.byteorder == ">":
         raise ValueError(f"codec input must be little-endian, got dtype {src.dtype}")
     if dtype is None:
-        inferred = _FLOAT_NAMES.get(src.dtype.name)
+        inferred = _float_dtype(src)
         if inferred is None:
             raise ValueError(
                 f"cannot infer the element type of a {src.dtype} array: pass dtype='fp16', "
@@ -204,7 +213,7 @@ def input_words(src: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
         raise ValueError(
             f"dtype {dtype!r} needs {DTYPE_BYTES[dtype]}-byte elements, got a {src.dtype} array"
         )
-    if _FLOAT_NAMES.get(src.dtype.name, dtype) != dtype:
+    if _float_dtype(src) not in (None, dtype):
         raise ValueError(f"a {src.dtype} array cannot hold {dtype!r} values")
     if len(src.shape) > MAX_NDIM:
         raise ValueError(f"codec input has {len(src.shape)} dimensions, at most {MAX_NDIM}")
@@ -218,7 +227,7 @@ def output_words(out: np.ndarray, header: PayloadHeader) -> np.ndarray:
     if not isinstance(out, np.ndarray):
         raise PayloadError(f"output must be a numpy array, got {type(out).__name__}")
     if out.dtype.itemsize != DTYPE_BYTES[header.dtype] or (
-        _FLOAT_NAMES.get(out.dtype.name, header.dtype) != header.dtype
+        _float_dtype(out) not in (None, header.dtype)
     ):
         raise PayloadError(
             f"output array has {out.dtype.itemsize}-byte elements ({out.dtype}) but the payload "
