@@ -3,6 +3,7 @@
     python benchmarks/bench_vault.py                      # 1 GiB in 1 MiB blocks, vault process
     python benchmarks/bench_vault.py --block 512KiB --block 4MiB --rounds 5
     python benchmarks/bench_vault.py --in-process         # vault embedded in this process
+    python benchmarks/bench_vault.py --reuse-memory       # engine side keeps freed memory too
 
 The vault runs as a real `tierkv vault` process on 127.0.0.1 (as on a LAN machine, but without
 the network) unless --in-process. Put = queue every block with VaultClient.put and wait for
@@ -10,7 +11,9 @@ flush() (every block acknowledged by the vault); Promote = one VaultClient.promo
 (checksums verified). memcpy = numpy copy of the same number of bytes into a buffer that was
 already touched ("warm"), the tighter reference; "cold" copies into fresh memory. A plain gRPC
 stream of raw chunks between two processes is measured in the same run as the transport's
-ceiling. Each round re-stores the same keys, so later rounds show the steady state of a full vault.
+ceiling. The vault process reuses freed memory (tierkv.vault.memory); with --reuse-memory this
+client process does too. Each round re-stores the same keys, so later rounds show the steady
+state of a full vault.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from rich.table import Table
 
 from tierkv.config import format_size, parse_size
 from tierkv.vault.client import VaultClient
+from tierkv.vault.memory import reuse_freed_memory
 from tierkv.vault.server import CHUNK_BYTES, serve
 
 NAMESPACE = b"bench-vault-0000"
@@ -60,6 +64,7 @@ RAW_METHOD = "/bench.Raw/Stream"
 
 def serve_raw_stream(port: int, total: int, chunk: int) -> None:
     """A plain gRPC server streaming `total` bytes in `chunk`-byte messages."""
+    reuse_freed_memory()  # as the vault process does
     payload = os.urandom(chunk)
 
     def stream(request: bytes, context: object) -> Iterator[bytes]:
@@ -177,18 +182,26 @@ def main() -> int:
     parser.add_argument("--block", action="append", help="block size, repeatable (default 1MiB)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--in-process", action="store_true", help="embed the vault")
+    parser.add_argument(
+        "--reuse-memory",
+        action="store_true",
+        help="apply tierkv.vault.memory.reuse_freed_memory() to this (the engine's) process too",
+    )
     parser.add_argument("--serve-raw", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--raw-chunk", type=int, default=CHUNK_BYTES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_raw:
         serve_raw_stream(args.serve_raw, parse_size(args.total), args.raw_chunk)
         return 0
+    if args.reuse_memory and not reuse_freed_memory():
+        raise SystemExit("--reuse-memory needs glibc")
     total = parse_size(args.total)
     blocks = [parse_size(b) for b in args.block or ["1MiB"]]
     console = Console()
     console.print(
         f"{format_size(total)} per round, {args.rounds} rounds, "
         f"vault {'in this process' if args.in_process else 'in its own process'}, "
+        f"client process {'reuses' if args.reuse_memory else 'returns'} freed memory, "
         f"{os.cpu_count()} CPUs"
     )
     warm, cold = memcpy_gbps(total, args.rounds)

@@ -21,6 +21,7 @@ from tierkv.config import (
     parse_max_bytes,
     physical_ram_bytes,
 )
+from tierkv.vault.memory import reuse_freed_memory
 from tierkv.vault.server import VaultBindError, serve
 
 STOP_GRACE_S = 5.0
@@ -77,6 +78,7 @@ def vault(
             if cfg.vault.max_bytes is not None
             else f"default: {DEFAULT_RAM_FRACTION:.0%} of {format_size(physical_ram_bytes())} RAM"
         )
+    reuse_freed_memory()
     try:
         server = serve(listen, cap, role=role)
     except VaultBindError as exc:
