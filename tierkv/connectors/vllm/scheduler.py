@@ -62,6 +62,8 @@ class LoadJob:
 
     req_id: str
     groups: list[GroupLoad]
+    sync: bool = False
+    """Load before this step's forward (and report errors in it) instead of in the background."""
 
 
 @dataclass
@@ -94,6 +96,7 @@ class _PendingLoad:
     keys: list[bytes]
     first_block: int
     num_blocks: int
+    sync: bool = False
 
 
 class TierScheduler:
@@ -120,6 +123,7 @@ class TierScheduler:
         self._stores: list[StoreJob] = []
         self._group_ids = {plan.group_id for plan in self.plans}
         self._tracked: dict[str, _Tracked] = {}
+        self._live: set[str] = set()  # requests vLLM asked about and that have not finished
         # vLLM block hash -> tierkv key, and the (group, key) pairs recently sent; both bounded.
         self._hash_keys: OrderedDict[bytes, bytes] = OrderedDict()
         self._stored: OrderedDict[tuple[int, bytes], None] = OrderedDict()
@@ -141,20 +145,26 @@ class TierScheduler:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Tokens the vaults hold beyond `num_computed_tokens`; loads are always asynchronous.
+        """Tokens the vaults hold beyond `num_computed_tokens`, and whether to load them in the
+        background.
 
-        vLLM may ask again for a request it could not schedule yet; the answer is remembered
-        until blocks are allocated for it, so repeated questions cost no vault round trip.
+        Loads are asynchronous (other requests keep running) unless this request is the only one
+        the engine has and the model has one KV-cache group: then nothing is held up, and a load
+        on the engine thread skips vLLM polling for its completion (measured about 3x faster on
+        2 CPU cores). vLLM may ask again for a request it could not schedule yet; the answer is
+        remembered until blocks are allocated for it, so repeated questions cost no round trip.
         """
         if not self.plans:
             return 0, False
         pending = self._pending_loads.get(request.request_id)
+        self._live.add(request.request_id)
         self._track(request)
         if pending is None or pending.num_computed_tokens != num_computed_tokens:
             pending = self._lookup(request, num_computed_tokens)
             self._pending_loads[request.request_id] = pending
         matched = pending.num_blocks * self.block_size
-        return matched, matched > 0
+        pending.sync = len(self.plans) == 1 and self._live == {request.request_id}
+        return matched, matched > 0 and not pending.sync
 
     def _lookup(self, request: Request, num_computed_tokens: int) -> _PendingLoad:
         keys = request_keys(request, self.block_size) or []
@@ -218,7 +228,7 @@ class TierScheduler:
                         list(ids[first : first + num_blocks]),
                     )
                 )
-        self._loads.append(LoadJob(request.request_id, loads))
+        self._loads.append(LoadJob(request.request_id, loads, pending.sync))
 
     # ---- stores ----------------------------------------------------------------------------
 
@@ -262,6 +272,7 @@ class TierScheduler:
                 for block_id in block_ids[plan.group_id]:
                     self._store_if_known(pool.blocks[block_id])
         self._tracked.pop(request.request_id, None)
+        self._live.discard(request.request_id)
 
     def _collect_evictions(self) -> None:
         """Queue stores for known blocks among the next `watermark` blocks vLLM will reuse."""

@@ -17,6 +17,7 @@ COUNTERS = (
     "lookup_miss_blocks",  # blocks asked about but not held
     "lookup_seconds",
     "loads",
+    "sync_loads",  # ... of which ran before a forward (nothing else was running)
     "loaded_blocks",
     "load_failed_blocks",  # reported to vLLM as load errors and recomputed
     "load_seconds",

@@ -6,7 +6,8 @@ layer and state tensor for Mamba), and handed to the ColdTier, which encodes and
 background; the engine block is free again as soon as the copy returns. A step copies at most
 `staging_bytes`; what does not fit is dropped and counted.
 
-Loads run on a background thread: one ColdTier.load per KV-cache group (one Promote per vault,
+Loads run on a background thread (or, when the scheduler asks for it because nothing else is
+running, before the step's forward): one ColdTier.load per KV-cache group (one Promote per vault,
 parallel decode) writes straight into the paged buffer when a block is contiguous host memory
 (the CPU backend), else into host staging arrays copied into the blocks afterwards (GPU, strided
 layouts). Blocks that failed are reported through vLLM's load-error path, so vLLM recomputes
@@ -41,7 +42,6 @@ _CODEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "
 class _LoadResult:
     req_id: str
     failed_block_ids: set[int]
-    failed: bool
     blocks: int
     seconds: float
 
@@ -127,7 +127,11 @@ class TierWorker:
 
     def start_loads(self, meta: TierKVMetadata) -> None:
         for job in meta.loads:
-            self._loading[job.req_id] = self._loader.submit(self._load, job)
+            if job.sync:
+                self.stats.add("sync_loads")
+                self._account(self._load(job))
+            else:
+                self._loading[job.req_id] = self._loader.submit(self._load, job)
 
     def _load(self, job: LoadJob) -> _LoadResult:
         started = time.perf_counter()
@@ -142,7 +146,6 @@ class TierWorker:
         return _LoadResult(
             job.req_id,
             failed_block_ids,
-            bool(failed_block_ids),
             sum(len(load.keys) for load in job.groups),
             time.perf_counter() - started,
         )
@@ -170,30 +173,34 @@ class TierWorker:
         return failed
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
-        """(finished, failed) request ids of loads done since the last call.
+        """(finished, failed) request ids of background loads done since the last call."""
+        finished: set[str] = set()
+        failed: set[str] = set()
+        for req_id, future in list(self._loading.items()):
+            if future.done():
+                del self._loading[req_id]
+                finished.add(req_id)
+                if not self._account(future.result()):
+                    failed.add(req_id)
+        return finished, failed
+
+    def _account(self, result: _LoadResult) -> bool:
+        """Count a load; False when the whole request must be reported failed.
 
         With one KV-cache group, failed blocks are reported individually (vLLM keeps the valid
         prefix); with several, block ids are not unique across groups, so the whole request is
         reported failed and recomputed.
         """
-        finished: set[str] = set()
-        failed: set[str] = set()
-        for req_id, future in list(self._loading.items()):
-            if not future.done():
-                continue
-            del self._loading[req_id]
-            result = future.result()
-            finished.add(req_id)
-            self.stats.add("loads")
-            self.stats.add("load_seconds", result.seconds)
-            self.stats.add("loaded_blocks", result.blocks - len(result.failed_block_ids))
-            self.stats.add("load_failed_blocks", len(result.failed_block_ids))
-            if result.failed:
-                if len(self.plans) == 1:
-                    self._invalid_block_ids |= result.failed_block_ids
-                else:
-                    failed.add(req_id)
-        return finished, failed
+        self.stats.add("loads")
+        self.stats.add("load_seconds", result.seconds)
+        self.stats.add("loaded_blocks", result.blocks - len(result.failed_block_ids))
+        self.stats.add("load_failed_blocks", len(result.failed_block_ids))
+        if not result.failed_block_ids:
+            return True
+        if len(self.plans) == 1:
+            self._invalid_block_ids |= result.failed_block_ids
+            return True
+        return False
 
     def take_invalid_block_ids(self) -> set[int]:
         invalid, self._invalid_block_ids = self._invalid_block_ids, set()
