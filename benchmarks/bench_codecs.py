@@ -18,6 +18,7 @@ tq3 encode and decode >= 0.10x. Timings are the best of --repeats runs.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=120)
     start = time.perf_counter()
     warmup()
     console.print(f"warmup (compile or load cached kernels): {time.perf_counter() - start:.1f} s")
@@ -148,6 +149,11 @@ def main() -> None:
                 for row in measure(name, kv, dtype, args, pool):
                     table.add_row(*row)
     console.print(table)
+    load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
+    console.print(
+        f"load average at the end: {load} on {os.cpu_count()} cores (other processes sharing "
+        "the cores slow the multi-threaded runs most; compare on an idle machine)"
+    )
     console.print(
         "x memcpy: numpy memcpy time of the same bytes (measured just before) / codec time. "
         "ratio: 16-bit input bytes / payload bytes of the whole tensors (headers, scales, "
