@@ -13,7 +13,8 @@ the other 3d/4 get `lo` bits; each instance has its own norm, rotation and codeb
 Body: block exponent k (int16)
       | mixed only: per selection group a bit mask of its hi channels (ceil(d/8) bytes)
       | per vector and instance an fp16 norm (times 2**-k, so any fp32 norm fits)
-      | per vector its indices, LSB-first bit stream, hi instance first, padded to a byte.
+      | per vector its indices: hi instance then lo, each packed LSB-first in groups of 8
+        (`bits` bytes per group, a last partial group padded to a byte).
 The element count must be a multiple of d (else encode raises ValueError).
 """
 
@@ -329,7 +330,7 @@ def scan_serial(words, code, d, sel_div, sel_mod, with_energy):
 def scan_parallel(words, code, d, sel_div, sel_mod, with_energy):
     """scan_serial split across threads."""
     n_vectors = words.size // d
-    per_chunk = max(1, 4 * CHUNK_VALUES // d)
+    per_chunk = max(1, _ENERGY_CHUNK_VALUES // d)
     n_chunks = (n_vectors + per_chunk - 1) // per_chunk
     max_bits = np.zeros(max(n_chunks, 1), np.uint32)
     energy = np.zeros((n_chunks, sel_mod, d), np.float64)
