@@ -152,3 +152,92 @@ def test_worker_drops_what_does_not_fit_the_staging_budget(vault):
     finally:
         worker.shutdown()
         tier.close()
+
+
+def fake_vllm_config(
+    model: str = "org/model", tp: int = 1, layers: int = 2, **transfer: object
+) -> SimpleNamespace:
+    from vllm.config import KVTransferConfig
+
+    hf_config = SimpleNamespace(to_dict=lambda: {"num_hidden_layers": layers})
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, revision=None, hf_config=hf_config),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto", enable_prefix_caching=True),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TierKVConnector",
+            kv_role="kv_both",
+            kv_load_failure_policy=transfer.pop("policy", "recompute"),
+            kv_connector_extra_config=transfer,
+        ),
+    )
+
+
+def kv_cache_config(*specs: object):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"g{i}.layer"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def attention(block_size: int = 32, dtype: str = "bfloat16"):
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=getattr(torch, dtype)
+    )
+
+
+def test_namespaces_differ_with_everything_that_changes_the_bytes():
+    from tierkv.connectors.vllm.groups import plan_groups
+
+    def namespaces(config=None, cache=None, codec="none") -> tuple[bytes, ...]:
+        (plan,) = plan_groups(
+            config or fake_vllm_config(), cache or kv_cache_config(attention()), codec
+        )
+        return plan.namespaces
+
+    base = namespaces()
+    assert namespaces() == base  # stable: another process computes the same
+    variants = [
+        namespaces(config=fake_vllm_config(model="org/other")),
+        namespaces(config=fake_vllm_config(layers=3)),  # same name, another config
+        namespaces(cache=kv_cache_config(attention(block_size=64))),
+        namespaces(cache=kv_cache_config(attention(dtype="float16"))),
+        namespaces(codec="int8"),
+    ]
+    assert len({base, *variants}) == 1 + len(variants)
+    ranks = namespaces(config=fake_vllm_config(tp=2))
+    assert len(set(ranks)) == 2 and base[0] not in ranks
+
+
+def test_groups_tierkv_cannot_store_are_refused_by_name():
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from tierkv.connectors.vllm.groups import plan_groups
+
+    window = SlidingWindowSpec(
+        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
+    )
+    with pytest.raises(ValueError, match=r"group 1 \(SlidingWindowSpec"):
+        plan_groups(fake_vllm_config(), kv_cache_config(attention(), window), "none")
+
+
+def test_connector_refuses_settings_that_could_lose_a_request():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tierkv.connectors.vllm.connector import TierKVConnector
+
+    cache = kv_cache_config(attention())
+    role = KVConnectorRole.SCHEDULER
+    with pytest.raises(ValueError, match="kv_load_failure_policy='recompute'"):
+        TierKVConnector(fake_vllm_config(policy="fail"), role, cache)
+    without_prefix_caching = fake_vllm_config()
+    without_prefix_caching.cache_config.enable_prefix_caching = False
+    with pytest.raises(ValueError, match="prefix caching"):
+        TierKVConnector(without_prefix_caching, role, cache)
+    with pytest.raises(ValueError, match=r"cluster\.kv_cold is not set"):
+        TierKVConnector(fake_vllm_config(**{"connector.store": "on_finish"}), role, cache)
