@@ -8,9 +8,11 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from tiny_models import build_tiny_llama
 from typer.testing import CliRunner
 
 from tierkv.bench_engines import exo_bench, long_prompt
@@ -105,3 +107,24 @@ def test_engine_bad_input_is_named(args: list[str], named: str) -> None:
     out = CliRunner().invoke(app, ["bench", *args])
     assert out.exit_code == 2
     assert named in out.output
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_cli_engine_vllm_restores_from_the_vault_with_the_same_tokens(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    model = build_tiny_llama(tmp_path / "llama")
+    args = ["bench", "--engine", "vllm", "--model", str(model), "--tokens", "400", "--json"]
+    args += ["--kv-cache-bytes", "64MiB"]
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.stdout)
+    assert report["prompt_tokens"] == 400
+    assert [run["label"] for run in report["runs"]] == [
+        "cold",
+        "engine prefix hit",
+        "vault restore",
+    ]
+    assert report["runs"][0]["cached_tokens"] == 0
+    assert report["runs"][2]["cached_tokens"] > 0, "the third run must be served from the vault"
+    assert report["outputs_match"]

