@@ -220,6 +220,9 @@ def test_mismatching_output_array_is_rejected() -> None:
 def test_bad_codec_and_input_errors_name_the_problem() -> None:
     with pytest.raises(ValueError, match="tq9"):
         get_codec("tq9")
+    for name in ("none", "int8"):
+        with pytest.raises(ValueError, match="group_size"):
+            get_codec(name, 0)
     with pytest.raises(ValueError, match="bf16"):
         get_codec("int8").encode(np.zeros(8, np.uint16))
     with pytest.raises(ValueError, match="4-byte"):

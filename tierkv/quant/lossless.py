@@ -41,6 +41,8 @@ class LosslessCodec:
     name = "none"
 
     def __init__(self, group_size: int = 128) -> None:
+        if not 1 <= group_size <= 1 << 20:  # unused here, but recorded in the header
+            raise ValueError(f"none group_size must be in [1, 2**20], got {group_size}")
         self.group_size = group_size
 
     def encode(self, src: np.ndarray, dtype: str | None = None) -> bytes:
