@@ -357,8 +357,9 @@ def test_int8_restore_reports_token_agreement(
 
 
 def test_dead_vault_costs_at_most_a_deadline(models: dict[str, Path], tmp_path: Path):
-    """4: vault killed during a load (after vLLM counted its tokens), then before one: same
-    tokens both times, and no request waits past the client deadline."""
+    """4: vault hung (SIGSTOP) during a lookup, killed during a load (after vLLM counted its
+    tokens), then dead before one: same tokens every time, and no request waits much past the
+    client deadline."""
     port = pick_free_port()
     process, _ = start_subprocess_vault(port, "1GiB", "kv_cold", tmp_path)
     address = f"127.0.0.1:{port}"
@@ -374,9 +375,18 @@ def test_dead_vault_costs_at_most_a_deadline(models: dict[str, Path], tmp_path: 
         engine = Engine(models["llama"], extra, LLAMA_ENGINE)
         try:
             during, before, neighbour = prompt(8, 300), prompt(9, 300), prompt(102, 40)
+            hung = prompt(12, 300)
+            cold_hung = engine.store_and_evict(hung, llama_fillers(12))
             cold_during = engine.store_and_evict(during, llama_fillers(8))
             cold_before = engine.store_and_evict(before, llama_fillers(9))
             cold_neighbour = engine.generate(neighbour)
+
+            # a hung vault: the lookup gives up after its deadline, the prompt is recomputed
+            process.send_signal(signal.SIGSTOP)
+            tokens, seconds_hung = engine.timed_generate(hung)
+            process.send_signal(signal.SIGCONT)
+            assert tokens == [cold_hung]
+
             engine.call("kill_vault_on_load", process.pid)
 
             # beside another request: the load runs (and fails) in the background
@@ -395,7 +405,8 @@ def test_dead_vault_costs_at_most_a_deadline(models: dict[str, Path], tmp_path: 
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert seconds_during < 2.0 + 3.0  # the promote deadline, plus a slow CI's margin
+    assert seconds_hung < 0.5 + 3.0  # the lookup deadline, plus a slow CI's margin
+    assert seconds_during < 2.0 + 3.0  # the promote deadline, plus margin
     assert seconds_before < 0.5 + 3.0  # the lookup deadline, plus margin
 
 

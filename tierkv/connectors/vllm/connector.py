@@ -174,6 +174,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.worker_side is not None:
             self.worker_side.shutdown()
+        if self.scheduler_side is not None:
+            self.scheduler_side.shutdown()
         if not self.tier.flush(timeout=self.config.client.deadline_ms / 1000):
             log.warning("tierkv: some stored blocks were not acknowledged before shutdown")
         self.tier.close()

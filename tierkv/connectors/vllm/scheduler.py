@@ -23,6 +23,8 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+LOOKUP_WAIT_S = 0.05
+"""How long a step waits for a vault lookup before vLLM is told to ask again next step."""
 MAX_STATE_PROBES = 64
 """How many block boundaries to try, from the longest down, when looking for stored SSM state."""
 
@@ -96,6 +100,8 @@ class _PendingLoad:
     keys: list[bytes]
     first_block: int
     num_blocks: int
+    asked_blocks: int
+    seconds: float
     sync: bool = False
 
 
@@ -119,6 +125,8 @@ class TierScheduler:
         self.stats = TierKVStats()
         self._pool: BlockPool | None = None
         self._pending_loads: dict[str, _PendingLoad] = {}
+        self._lookups: dict[str, tuple[int, Future[_PendingLoad]]] = {}
+        self._lookup_thread = ThreadPoolExecutor(1, thread_name_prefix="tierkv-lookup")
         self._loads: list[LoadJob] = []
         self._stores: list[StoreJob] = []
         self._group_ids = {plan.group_id for plan in self.plans}
@@ -144,26 +152,38 @@ class TierScheduler:
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
-    ) -> tuple[int, bool]:
+    ) -> tuple[int | None, bool]:
         """Tokens the vaults hold beyond `num_computed_tokens`, and whether to load them in the
-        background.
+        background; None while the vault lookup is still running.
 
-        Loads are asynchronous (other requests keep running) unless this request is the only one
-        the engine has and the model has one KV-cache group: then nothing is held up, and a load
-        on the engine thread skips vLLM polling for its completion (measured about 3x faster on
-        2 CPU cores). vLLM may ask again for a request it could not schedule yet; the answer is
-        remembered until blocks are allocated for it, so repeated questions cost no round trip.
+        The lookup runs on a thread: when it takes longer than LOOKUP_WAIT_S (a slow or dead
+        vault; the client gives up after its deadline) vLLM is told to ask again next step, so
+        the engine keeps serving other requests meanwhile. Loads are asynchronous unless this
+        request is the only one the engine has and the model has one KV-cache group: then
+        nothing is held up, and a load on the engine thread skips vLLM polling for its
+        completion (measured about 3x faster on 2 CPU cores). The answer is remembered until
+        blocks are allocated, so repeated questions cost no round trip.
         """
         if not self.plans:
             return 0, False
-        pending = self._pending_loads.get(request.request_id)
-        self._live.add(request.request_id)
+        req_id = request.request_id
+        self._live.add(req_id)
         self._track(request)
+        pending = self._pending_loads.get(req_id)
         if pending is None or pending.num_computed_tokens != num_computed_tokens:
-            pending = self._lookup(request, num_computed_tokens)
-            self._pending_loads[request.request_id] = pending
+            lookup = self._lookups.get(req_id)
+            if lookup is None or lookup[0] != num_computed_tokens:
+                future = self._lookup_thread.submit(self._lookup, request, num_computed_tokens)
+                lookup = self._lookups[req_id] = (num_computed_tokens, future)
+            try:
+                pending = lookup[1].result(timeout=LOOKUP_WAIT_S)
+            except FutureTimeout:
+                return None, False
+            del self._lookups[req_id]
+            self._pending_loads[req_id] = pending
+            self.stats.observe_lookup(pending.num_blocks, pending.asked_blocks, pending.seconds)
         matched = pending.num_blocks * self.block_size
-        pending.sync = len(self.plans) == 1 and self._live == {request.request_id}
+        pending.sync = len(self.plans) == 1 and self._live == {req_id}
         return matched, matched > 0 and not pending.sync
 
     def _lookup(self, request: Request, num_computed_tokens: int) -> _PendingLoad:
@@ -172,7 +192,7 @@ class TierScheduler:
         # vLLM must compute at least the last prompt token itself.
         last = min(len(keys), (request.num_tokens - 1) // self.block_size)
         if last <= first:
-            return _PendingLoad(num_computed_tokens, keys, first, 0)
+            return _PendingLoad(num_computed_tokens, keys, first, 0, 0, 0.0)
         started = time.perf_counter()
         hit = last
         for plan in self.plans:
@@ -186,8 +206,8 @@ class TierScheduler:
         for plan in self.plans:
             if plan.is_state and hit > first:
                 hit = self._state_hit(plan, keys, first, hit)
-        self.stats.observe_lookup(hit - first, last - first, time.perf_counter() - started)
-        return _PendingLoad(num_computed_tokens, keys, first, hit - first)
+        seconds = time.perf_counter() - started
+        return _PendingLoad(num_computed_tokens, keys, first, hit - first, last - first, seconds)
 
     def _state_hit(self, plan: GroupPlan, keys: list[bytes], first: int, hit: int) -> int:
         """The longest boundary <= hit whose recurrent state every rank stored (else `first`)."""
@@ -263,6 +283,7 @@ class TierScheduler:
         also on eviction when fewer blocks are free than the watermark: then they may be reused
         by the very next schedule, before a walk of the free queue could see them."""
         self._pending_loads.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         pool = self._pool
         if pool is not None and (
             self.store_mode == "on_finish" or pool.get_num_free_blocks() < self.watermark
@@ -309,6 +330,9 @@ class TierScheduler:
         meta = TierKVMetadata(loads=self._loads, stores=self._stores)
         self._loads, self._stores = [], []
         return meta
+
+    def shutdown(self) -> None:
+        self._lookup_thread.shutdown(wait=True, cancel_futures=True)
 
     def forget_stored(self) -> None:
         """Forget which keys were sent (after the vaults or the engine cache were reset)."""
