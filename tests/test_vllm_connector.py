@@ -138,8 +138,8 @@ def _scramble_loaded_blocks(worker_side: Any) -> None:
             views = worker_side._views[load.group_id]
             for part in views.plan.parts:
                 for block_id in load.block_ids:
-                    block = views.block(part, block_id)
-                    block.copy_(torch.randn(block.shape) * 3)
+                    for block in views.layer_blocks(part, block_id):
+                        block.copy_(torch.randn(block.shape) * 3)
         return result
 
     worker_side._load = load_then_scramble
@@ -250,7 +250,7 @@ def test_evicted_prefix_is_restored_from_the_vault(llama_engine: Engine, kv_vaul
     assert after["load_failed_blocks"] == 0
     assert after.get("sync_loads", 0) == before.get("sync_loads", 0)  # it loaded in the background
     assert after["stored_blocks"] > 0 and after["lookup_hits"] >= 1
-    assert vault_hits(kv_vault) - hits_before == restored * 2  # one Promote: 2 layers per block
+    assert vault_hits(kv_vault) - hits_before == restored  # one payload per block, all layers
 
 
 def test_restored_blocks_decide_the_tokens(llama_engine: Engine):
@@ -275,12 +275,12 @@ def test_corrupt_payload_is_recomputed(llama_engine: Engine, kv_vault: VaultServ
     for entry_key in list(store._entries):  # fault injection below the vault's API
         namespace, key, part = entry_key
         payload, checksum = store._entries[entry_key]
-        if key == keys[6] and part == 1:
+        if key == keys[6]:
             flipped = bytearray(payload)
             flipped[len(flipped) // 2] ^= 0xFF
             store._entries[entry_key] = (bytes(flipped), checksum)  # checksum now mismatches
             damaged += 1
-        if key == keys[3] and part == 0:
+        if key == keys[3]:
             wrong = get_codec("none").encode(np.zeros(7, "float16"))
             store.put(namespace, key, part, wrong, xxhash.xxh3_64_intdigest(wrong))
             damaged += 1
@@ -426,7 +426,7 @@ def test_hybrid_model_restores_through_both_vaults(models: dict[str, Path]):
         assert engine.generate(tokens) == cold
         stats = engine.stats()
         assert stats["loaded_blocks"] == 2 + 1  # two attention blocks, one state
-        assert kv.store.stats().hits == 2 and ssm.store.stats().hits == 2  # 1 layer; 2 states
+        assert kv.store.stats().hits == 2 and ssm.store.stats().hits == 2  # 2 blocks; 2 states
 
         control = prompt(11, 2 * QWEN_BLOCK + 1)
         cold = engine.store_and_evict(control, fillers)

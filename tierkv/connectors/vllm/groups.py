@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-NAMESPACE_FORMAT = 1
+NAMESPACE_FORMAT = 2
 """Bumped whenever the bytes tierkv stores for a vLLM block change meaning."""
 
 
@@ -36,7 +36,7 @@ class GroupPlan:
     layer_names: tuple[str, ...]
     state_layout: tuple[tuple[tuple[int, ...], str], ...]
     """Mamba groups: (shape, torch dtype name) of each state tensor packed in a block's page,
-    in order; empty for attention, whose block is one opaque array per layer."""
+    in order; empty for attention, whose block is treated as one opaque array per layer."""
     block_size: int
     namespaces: tuple[bytes, ...]
     """One per tensor-parallel rank."""
@@ -47,8 +47,10 @@ class GroupPlan:
 
     @property
     def parts(self) -> range:
-        """Part ids of one block: layer index × states_per_layer + state index."""
-        return range(len(self.layer_names) * self.states_per_layer)
+        """Part ids of one block: one per state tensor (a single one for attention), each
+        holding that tensor's block of every layer of the group, stacked. One payload per block
+        and state keeps the per-payload cost (RPC entries, decode tasks) independent of depth."""
+        return range(self.states_per_layer)
 
     @property
     def is_state(self) -> bool:

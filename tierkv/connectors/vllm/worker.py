@@ -1,17 +1,16 @@
 """Worker side of the vLLM connector: copies blocks out of the paged KV buffer and loads them back.
 
 Stores: at the start of a step (`handle_preemptions`, before the forward that could overwrite
-anything) each block the scheduler picked is copied to host memory, one array per layer (per
-layer and state tensor for Mamba), and handed to the ColdTier, which encodes and sends it in the
-background; the engine block is free again as soon as the copy returns. A step copies at most
-`staging_bytes`; what does not fit is dropped and counted.
+anything) each block the scheduler picked is copied to host memory as one array holding every
+layer's block (one per state tensor for Mamba) and handed to the ColdTier, which encodes and
+sends it in the background; the engine block is free again as soon as the copy returns. A step
+copies at most `staging_bytes`; what does not fit is dropped and counted.
 
 Loads run on a background thread (or, when the scheduler asks for it because nothing else is
-running, before the step's forward): one ColdTier.load per KV-cache group (one Promote per vault,
-parallel decode) writes straight into the paged buffer when a block is contiguous host memory
-(the CPU backend), else into host staging arrays copied into the blocks afterwards (GPU, strided
-layouts). Blocks that failed are reported through vLLM's load-error path, so vLLM recomputes
-them; their bytes are never used.
+running, before the step's forward): one ColdTier.load per KV-cache group (one Promote per
+vault, parallel decode) decodes into host staging arrays that are then copied into the paged
+buffer (CPU or GPU, any layout). Blocks that failed are reported through vLLM's load-error
+path, so vLLM recomputes them; their bytes are never used.
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ class _LoadResult:
 
 
 class BlockViews:
-    """Per part, a KV tensor and which of its dimensions is the engine block id.
+    """For each part, per layer, a KV tensor and which of its dimensions is the engine block id.
 
     The CPU backend puts the block first ([blocks, heads, tokens, K|V]); layouts that put it
     elsewhere (e.g. K/V first) work too, their blocks are just strided views.
@@ -55,7 +54,7 @@ class BlockViews:
 
     def __init__(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor], num_blocks: int):
         self.plan = plan
-        self.parts: list[tuple[torch.Tensor, int]] = []
+        self.parts: list[list[tuple[torch.Tensor, int]]] = [[] for _ in plan.parts]
         for name in plan.layer_names:
             cache = kv_caches[name]
             shape = tuple(getattr(cache, "shape", ()))
@@ -70,14 +69,18 @@ class BlockViews:
                         f"tierkv: Mamba cache of layer {name} has shape {shape}; expected "
                         f"its {num_blocks} pages first"
                     )
-                self.parts.extend((state, 0) for state in _state_views(cache, plan.state_layout))
+                for part, state in enumerate(_state_views(cache, plan.state_layout)):
+                    self.parts[part].append((state, 0))
             else:
                 _codec_dtype(cache.dtype, name)
-                self.parts.append((cache, shape.index(num_blocks)))
+                self.parts[0].append((cache, shape.index(num_blocks)))
 
-    def block(self, part: int, block_id: int) -> torch.Tensor:
-        tensor, dim = self.parts[part]
-        return tensor.select(dim, block_id)
+    def layer_blocks(self, part: int, block_id: int) -> list[torch.Tensor]:
+        """The block's views of `part`, one per layer, in layer order."""
+        return [tensor.select(dim, block_id) for tensor, dim in self.parts[part]]
+
+    def part_bytes(self, part: int) -> int:
+        return sum(view.numel() * view.element_size() for view in self.layer_blocks(part, 0))
 
 
 class TierWorker:
@@ -110,15 +113,15 @@ class TierWorker:
         for job in meta.stores:
             views = self._views[job.group_id]
             plan = views.plan
-            blocks = [views.block(part, job.block_id) for part in plan.parts]
-            size = sum(block.numel() * block.element_size() for block in blocks)
+            size = sum(views.part_bytes(part) for part in plan.parts)
             if size > budget:
                 self.stats.add("staging_dropped_blocks")
                 continue
             budget -= size
-            copies = [_host_copy(block) for block in blocks]
             namespace = plan.namespaces[self.tp_rank]
-            for part, (array, dtype) in zip(plan.parts, copies, strict=True):
+            for part in plan.parts:
+                stacked = torch.stack(views.layer_blocks(part, job.block_id))  # the copy
+                array, dtype = _numpy_view(stacked.to("cpu"))
                 self.tier.store(namespace, job.key, part, array, dtype, plan.vault)
             self.stats.add("stored_blocks")
             self.stats.add("stored_bytes", size)
@@ -151,25 +154,28 @@ class TierWorker:
         )
 
     def _load_group(self, load: GroupLoad) -> set[int]:
-        """Restore one group's blocks; the indices (into load.keys) that failed."""
+        """Restore one group's blocks; the indices (into load.keys) that failed.
+
+        Payloads decode into host staging arrays (all layers of a block, stacked), which are
+        then copied into the paged buffer; a failed block's staging array is never copied.
+        """
         views = self._views[load.group_id]
         plan = views.plan
-        staged: dict[tuple[int, int], np.ndarray] = {}
+        staged: dict[tuple[int, int], torch.Tensor] = {}
 
         def out_for(index: int, part: int) -> np.ndarray:
-            block = views.block(part, load.block_ids[index])
-            if block.device.type == "cpu" and block.is_contiguous():
-                return _numpy_view(block)[0]  # decode straight into the paged buffer
-            array = _numpy_view(torch.empty(block.shape, dtype=block.dtype))[0]
-            staged[index, part] = array
-            return array
+            layers = views.layer_blocks(part, load.block_ids[index])
+            staging = torch.empty((len(layers), *layers[0].shape), dtype=layers[0].dtype)
+            staged[index, part] = staging
+            return _numpy_view(staging)[0]
 
         namespace = plan.namespaces[self.tp_rank]
         failed = self.tier.load(namespace, load.keys, {plan.vault: plan.parts}, out_for)
-        for (index, part), array in staged.items():
+        for (index, part), staging in staged.items():
             if index not in failed:
-                block = views.block(part, load.block_ids[index])
-                block.copy_(torch.from_numpy(array).view(block.dtype))
+                layers = views.layer_blocks(part, load.block_ids[index])
+                for layer, block in zip(layers, staging, strict=True):
+                    layer.copy_(block)
         return failed
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
@@ -225,11 +231,6 @@ def _numpy_view(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     return tensor.numpy(), dtype
-
-
-def _host_copy(block: torch.Tensor) -> tuple[np.ndarray, str]:
-    """A contiguous host copy of one block part that the tier may keep."""
-    return _numpy_view(block.detach().to("cpu", copy=True).contiguous())
 
 
 def _state_views(page: torch.Tensor, layout: Sequence[tuple[tuple[int, ...], str]]):
