@@ -97,17 +97,18 @@ class BenchResult:
 
 @dataclass
 class SyntheticKV:
-    """Per-part reference arrays: part p < attention_layers is one layer's K and V for one block."""
+    """The reference arrays, cut the way the vLLM connector stores them."""
 
-    blocks: list[list[np.ndarray]]
-    """blocks[b][p] = (2, block_tokens, kv_heads, head_dim) for attention parts."""
+    blocks: list[np.ndarray]
+    """blocks[b]: every attention layer's K and V for block b, one payload,
+    (attention_layers, 2, block_tokens, kv_heads, head_dim)."""
     states: list[np.ndarray]
     """One array per linear-attention layer: the state after the whole prompt."""
     dtype: str
 
     @property
     def raw_bytes(self) -> int:
-        kv = sum(part.nbytes for block in self.blocks for part in block)
+        kv = sum(block.nbytes for block in self.blocks)
         return kv + sum(state.nbytes for state in self.states)
 
 
@@ -125,8 +126,9 @@ def synthetic_kv(
     if n_blocks == 0:
         raise ValueError(f"--tokens {tokens} is less than one block of {block_tokens} tokens")
     used = n_blocks * block_tokens
-    blocks: list[list[np.ndarray]] = [[] for _ in range(n_blocks)]
-    for _ in range(shape.attention_layers):
+    block_shape = (shape.attention_layers, 2, block_tokens, shape.kv_heads, shape.head_dim)
+    blocks = [np.empty(block_shape, np_dtype) for _ in range(n_blocks)]
+    for index in range(shape.attention_layers):
         channel_scale = rng.lognormal(0.0, 0.3, size=(2, 1, shape.kv_heads, shape.head_dim))
         outliers = rng.choice(shape.head_dim, size=max(1, shape.head_dim // 32), replace=False)
         channel_scale[..., outliers] *= rng.uniform(10, 20, size=outliers.size)
@@ -134,11 +136,8 @@ def synthetic_kv(
         token_scale = np.exp(drift + rng.normal(0, 0.25, size=used))[None, :, None, None]
         layer = rng.standard_normal((2, used, shape.kv_heads, shape.head_dim), dtype=np.float32)
         layer *= channel_scale * token_scale
-        layer = layer.astype(np_dtype)
-        for b in range(n_blocks):
-            blocks[b].append(
-                np.ascontiguousarray(layer[:, b * block_tokens : (b + 1) * block_tokens])
-            )
+        for b, block in enumerate(blocks):
+            block[index] = layer[:, b * block_tokens : (b + 1) * block_tokens]
     states = [
         (rng.standard_normal(shape.state_elements, dtype=np.float32) * 0.5).astype(np_dtype)
         for _ in range(shape.state_layers)
@@ -241,7 +240,7 @@ def _bench_codec(
     n_blocks = len(kv.blocks)
     token_ids = np.arange(n_blocks * block_tokens) % 50_000
     keys = chain_block_keys(token_ids, block_tokens)
-    kv_parts = list(range(shape.attention_layers))
+    kv_parts = [0]
     state_parts = list(range(shape.state_layers))
     lossless = get_codec("none", group_size=shape.head_dim)
 
@@ -251,8 +250,7 @@ def _bench_codec(
     payloads: dict[tuple[bytes, bytes, int], bytes] = {}
     start = time.perf_counter()
     for b, block in enumerate(kv.blocks):
-        for part, array in enumerate(block):
-            payloads[(kv_ns, keys[b], part)] = codec.encode(array)
+        payloads[(kv_ns, keys[b], 0)] = codec.encode(block)
         report("encode", b + 1, n_blocks)
     for part, state in enumerate(kv.states):
         payloads[(state_ns, keys[-1], part)] = lossless.encode(state)
@@ -290,12 +288,11 @@ def _bench_codec(
     if len(fetched) != n_blocks * len(kv_parts) or len(fetched_states) != len(state_parts):
         raise RuntimeError("the vault returned fewer blocks than it holds")
 
-    restored = [[np.empty_like(part) for part in block] for block in kv.blocks]
+    restored = [np.empty_like(block) for block in kv.blocks]
     restored_states = [np.empty_like(state) for state in kv.states]
     start = time.perf_counter()
     for b in range(n_blocks):
-        for part in kv_parts:
-            decode_into(fetched[(b, part)], restored[b][part])
+        decode_into(fetched[(b, 0)], restored[b])
         report("decode", b + 1, n_blocks)
     for part in state_parts:
         decode_into(fetched_states[(0, part)], restored_states[part])
@@ -304,11 +301,7 @@ def _bench_codec(
     client.clear(kv_ns)
     client.clear(state_ns)
 
-    worst = [
-        fidelity(ref, out)
-        for ref_block, out_block in zip(kv.blocks, restored, strict=True)
-        for ref, out in zip(ref_block, out_block, strict=True)
-    ]
+    worst = [fidelity(ref, out) for ref, out in zip(kv.blocks, restored, strict=True)]
     if not all(
         np.array_equal(ref, out) for ref, out in zip(kv.states, restored_states, strict=True)
     ):
