@@ -367,11 +367,8 @@ def test_dead_vault_costs_at_most_a_deadline(models: dict[str, Path], tmp_path: 
         client = VaultClient(address, deadline_s=1.0)
         assert client.wait_ready(60), "vault did not start"
         client.close()
-        extra = {
-            "cluster.kv_cold": address,
-            "client.deadline_ms": 500,
-            "client.promote_deadline_ms": 2000,
-        }
+        # The default 2 s call deadline (a shorter one can fail Put streams on a busy CI box).
+        extra = {"cluster.kv_cold": address, "client.promote_deadline_ms": 2000}
         engine = Engine(models["llama"], extra, LLAMA_ENGINE)
         try:
             during, before, neighbour = prompt(8, 300), prompt(9, 300), prompt(102, 40)
@@ -405,9 +402,11 @@ def test_dead_vault_costs_at_most_a_deadline(models: dict[str, Path], tmp_path: 
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert seconds_hung < 0.5 + 3.0  # the lookup deadline, plus a slow CI's margin
+    print(f"hung {seconds_hung:.2f} s, killed during load {seconds_during:.2f} s, ", end="")
+    print(f"dead {seconds_before:.2f} s")
+    assert seconds_hung < 2.0 + 3.0  # the lookup deadline, plus a slow CI's margin
     assert seconds_during < 2.0 + 3.0  # the promote deadline, plus margin
-    assert seconds_before < 0.5 + 3.0  # the lookup deadline, plus margin
+    assert seconds_before < 2.0 + 3.0  # the lookup deadline, plus margin
 
 
 def test_hybrid_model_restores_through_both_vaults(models: dict[str, Path]):

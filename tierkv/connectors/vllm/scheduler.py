@@ -4,12 +4,12 @@ It holds no tensors. Each engine step it decides:
 - **loads**: for a new request, how many tokens beyond vLLM's own prefix cache the vaults hold
   (every group and every tensor-parallel rank present, so all ranks agree on one hit length),
   and after vLLM has allocated blocks for them, which vault keys go into which block ids;
-- **stores**: which engine blocks to copy out. With `store = "on_eviction"` these are the cached
-  blocks nearest the head of vLLM's free-block queue (the next ones its allocator will reuse),
-  walked through the block pool vLLM hands every connector (`bind_gpu_block_pool`). With
-  `store = "on_finish"` they are a finished request's cached blocks. A free block carries only
-  vLLM's (per-process seeded) block hash, so the scheduler learns hash -> tierkv key pairs from
-  the requests it sees (`request.block_hashes` against tierkv's chained keys of the same tokens).
+- **stores**: which engine blocks to copy out: the cached blocks nearest the head of vLLM's
+  free-block queue (the next ones its allocator will reuse), walked through the block pool vLLM
+  hands every connector (`bind_gpu_block_pool`); with `store = "on_finish"` also a finished
+  request's cached blocks at once. A free block carries only vLLM's (per-process seeded) block
+  hash, so the scheduler learns hash -> tierkv key pairs from the requests it sees
+  (`request.block_hashes` against tierkv's chained keys of the same tokens).
 
 Why no reference counting is needed: a block that is in the free queue (or was just freed) when
 step N's metadata is built is reallocated at the earliest by step N+1's schedule, and written by
@@ -325,8 +325,9 @@ class TierScheduler:
 
     def build_connector_meta(self) -> TierKVMetadata:
         self._map_hashes()
-        if self.store_mode == "on_eviction":
-            self._collect_evictions()
+        # Also with "on_finish": blocks freed before their request finished (Mamba states the
+        # request moved past, preempted requests' blocks) are caught on their way out.
+        self._collect_evictions()
         meta = TierKVMetadata(loads=self._loads, stores=self._stores)
         self._loads, self._stores = [], []
         return meta
