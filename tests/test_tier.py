@@ -73,7 +73,7 @@ def test_store_lookup_load_round_trip(
     failed, outs = load_all(tier, data)
     assert failed == set()
     for slot, array in data.items():
-        if codec == "none":
+        if codec == "none" or slot[1] == "ssm":  # SSM state is always stored lossless
             np.testing.assert_array_equal(outs[slot], array)
         else:
             np.testing.assert_allclose(outs[slot], array, atol=0.05, rtol=0.02)

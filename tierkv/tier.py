@@ -11,6 +11,9 @@ Call order, per engine request:
 and, whenever the engine lets go of a block:
 3. `store(namespace, key, part, block, dtype, vault)` -> returns at once; encoding and sending
    happen on background threads.
+Blocks for the "kv" vault use the configured codec. State for the "ssm" vault is always stored
+lossless: the engine feeds it forward through every later token, so a quantization error there
+would compound instead of staying in one block.
 `flush()` waits for stores to be acknowledged (tests, shutdown); `close()` ends everything.
 """
 
@@ -64,6 +67,7 @@ class ColdTier:
         max_pending_encode_bytes: int = DEFAULT_MAX_PENDING_ENCODE_BYTES,
     ) -> None:
         self.codec = codec
+        self._lossless = get_codec("none", group_size=codec.group_size)
         self.vaults = dict(vaults)
         self.min_cosine = min_cosine
         self._max_pending_encode_bytes = max_pending_encode_bytes
@@ -110,8 +114,9 @@ class ColdTier:
                 self._stats.dropped_backpressure += 1
                 return
             self._pending_encode_bytes += block.nbytes
+        codec = self.codec if vault == "kv" else self._lossless
         future = self._encoders.submit(
-            self._encode_and_put, client, namespace, key, part, block, dtype
+            self._encode_and_put, codec, client, namespace, key, part, block, dtype
         )
         with self._lock:
             self._encoding.add(future)
@@ -212,6 +217,7 @@ class ColdTier:
 
     def _encode_and_put(
         self,
+        codec: Codec,
         client: VaultClient,
         namespace: bytes,
         key: bytes,
@@ -220,7 +226,7 @@ class ColdTier:
         dtype: str | None,
     ) -> None:
         try:
-            payload = encode_block(self.codec, block, dtype, self.min_cosine)
+            payload = encode_block(codec, block, dtype, self.min_cosine)
         except NonFiniteError:
             with self._lock:
                 self._stats.skipped_nonfinite += 1
