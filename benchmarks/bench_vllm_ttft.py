@@ -27,6 +27,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from tierkv.patches.vllm import kv_transfer_config
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import MAX_POSITIONS, build_tiny_llama
 
@@ -105,13 +107,7 @@ def main() -> None:
                 enable_prefix_caching=True,
                 enforce_eager=True,
                 kv_cache_memory_bytes=2 * max_len * KV_BYTES_PER_TOKEN,
-                kv_transfer_config=KVTransferConfig(
-                    kv_connector="TierKVConnector",
-                    kv_connector_module_path="tierkv.connectors.vllm.connector",
-                    kv_role="kv_both",
-                    kv_load_failure_policy="recompute",
-                    kv_connector_extra_config=extra,
-                ),
+                kv_transfer_config=KVTransferConfig(**kv_transfer_config(extra)),
             )
             worker = get_kv_transfer_group()
             one_token = SamplingParams(max_tokens=1, temperature=0)

@@ -30,6 +30,7 @@ from conftest import pick_free_port, start_subprocess_vault
 from tiny_models import build_tiny_llama, build_tiny_qwen3_next
 
 from tierkv.keys import chain_block_keys
+from tierkv.patches.vllm import kv_transfer_config
 from tierkv.vault.client import VaultClient
 from tierkv.vault.server import VaultServer, serve
 
@@ -70,13 +71,7 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
         enable_prefix_caching=True,
         enforce_eager=True,
         max_num_seqs=4,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="TierKVConnector",
-            kv_connector_module_path="tierkv.connectors.vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=extra,
-        ),
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(extra)),
         **engine,
     )
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector

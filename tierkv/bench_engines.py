@@ -261,7 +261,7 @@ def _vllm_bench_in_this_process(
     from vllm.inputs import TokensPrompt
 
     from tierkv.connectors.vllm.connector import TierKVConnector
-    from tierkv.patches.vllm import is_hybrid, read_hf_config
+    from tierkv.patches.vllm import is_hybrid, kv_transfer_config, read_hf_config
 
     hf_config = read_hf_config(model) or {}
     token_ids = AutoTokenizer.from_pretrained(model)(prompt)["input_ids"]
@@ -275,13 +275,7 @@ def _vllm_bench_in_this_process(
         max_model_len=len(token_ids) + max_tokens + 8,
         # Hybrid models need vLLM's hybrid KV-cache manager; ask for it so vLLM fails loudly.
         disable_hybrid_kv_cache_manager=False if is_hybrid(hf_config) else None,
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="TierKVConnector",
-            kv_connector_module_path="tierkv.connectors.vllm.connector",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config=connector_config,
-        ),
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(connector_config)),
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
 

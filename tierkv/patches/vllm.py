@@ -31,14 +31,18 @@ _STATE_CONFIG_KEYS = (
 _OWN_FLAGS = ("--kv-transfer-config", "--no-enable-prefix-caching")
 
 
-def kv_transfer_config(config_path: Path) -> dict[str, Any]:
-    """vLLM's KVTransferConfig for the TierKV connector reading `config_path`."""
+def kv_transfer_config(connector_config: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's KVTransferConfig fields for the TierKV connector.
+
+    `connector_config` is its `kv_connector_extra_config`: {"config_path": "tierkv.toml"} or
+    inline tierkv.toml keys such as {"cluster.kv_cold": "192.168.1.10:50051"}.
+    """
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"config_path": str(config_path)},
+        "kv_connector_extra_config": dict(connector_config),
     }
 
 
@@ -106,7 +110,10 @@ def serve_command(
                 "prefix caching; drop it (or run `vllm serve` yourself)"
             )
     command = [*launcher, model] if launcher[-1] == "serve" else [*launcher, "--model", model]
-    command += ["--kv-transfer-config", json.dumps(kv_transfer_config(config_path))]
+    command += [
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config({"config_path": str(config_path)})),
+    ]
     command.append("--enable-prefix-caching")
     if hybrid and not any("hybrid-kv-cache-manager" in arg for arg in passthrough):
         command.append(HYBRID_FLAG)
