@@ -1,8 +1,17 @@
 """Chained block keys and namespace fingerprints."""
 
+from pathlib import Path
+
 import pytest
 
-from tierkv.keys import KEY_BYTES, ROOT_KEY, chain_block_keys, namespace_fingerprint
+from tierkv.keys import (
+    KEY_BYTES,
+    ROOT_KEY,
+    WEIGHT_SAMPLE_BYTES,
+    chain_block_keys,
+    namespace_fingerprint,
+    weights_fingerprint,
+)
 
 
 def test_one_key_per_full_block_and_none_for_the_tail() -> None:
@@ -43,3 +52,18 @@ def test_namespace_changes_with_any_field_and_ignores_order() -> None:
     assert namespace_fingerprint(base) == namespace_fingerprint(dict(reversed(base.items())))
     assert namespace_fingerprint(base) != namespace_fingerprint({**base, "dtype": "bf16"})
     assert len(namespace_fingerprint(base)) == KEY_BYTES
+
+
+def test_weights_fingerprint_follows_the_weights_not_the_path(tmp_path: Path) -> None:
+    big = bytes(range(256)) * (3 * WEIGHT_SAMPLE_BYTES // 256)
+    for copy in ("a", "b"):
+        (tmp_path / copy).mkdir()
+        (tmp_path / copy / "model-00001.safetensors").write_bytes(big)
+        (tmp_path / copy / "config.json").write_text("{}")
+    assert weights_fingerprint(tmp_path / "a") == weights_fingerprint(tmp_path / "b")
+    retrained = bytearray(big)
+    retrained[-10] ^= 1  # same size, a changed value in the last MiB
+    (tmp_path / "b" / "model-00001.safetensors").write_bytes(bytes(retrained))
+    assert weights_fingerprint(tmp_path / "a") != weights_fingerprint(tmp_path / "b")
+    (tmp_path / "empty").mkdir()
+    assert weights_fingerprint(tmp_path / "empty") is None

@@ -213,6 +213,23 @@ def test_namespaces_differ_with_everything_that_changes_the_bytes():
     assert len(set(ranks)) == 2 and base[0] not in ranks
 
 
+def test_namespace_changes_when_weights_are_replaced_in_place(tmp_path):
+    """A fine-tune saved over the same path with the same config must not reuse old KV."""
+    from tierkv.connectors.vllm.groups import plan_groups
+
+    weights = tmp_path / "model.safetensors"
+
+    def namespace() -> bytes:
+        config = fake_vllm_config(model=str(tmp_path))
+        (plan,) = plan_groups(config, kv_cache_config(attention()), "none")
+        return plan.namespaces[0]
+
+    weights.write_bytes(bytes(4096))
+    before = namespace()
+    weights.write_bytes(bytes(4095) + b"\x01")
+    assert namespace() != before
+
+
 def test_groups_tierkv_cannot_store_are_refused_by_name():
     import torch
     from vllm.v1.kv_cache_interface import SlidingWindowSpec

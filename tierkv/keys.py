@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import xxhash
@@ -46,3 +47,33 @@ def namespace_fingerprint(fields: Mapping[str, object]) -> bytes:
     """A 16-byte fingerprint of `fields` (JSON-serialisable values); any difference changes it."""
     canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"), default=str)
     return xxhash.xxh3_128_digest(canonical.encode())
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
+WEIGHT_SAMPLE_BYTES = 1 << 20
+
+
+def weights_fingerprint(model_dir: str | Path) -> str | None:
+    """A fingerprint of the weight files in `model_dir` (None when it holds none).
+
+    Two copies of the same checkpoint agree wherever they live; weights replaced in place (a
+    fine-tune saved over the same path and config) do not. Reading every byte would cost minutes
+    at start-up, so each file contributes its name, size, and its first and last MiB, which hold
+    tensor data that any retraining changes.
+    """
+    files = sorted(
+        path
+        for path in Path(model_dir).glob("*")
+        if path.is_file() and path.name.endswith(WEIGHT_SUFFIXES)
+    )
+    if not files:
+        return None
+    digest = xxhash.xxh3_128()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}:".encode())
+        with path.open("rb") as weights:
+            digest.update(weights.read(WEIGHT_SAMPLE_BYTES))
+            weights.seek(max(0, size - WEIGHT_SAMPLE_BYTES))
+            digest.update(weights.read(WEIGHT_SAMPLE_BYTES))
+    return digest.hexdigest()

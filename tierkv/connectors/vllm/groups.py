@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from tierkv.keys import namespace_fingerprint
+from tierkv.keys import namespace_fingerprint, weights_fingerprint
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,6 +77,7 @@ def plan_groups(
         "model": model_config.model,
         "revision": model_config.revision,
         "model_config": _config_hash(model_config.hf_config),
+        "weights": _weights_fingerprint(model_config.model, model_config.revision),
         "vllm": ".".join(vllm_version.split(".")[:2]),
         "device": current_platform.device_type,
         "layout_env": os.environ.get("VLLM_KV_CACHE_LAYOUT"),
@@ -129,6 +130,21 @@ def plan_groups(
         sizes = {plan.group_id: plan.block_size for plan in plans}
         raise ValueError(f"tierkv needs one block size across KV-cache groups, got {sizes}")
     return plans
+
+
+def _weights_fingerprint(model: str, revision: str | None) -> str | None:
+    """`weights_fingerprint` of the model's directory: `model` itself, or its snapshot in the
+    Hugging Face cache (vLLM has downloaded it before the connector starts; nothing is fetched)."""
+    if os.path.isdir(model):
+        return weights_fingerprint(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return weights_fingerprint(
+            snapshot_download(model, revision=revision, local_files_only=True)
+        )
+    except Exception:  # not a cached hub model: the name and revision are all there is
+        return None
 
 
 def _config_hash(hf_config: object) -> str:
