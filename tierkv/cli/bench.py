@@ -74,6 +74,12 @@ def bench(
     except ConfigError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2) from None
+    codec = codec or cfg.turbo_quant.codec_name
+    if codec != "all" and codec not in CODEC_NAMES:
+        console.print(
+            f"[red]--codec {codec!r} is unknown; use one of {', '.join(CODEC_NAMES)}, all"
+        )
+        raise typer.Exit(2)
     if engine is not None:
         prompt = prompt_file.read_text() if prompt_file else long_prompt(words=tokens)
         limit = None if prompt_file else tokens
@@ -83,12 +89,6 @@ def bench(
         else:
             _exo_bench(engine, model, exo_api, prompt, as_json)
         return
-    codec = codec or cfg.turbo_quant.codec_name
-    if codec != "all" and codec not in CODEC_NAMES:
-        console.print(
-            f"[red]--codec {codec!r} is unknown; use one of {', '.join(CODEC_NAMES)}, all"
-        )
-        raise typer.Exit(2)
     codecs = list(CODEC_NAMES) if codec == "all" else [codec]
     try:
         with Progress(
@@ -165,7 +165,7 @@ def _vllm_bench(
     cfg: TierKVConfig,
     model: str | None,
     vault: str | None,
-    codec: str | None,
+    codec: str,
     prompt: str,
     tokens: int | None,
     kv_cache_bytes: int | None,
@@ -174,11 +174,8 @@ def _vllm_bench(
     if not model:
         console.print("[red]--engine vllm needs --model (a model directory or name)")
         raise typer.Exit(2)
-    codec = codec or cfg.turbo_quant.codec_name
-    if codec not in CODEC_NAMES:
-        console.print(
-            f"[red]--codec {codec!r}: --engine vllm takes one of {', '.join(CODEC_NAMES)}"
-        )
+    if codec == "all":
+        console.print("[red]--codec all: --engine vllm runs one codec; name one")
         raise typer.Exit(2)
     with vault_address(vault) as address, console.status("vLLM: cold, prefix hit, vault restore"):
         settings: dict[str, object] = {
