@@ -1,11 +1,15 @@
 """Client of one vault: fire-and-forget puts, deadline-bound lookups and promotes, a breaker.
 
 `put` never blocks: blocks wait in a queue bounded by bytes (the oldest are dropped and counted
-when it is full) and a background thread streams them to the vault. `lookup` and `promote` never
+when it is full) and a background thread sends them to the vault. `lookup` and `promote` never
 raise and never wait past their deadline: any failure is a miss. After `breaker_failures`
 consecutive failed calls the circuit breaker opens: calls answer "miss" at once and queued puts
 are dropped, while a background probe checks the vault's health every `breaker_cooldown_s` and
 closes the breaker when it answers again (gRPC reconnects by itself).
+
+Put and Promote payloads travel over the vault's bulk data path (bulk.py: plain TCP, a few
+pooled connections) when the vault offers one and its port answers, else over gRPC streams;
+lookups and management calls always use gRPC.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.config import KIB, MIB, ClientConfig, parse_address
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+from tierkv.vault.bulk import BulkConnection, BulkError
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
     already_encoded,
@@ -38,6 +43,8 @@ PUT_BATCH_BYTES = 256 * KIB
 lets the vault keep the received message as the stored payload without copying it."""
 PUT_STREAM_BYTES = 128 * MIB
 """At most this many payload bytes per Put stream (each stream gets its own deadline)."""
+BULK_PUT_FRAME_BYTES = 16 * MIB
+"""Payload bytes per PUT frame on the bulk path (the vault stores one while the next arrives)."""
 MIN_PUT_BYTES_PER_S = 50e6
 """A Put stream's deadline is deadline_s plus its bytes at this rate."""
 CLIENT_OPTIONS = [
@@ -49,6 +56,7 @@ CLIENT_OPTIONS = [
     # Promote streams are read on the calling thread, without a hand-off thread (less CPU).
     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 ]
+MAX_IDLE_BULK_CONNECTIONS = 4
 _METHOD = "/" + vault_pb2.DESCRIPTOR.services_by_name["Vault"].full_name + "/"
 
 
@@ -174,7 +182,7 @@ class VaultClient:
         breaker_failures: int = 3,
         breaker_cooldown_s: float = 5.0,
     ) -> None:
-        parse_address(address)  # a clear ValueError for a malformed address
+        self._host = parse_address(address)[0]  # a clear ValueError for a malformed address
         self.address = address
         self.deadline_s = deadline_s
         self.promote_deadline_s = promote_deadline_s
@@ -194,6 +202,10 @@ class VaultClient:
             response_deserializer=_decode_promote_chunk,
         )
         self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s, self._is_serving)
+        self._bulk_lock = threading.Lock()
+        self._idle_bulk: list[BulkConnection] = []
+        self._bulk_retry_at = 0.0
+        self._bulk_retry_s = breaker_cooldown_s
 
         self._cond = threading.Condition()
         self._pending: deque[_PendingPut] = deque()
@@ -213,6 +225,8 @@ class VaultClient:
         self.checksum_failures = 0
         """Promoted payloads whose checksum did not match (returned as misses)."""
         self.failed_calls = 0
+        self.transport = "none"
+        """What carried the latest successful Put or Promote: "bulk", "grpc" or "none" yet."""
         self._sender = threading.Thread(
             target=self._send_loop, name=f"tierkv-put-{address}", daemon=True
         )
@@ -313,10 +327,15 @@ class VaultClient:
                 self._cond.notify_all()
 
     def _send_stream(self, stream: list[_PendingPut], stream_bytes: int) -> None:
-        timeout = self.deadline_s + stream_bytes / MIN_PUT_BYTES_PER_S
+        deadline = time.monotonic() + self.deadline_s + stream_bytes / MIN_PUT_BYTES_PER_S
         try:
-            summary = self._put_call(_put_batches(stream), timeout=timeout)
-        except grpc.RpcError:
+            summaries = self._put_bulk(stream, deadline)
+            transport = "bulk"
+            if summaries is None:
+                timeout = deadline - time.monotonic()
+                summaries = [self._put_call(_put_batches(stream), timeout=timeout)]
+                transport = "grpc"
+        except (grpc.RpcError, BulkError):
             self._breaker.record_failure()
             with self._cond:
                 self.failed_calls += 1
@@ -325,9 +344,27 @@ class VaultClient:
             return
         self._breaker.record_success()
         with self._cond:
-            self.stored_puts += summary.stored
-            self.rejected_puts += summary.rejected
-            self.last_rejections = [r.reason for r in summary.rejections]
+            self.transport = transport
+            self.stored_puts += sum(summary.stored for summary in summaries)
+            self.rejected_puts += sum(summary.rejected for summary in summaries)
+            self.last_rejections = [r.reason for summary in summaries for r in summary.rejections]
+
+    def _put_bulk(
+        self, stream: list[_PendingPut], deadline: float
+    ) -> list[vault_pb2.PutSummary] | None:
+        """Send `stream` over the bulk path; None: the vault has no bulk path, use gRPC."""
+        connection = self._bulk_connection()
+        if connection is None:
+            return None
+        frames = (
+            (_put_index(batch), [p.payload for p in batch])
+            for batch in batched_by_size(
+                stream, lambda p: len(p.payload), BULK_PUT_FRAME_BYTES, lambda p: p.namespace
+            )
+        )
+        summaries = connection.put(frames, deadline)
+        self._release_bulk(connection)
+        return summaries
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -357,14 +394,19 @@ class VaultClient:
         if not keys or not parts or not self._breaker.allow():
             return found
         request = vault_pb2.PromoteRequest(namespace=namespace, keys=keys, parts=parts)
+        deadline = time.monotonic() + self.promote_deadline_s
         wanted_parts = set(parts)
         bad_checksums = 0
-        call = self._promote_call(request, timeout=self.promote_deadline_s)
-        guard = _StallGuard(call, self.deadline_s)
         try:
-            for index, data in call:
-                guard.progress()
-                payloads = split_payloads(data, index.lengths)
+            connection = self._bulk_connection()
+            if connection is None:
+                chunks = self._promote_grpc(request, deadline)
+                transport = "grpc"
+            else:
+                chunks = iter([connection.promote(request, deadline)])
+                self._release_bulk(connection)
+                transport = "bulk"
+            for index, payloads in chunks:
                 for key_index, part, payload, checksum in zip(
                     index.key_indices, index.parts, payloads, index.checksums, strict=False
                 ):
@@ -374,16 +416,65 @@ class VaultClient:
                         bad_checksums += 1
                         continue
                     found[(key_index, part)] = payload
-        except (grpc.RpcError, ValueError):
+        except (grpc.RpcError, BulkError, ValueError):
             self._record_failure()
         else:
             self._breaker.record_success()
-        finally:
-            guard.done()
+            self.transport = transport
         if bad_checksums:
             with self._cond:
                 self.checksum_failures += bad_checksums
         return found
+
+    def _promote_grpc(
+        self, request: vault_pb2.PromoteRequest, deadline: float
+    ) -> Iterator[tuple[vault_pb2.PromoteIndex, list[memoryview]]]:
+        """The gRPC Promote stream as (index, payloads) chunks; a stalled stream is cancelled."""
+        call = self._promote_call(request, timeout=deadline - time.monotonic())
+        guard = _StallGuard(call, self.deadline_s)
+        try:
+            for index, data in call:
+                guard.progress()
+                yield index, split_payloads(data, index.lengths)
+        finally:
+            guard.done()
+
+    # ---- bulk data path ------------------------------------------------------------------------
+
+    def _bulk_connection(self) -> BulkConnection | None:
+        """An idle or new connection to the vault's bulk port; None when gRPC must carry the call
+        (the vault has no bulk path, or its port did not answer lately). Raises grpc.RpcError
+        when the vault does not answer at all."""
+        with self._bulk_lock:
+            while self._idle_bulk:
+                connection = self._idle_bulk.pop()
+                if connection.is_open():
+                    return connection
+                connection.close()  # the vault restarted or dropped it
+            if time.monotonic() < self._bulk_retry_at:
+                return None
+        try:
+            reply = self._stub.Hello(vault_pb2.HelloRequest(), timeout=self.deadline_s)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # an older vault: gRPC alone
+                raise
+            reply = vault_pb2.HelloReply()
+        if reply.bulk_port:
+            try:
+                return BulkConnection(self._host, reply.bulk_port, self.deadline_s)
+            except BulkError:
+                pass  # e.g. a firewall that lets only the gRPC port through
+        with self._bulk_lock:
+            self._bulk_retry_at = time.monotonic() + self._bulk_retry_s
+        return None
+
+    def _release_bulk(self, connection: BulkConnection) -> None:
+        """Keep a connection whose call succeeded for the next call (a few at most)."""
+        with self._bulk_lock:
+            if len(self._idle_bulk) < MAX_IDLE_BULK_CONNECTIONS and not self._closed:
+                self._idle_bulk.append(connection)
+                return
+        connection.close()
 
     # ---- management --------------------------------------------------------------------------
 
@@ -438,6 +529,7 @@ class VaultClient:
                 "pending_bytes": self.pending_bytes,
                 "in_flight_puts": self._in_flight,
                 "breaker": self._breaker.state,
+                "transport": self.transport,
             }
 
     def close(self) -> None:
@@ -452,6 +544,10 @@ class VaultClient:
             self._cond.notify_all()
         self._sender.join(timeout=self.deadline_s + PUT_STREAM_BYTES / MIN_PUT_BYTES_PER_S)
         self._breaker.stop()
+        with self._bulk_lock:
+            for connection in self._idle_bulk:
+                connection.close()
+            self._idle_bulk.clear()
         self._channel.close()
 
     def __enter__(self) -> VaultClient:
@@ -491,16 +587,20 @@ def _decode_promote_chunk(buf: bytes) -> tuple[vault_pb2.PromoteIndex, memoryvie
     return decode_bulk(buf, vault_pb2.PromoteIndex, vault_pb2.PromoteChunk)
 
 
+def _put_index(batch: Sequence[_PendingPut]) -> vault_pb2.PutIndex:
+    """The index of one batch of a single namespace, with the writer's checksums."""
+    return vault_pb2.PutIndex(
+        namespace=batch[0].namespace,
+        keys=[p.key for p in batch],
+        parts=[p.part for p in batch],
+        lengths=[len(p.payload) for p in batch],
+        checksums=[xxhash.xxh3_64_intdigest(p.payload) for p in batch],
+    )
+
+
 def _put_batches(stream: list[_PendingPut]) -> Iterator[bytes]:
     """Serialised PutBatch messages of one namespace and about PUT_BATCH_BYTES each."""
     for batch in batched_by_size(
         stream, lambda p: len(p.payload), PUT_BATCH_BYTES, lambda p: p.namespace
     ):
-        index = vault_pb2.PutIndex(
-            namespace=batch[0].namespace,
-            keys=[p.key for p in batch],
-            parts=[p.part for p in batch],
-            lengths=[len(p.payload) for p in batch],
-            checksums=[xxhash.xxh3_64_intdigest(p.payload) for p in batch],
-        )
-        yield encode_bulk(index, [p.payload for p in batch])
+        yield encode_bulk(_put_index(batch), [p.payload for p in batch])

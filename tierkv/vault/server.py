@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 import tierkv
 from tierkv.config import VAULT_ROLES, format_address, parse_address
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+from tierkv.vault.bulk import BulkServer
 from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
@@ -67,13 +68,27 @@ def encode_promote_chunks(
 ) -> Iterator[bytes]:
     """Serialised PromoteChunk messages of about `chunk_bytes` payload bytes each, built lazily."""
     for batch in batched_by_size(found, lambda b: len(b.payload), chunk_bytes):
-        index = vault_pb2.PromoteIndex(
-            key_indices=[b.key_index for b in batch],
-            parts=[b.part for b in batch],
-            lengths=[len(b.payload) for b in batch],
-            checksums=[b.checksum for b in batch],
-        )
-        yield encode_bulk(index, [b.payload for b in batch])
+        yield encode_bulk(_promote_index(batch), [b.payload for b in batch])
+
+
+def _promote_index(blocks: Sequence[StoredBlock]) -> vault_pb2.PromoteIndex:
+    return vault_pb2.PromoteIndex(
+        key_indices=[b.key_index for b in blocks],
+        parts=[b.part for b in blocks],
+        lengths=[len(b.payload) for b in blocks],
+        checksums=[b.checksum for b in blocks],
+    )
+
+
+def _add_rejection(summary: vault_pb2.PutSummary, key: bytes, part: int, reason: str) -> None:
+    summary.rejected += 1
+    if len(summary.rejections) < MAX_REPORTED_REJECTIONS:
+        summary.rejections.add(key=key, part=part, reason=reason)
+
+
+def _reject_all(summary: vault_pb2.PutSummary, index: vault_pb2.PutIndex, reason: str) -> None:
+    for key, part in zip(index.keys, index.parts, strict=False):
+        _add_rejection(summary, key, part, reason)
 
 
 class VaultServicer(vault_pb2_grpc.VaultServicer):
@@ -82,6 +97,8 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     def __init__(self, store: VaultStore, role: str) -> None:
         self.store = store
         self.role = role
+        self.bulk_port = 0
+        """Set by serve() once the bulk data path listens; 0 = none."""
         self.started = time.monotonic()
 
     def Put(
@@ -90,33 +107,39 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         context: grpc.ServicerContext,
     ) -> vault_pb2.PutSummary:
         summary = vault_pb2.PutSummary()
-
-        def reject(key: bytes, part: int, reason: str) -> None:
-            summary.rejected += 1
-            if len(summary.rejections) < MAX_REPORTED_REJECTIONS:
-                summary.rejections.add(key=key, part=part, reason=reason)
-
         for index, data in request_iterator:
-            keys, parts = list(index.keys), list(index.parts)
             try:
-                if not len(keys) == len(parts) == len(index.lengths) == len(index.checksums):
-                    raise MalformedMessage("PutIndex arrays differ in length")
-                payloads = split_payloads(data, index.lengths)
+                payloads: list[bytes | memoryview] = list(split_payloads(data, index.lengths))
             except MalformedMessage as exc:
-                for key, part in zip(keys, parts, strict=False):
-                    reject(key, part, f"malformed batch: {exc}")
+                _reject_all(summary, index, f"malformed batch: {exc}")
                 continue
-            for key, part, payload, checksum in zip(
-                keys, parts, payloads, index.checksums, strict=True
-            ):
-                # A lone payload may keep its message buffer (no copy); batched ones get their
-                # own copies (made outside the store's lock) so evicting one frees its memory.
-                stored = payload if len(payloads) == 1 else bytes(payload)
-                reason = self.store.put(index.namespace, key, part, stored, checksum)
-                if reason is None:
-                    summary.stored += 1
-                else:
-                    reject(key, part, reason)
+            if len(payloads) > 1:
+                # Batched payloads get their own copies (made outside the store's lock) so
+                # evicting one frees its memory; a lone payload keeps its message buffer.
+                payloads = [bytes(payload) for payload in payloads]
+            batch_summary = self.put_blocks(index, payloads)
+            summary.stored += batch_summary.stored
+            summary.rejected += batch_summary.rejected
+            room = MAX_REPORTED_REJECTIONS - len(summary.rejections)
+            summary.rejections.extend(batch_summary.rejections[:room])
+        return summary
+
+    def put_blocks(
+        self, index: vault_pb2.PutIndex, payloads: Sequence[bytes | memoryview]
+    ) -> vault_pb2.PutSummary:
+        """Store one batch (payloads kept as given); the bulk path calls this directly."""
+        summary = vault_pb2.PutSummary()
+        if not len(index.keys) == len(index.parts) == len(index.checksums) == len(payloads):
+            _reject_all(summary, index, "malformed batch: PutIndex arrays differ in length")
+            return summary
+        for key, part, payload, checksum in zip(
+            index.keys, index.parts, payloads, index.checksums, strict=True
+        ):
+            reason = self.store.put(index.namespace, key, part, payload, checksum)
+            if reason is None:
+                summary.stored += 1
+            else:
+                _add_rejection(summary, key, part, reason)
         return summary
 
     def Lookup(
@@ -130,6 +153,18 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     ) -> Iterator[bytes]:
         found = self.store.get_many(request.namespace, list(request.keys), list(request.parts))
         return encode_promote_chunks(found)
+
+    def promote_blocks(
+        self, request: vault_pb2.PromoteRequest
+    ) -> tuple[vault_pb2.PromoteIndex, list[bytes | memoryview]]:
+        """Every stored block of `request`, as one index and its payloads (the bulk path)."""
+        found = self.store.get_many(request.namespace, list(request.keys), list(request.parts))
+        return _promote_index(found), [block.payload for block in found]
+
+    def Hello(
+        self, request: vault_pb2.HelloRequest, context: grpc.ServicerContext
+    ) -> vault_pb2.HelloReply:
+        return vault_pb2.HelloReply(bulk_port=self.bulk_port)
 
     def Stats(
         self, request: vault_pb2.StatsRequest, context: grpc.ServicerContext
@@ -188,6 +223,7 @@ def _method_handlers(servicer: VaultServicer) -> grpc.GenericRpcHandler:
             "Stats": unary(servicer.Stats, vault_pb2.StatsRequest, vault_pb2.StatsReply),
             "Delete": unary(servicer.Delete, vault_pb2.DeleteRequest, vault_pb2.DeleteReply),
             "Clear": unary(servicer.Clear, vault_pb2.ClearRequest, vault_pb2.DeleteReply),
+            "Hello": unary(servicer.Hello, vault_pb2.HelloRequest, vault_pb2.HelloReply),
         },
     )
 
@@ -201,18 +237,28 @@ class VaultServer:
         servicer: VaultServicer,
         health_servicer: health.HealthServicer,
         address: str,
+        bulk: BulkServer | None,
     ) -> None:
         self._server = server
         self._health = health_servicer
+        self._bulk = bulk
         self.store = servicer.store
         self.role = servicer.role
         self.address = address
         self.port = parse_address(address)[1]
+        self.bulk_port = bulk.port if bulk else 0
+        """TCP port of the bulk data path (bulk.py); 0 = none."""
 
     def stop(self, grace: float | None = 2.0) -> None:
-        """Stop accepting calls, let running ones finish for `grace` seconds, then return."""
+        """Stop accepting calls, let running gRPC ones finish for `grace` seconds, then return.
+
+        Bulk connections are closed after that grace; a frame still in progress fails (the
+        client counts it as failed, never as stored).
+        """
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self._bulk:
+            self._bulk.stop()
 
 
 def serve(
@@ -220,11 +266,14 @@ def serve(
     max_bytes: int = 0,
     *,
     role: str = "kv_cold",
+    bulk_port: int | None = 0,
     max_workers: int = 32,
 ) -> VaultServer:
     """Start a vault in this process on `listen` (port 0: any free port); raise VaultBindError.
 
-    `max_bytes` 0 means unlimited; callers resolve defaults with tierkv.config.
+    `max_bytes` 0 means unlimited; callers resolve defaults with tierkv.config. The bulk data
+    path listens on the same host at `bulk_port` (0: any free port; None: no bulk path, clients
+    then use gRPC alone).
     """
     if role not in VAULT_ROLES:
         raise ValueError(f"vault role must be one of {', '.join(VAULT_ROLES)}, got {role!r}")
@@ -243,7 +292,18 @@ def serve(
         bound = 0
     if bound == 0:
         raise VaultBindError(f"cannot listen on {listen}: {_bind_problem(host, port)}")
+    bulk = None
+    if bulk_port is not None:
+        try:
+            bulk = BulkServer(host, bulk_port, servicer)
+        except OSError as exc:
+            server.stop(None)
+            where = format_address(host, bulk_port)
+            raise VaultBindError(
+                f"cannot listen for bulk data on {where}: {exc.strerror or exc}"
+            ) from None
+        servicer.bulk_port = bulk.port
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return VaultServer(server, servicer, health_servicer, format_address(host, bound))
+    return VaultServer(server, servicer, health_servicer, format_address(host, bound), bulk)

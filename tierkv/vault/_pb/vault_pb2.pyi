@@ -141,3 +141,13 @@ class DeleteReply(_message.Message):
     DELETED_FIELD_NUMBER: _ClassVar[int]
     deleted: int
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HelloReply(_message.Message):
+    __slots__ = ("bulk_port",)
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    bulk_port: int
+    def __init__(self, bulk_port: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,11 @@ class VaultStub:
                 request_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.ClearRequest.SerializeToString,
                 response_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteReply.FromString,
                 _registered_method=True)
+        self.Hello = channel.unary_unary(
+                '/tierkv.v1.Vault/Hello',
+                request_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloRequest.SerializeToString,
+                response_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloReply.FromString,
+                _registered_method=True)
 
 
 class VaultServicer:
@@ -111,6 +116,13 @@ class VaultServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Hello(self, request, context):
+        """How to reach this vault's bulk data path (see the top of this file).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VaultServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_VaultServicer_to_server(servicer, server):
                     servicer.Clear,
                     request_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.ClearRequest.FromString,
                     response_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteReply.SerializeToString,
+            ),
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloRequest.FromString,
+                    response_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +324,33 @@ class Vault:
             '/tierkv.v1.Vault/Clear',
             tierkv_dot_vault_dot___pb_dot_vault__pb2.ClearRequest.SerializeToString,
             tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tierkv.v1.Vault/Hello',
+            tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloRequest.SerializeToString,
+            tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloReply.FromString,
             options,
             channel_credentials,
             insecure,

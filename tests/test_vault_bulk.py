@@ -1,0 +1,168 @@
+"""The bulk data path (plain TCP beside gRPC): used by default, falls back to gRPC, survives
+restarts and garbage, and never returns or stores a payload that did not arrive intact."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tierkv.vault._pb import vault_pb2
+from tierkv.vault.bulk import HEADER, MAGIC, PUT, ReceiveBuffers
+from tierkv.vault.client import VaultClient
+from tierkv.vault.memory import HUGE_PAGE_TUNABLE, with_huge_pages
+from tierkv.vault.server import VaultBindError, serve
+
+NS = b"b" * 16
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def payload(i: int, size: int) -> bytes:
+    return bytes([i % 251]) * size
+
+
+def test_put_and_promote_travel_the_bulk_path(vault: Any) -> None:
+    sizes = [0, 1, 300, 64 * 1024, 300 * 1024, 9 * 1024 * 1024]  # runs and lone payloads
+    with VaultClient(vault.address, max_pending_bytes=64 * 1024 * 1024) as client:
+        for i, size in enumerate(sizes):
+            client.put(NS, key(i), i % 2, payload(i, size))
+        assert client.flush(timeout=30)
+        assert client.transport == "bulk"
+        assert vault.server.bulk_port > 0
+        found = client.promote(NS, [key(i) for i in range(len(sizes))], [0, 1])
+        assert client.transport == "bulk"
+        assert {k: bytes(v) for k, v in found.items()} == {
+            (i, i % 2): payload(i, size) for i, size in enumerate(sizes)
+        }
+        assert vault.store.stats().bytes_used == sum(sizes)
+
+
+def test_a_vault_without_bulk_path_is_served_over_grpc() -> None:
+    server = serve("127.0.0.1:0", 0, bulk_port=None)
+    try:
+        with VaultClient(server.address) as client:
+            client.put(NS, key(1), 0, b"over grpc")
+            assert client.flush(timeout=10)
+            assert client.promote(NS, [key(1)], [0])[(0, 0)] == b"over grpc"
+            assert client.transport == "grpc"
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_restarted_vault_is_reached_again_without_a_failed_call(free_port: int) -> None:
+    address = f"127.0.0.1:{free_port}"
+    server = serve(address, 0)
+    client = VaultClient(address)
+    try:
+        client.put(NS, key(1), 0, b"first life")
+        assert client.flush(timeout=10)  # leaves an idle bulk connection to the old vault
+        server.stop(grace=0)
+        server = serve(address, 0)  # a new bulk port
+        client.put(NS, key(2), 0, b"second life")
+        assert client.flush(timeout=10)
+        assert client.promote(NS, [key(1), key(2)], [0]) == {(1, 0): b"second life"}
+        assert client.failed_calls == 0 and client.transport == "bulk"
+    finally:
+        client.close()
+        server.stop(grace=0)
+
+
+def _bulk_socket(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
+
+
+def _closed_by_vault(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b" " * 64,  # not a tierkv frame
+        HEADER.pack(MAGIC, 99, 0, 0),  # unknown kind
+        HEADER.pack(MAGIC, PUT, 3, 0) + b"\xff\xff\xff",  # index that does not parse
+    ],
+    ids=["http", "unknown-kind", "bad-index"],
+)
+def test_garbage_on_the_bulk_port_closes_that_connection_only(vault: Any, frame: bytes) -> None:
+    with _bulk_socket(vault.server.bulk_port) as sock:
+        sock.sendall(frame)
+        assert _closed_by_vault(sock)
+    with VaultClient(vault.address) as client:
+        client.put(NS, key(1), 0, b"still serving")
+        assert client.flush(timeout=10)
+        assert client.promote(NS, [key(1)], [0]) == {(0, 0): b"still serving"}
+
+
+def test_a_frame_whose_index_disagrees_with_its_data_stores_nothing(vault: Any) -> None:
+    index = vault_pb2.PutIndex(namespace=NS, keys=[key(1)], parts=[0], lengths=[10], checksums=[0])
+    raw = index.SerializeToString()
+    with _bulk_socket(vault.server.bulk_port) as sock:
+        sock.sendall(HEADER.pack(MAGIC, PUT, len(raw), 4) + raw + b"abcd")
+        assert _closed_by_vault(sock)
+    assert vault.store.stats().entries == 0
+
+
+def test_a_corrupted_payload_on_the_bulk_path_is_rejected(vault: Any) -> None:
+    good = b"x" * 100
+    index = vault_pb2.PutIndex(
+        namespace=NS, keys=[key(1)], parts=[0], lengths=[len(good)], checksums=[12345]
+    )
+    raw = index.SerializeToString()
+    with _bulk_socket(vault.server.bulk_port) as sock:
+        sock.sendall(HEADER.pack(MAGIC, PUT, len(raw), len(good)) + raw + good)
+        _, _, index_len, data_len = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+        summary = vault_pb2.PutSummary.FromString(sock.recv(index_len, socket.MSG_WAITALL))
+    assert (summary.stored, summary.rejected, data_len) == (0, 1, 0)
+    assert "checksum" in summary.rejections[0].reason
+    assert vault.store.stats().entries == 0
+
+
+def test_a_taken_bulk_port_is_a_clear_bind_error(free_port: int) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", free_port))
+        taken.listen()
+        with pytest.raises(VaultBindError, match=f"bulk data on 127.0.0.1:{free_port}"):
+            serve("127.0.0.1:0", 0, bulk_port=free_port)
+
+
+def test_receive_buffers_are_reused_only_when_no_view_is_left() -> None:
+    pool = ReceiveBuffers(1024, 2048)
+    first = pool.take()
+    view = first.data[:10].toreadonly()
+    del first
+    second = pool.take()
+    assert second is not pool._buffers[0]  # the view still holds the first buffer
+    del view, second
+    assert pool.take() is pool._buffers[0]
+    assert len(pool._buffers) == 2
+    extra = [pool.take() for _ in range(3)]  # beyond the cap: not kept
+    assert len(pool._buffers) == 2 and len({id(b) for b in extra}) == 3
+
+
+def test_huge_page_tunable_is_added_once() -> None:
+    assert with_huge_pages({})["GLIBC_TUNABLES"] == HUGE_PAGE_TUNABLE
+    assert with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == (
+        f"glibc.malloc.arena_max=2:{HUGE_PAGE_TUNABLE}"
+    )
+    kept = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}
+    assert with_huge_pages(kept) == kept
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc tunables")
+def test_tierkv_vault_runs_with_a_huge_page_heap(vault_factory: Callable) -> None:
+    vault: Any = vault_factory(subprocess=True)
+    environ = Path(f"/proc/{vault.process.pid}/environ").read_bytes().split(b"\0")
+    expected = with_huge_pages(os.environ)["GLIBC_TUNABLES"]
+    assert f"GLIBC_TUNABLES={expected}".encode() in environ
