@@ -10,11 +10,6 @@ app = typer.Typer(
 )
 
 
-def main() -> None:
-    """Entry point of the `tierkv` console script."""
-    app()
-
-
 @app.callback()
 def _root() -> None:
     """A cold KV-cache tier for vLLM and EXO on ordinary LAN machines."""
