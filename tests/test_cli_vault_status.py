@@ -57,7 +57,7 @@ def test_vault_starts_with_one_line_and_stops_gracefully(
     )
     try:
         line = read_line(process)
-        assert f"ssm_cold listening on {address}" in line
+        assert f"ssm_cold listening on {address} (bulk data on port " in line
         assert "cap " in line and "default: 50% of" in line and "RAM" in line
         result = runner.invoke(app, ["status", "--vault", address, "--json"])
         assert result.exit_code == 0, result.output

@@ -115,6 +115,8 @@ def test_missing_explicit_or_env_file_is_an_error(
         ("[vault]\nmax_bytes = '24 bananas'\n", "vault.max_bytes: expected a size"),
         ("[vault]\nmax_bytes = 0\n", "vault.max_bytes: expected a positive size"),
         ("[vault]\nlisten = '::1:50051'\n", "vault.listen: an IPv6 address needs brackets"),
+        ("[vault]\nbulk_port = 70000\n", "vault.bulk_port: expected a port number 0-65535"),
+        ("[vault]\nbulk_port = '50052'\n", "vault.bulk_port: expected a port number"),
         ("[client]\ndeadline_ms = 'fast'\n", "client.deadline_ms: expected a positive integer"),
         ("[client]\nbreaker_failures = true\n", "client.breaker_failures: expected a positive"),
         ("[turbo_quant]\nenabled = 'yes'\n", "turbo_quant.enabled: expected true or false"),

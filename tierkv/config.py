@@ -142,6 +142,8 @@ class VaultConfig:
 
     listen: str = DEFAULT_LISTEN
     max_bytes: int | None = None
+    bulk_port: int = 0
+    """TCP port of the bulk data path on the listen host; 0: any free port (told to clients)."""
 
     def resolved_max_bytes(self) -> int:
         """The cap to use: the configured one, or default_max_bytes() (0 stays unlimited)."""
@@ -213,6 +215,12 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _port(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"expected a port number 0-65535, got {value!r}")
+    return value
+
+
 def _positive_float(value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(f"expected a positive number, got {value!r}")
@@ -272,7 +280,10 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         ClusterConfig,
         {"role": _one_of(ROLES), "kv_cold": _vault_address, "ssm_cold": _vault_address},
     ),
-    "vault": (VaultConfig, {"listen": _listen_address, "max_bytes": parse_max_bytes}),
+    "vault": (
+        VaultConfig,
+        {"listen": _listen_address, "max_bytes": parse_max_bytes, "bulk_port": _port},
+    ),
     "client": (
         ClientConfig,
         {

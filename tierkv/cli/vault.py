@@ -51,6 +51,14 @@ def vault(
             help='Cap: 24GB, 512MiB or "unlimited" (default: vault.max_bytes, else half of RAM).'
         ),
     ] = None,
+    bulk_port: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=65535,
+            help="TCP port of the bulk data path (default: vault.bulk_port, else any free port).",
+        ),
+    ] = None,
 ) -> None:
     """Run a vault: a RAM-only, byte-capped store of KV blocks for engines on the LAN."""
     try:
@@ -80,7 +88,8 @@ def vault(
         )
     reuse_freed_memory()
     try:
-        server = serve(listen, cap, role=role)
+        bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
+        server = serve(listen, cap, role=role, bulk_port=bulk)
     except VaultBindError as exc:
         raise _fail(str(exc), 1) from None
 
@@ -92,7 +101,10 @@ def vault(
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, request_stop)
     cap_text = "unlimited" if cap == 0 else format_size(cap)
-    typer.echo(f"tierkv vault: {role} listening on {server.address}, cap {cap_text} ({origin})")
+    typer.echo(
+        f"tierkv vault: {role} listening on {server.address} (bulk data on port "
+        f"{server.bulk_port}), cap {cap_text} ({origin})"
+    )
     stop.wait()
     typer.echo("tierkv vault: stopping")
     server.stop(grace=STOP_GRACE_S)
