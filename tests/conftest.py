@@ -5,7 +5,8 @@
     function for code that needs several.
 
 `vault_factory` (fixture, callable)
-    ``vault_factory(max_bytes="1GiB", *, role="kv_cold", subprocess=False) -> VaultHandle``
+    ``vault_factory(max_bytes="1GiB", *, role="kv_cold", subprocess=False, bulk=True)
+    -> VaultHandle``
     (max_bytes: bytes, a size string, or "unlimited") starts a REAL vault on 127.0.0.1 on a
     free port and returns a handle with:
       ``.address``  "127.0.0.1:PORT", ready to pass to VaultClient / tierkv.toml
@@ -15,7 +16,9 @@
     (tierkv.vault.server.serve) and ``.server`` / ``.store`` expose it. With ``subprocess=True``
     it runs the real ``tierkv vault`` command in a child process (``.process``, output in
     ``.log_path``) and
-    ``.kill()`` SIGKILLs it, e.g. to test what clients do when a vault dies. The handle is ready
+    ``.kill()`` SIGKILLs it, e.g. to test what clients do when a vault dies. ``bulk=False``
+    starts an in-process vault without its bulk data path (clients then use gRPC alone). The
+    handle is ready
     (health SERVING) when returned; no process is left behind after the test.
 
 `vault` (fixture, VaultHandle)
@@ -129,7 +132,11 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
     handles: list[VaultHandle] = []
 
     def start(
-        max_bytes: int | str = "1GiB", *, role: str = "kv_cold", subprocess: bool = False
+        max_bytes: int | str = "1GiB",
+        *,
+        role: str = "kv_cold",
+        subprocess: bool = False,
+        bulk: bool = True,
     ) -> VaultHandle:
         if subprocess:
             port = pick_free_port()
@@ -140,7 +147,10 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
             handles.append(handle)
             _wait_serving(handle.address, process)
         else:
-            server = serve(f"{LOOPBACK}:0", parse_max_bytes(max_bytes), role=role)
+            bulk_port = 0 if bulk else None
+            server = serve(
+                f"{LOOPBACK}:0", parse_max_bytes(max_bytes), role=role, bulk_port=bulk_port
+            )
             handle = VaultHandle(address=server.address, port=server.port, server=server)
             handles.append(handle)
         return handle

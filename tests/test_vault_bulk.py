@@ -166,3 +166,25 @@ def test_tierkv_vault_runs_with_a_huge_page_heap(vault_factory: Callable) -> Non
     environ = Path(f"/proc/{vault.process.pid}/environ").read_bytes().split(b"\0")
     expected = with_huge_pages(os.environ)["GLIBC_TUNABLES"]
     assert f"GLIBC_TUNABLES={expected}".encode() in environ
+
+
+def _has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no ::1 on this machine")
+def test_bulk_path_over_ipv6_loopback() -> None:
+    server = serve("[::1]:0", 0)
+    try:
+        with VaultClient(server.address) as client:
+            client.put(NS, key(6), 0, b"six")
+            assert client.flush(timeout=10)
+            assert client.promote(NS, [key(6)], [0]) == {(0, 0): b"six"}
+            assert client.transport == "bulk"
+    finally:
+        server.stop(grace=0)

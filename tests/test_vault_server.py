@@ -120,8 +120,9 @@ def test_generated_stub_interoperates_with_the_fast_codec(vault: Any) -> None:
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_one_gib_promote_arrives_in_bounded_chunks(vault_factory: Callable) -> None:
-    vault = vault_factory(max_bytes="2GiB")
+@pytest.mark.parametrize("bulk", [True, False], ids=["bulk-path", "grpc-stream"])
+def test_one_gib_promote_arrives_in_bounded_chunks(vault_factory: Callable, bulk: bool) -> None:
+    vault = vault_factory(max_bytes="2GiB", bulk=bulk)
     block = MIB
     count = 1024
     data = bytearray(block * count)  # 1 GiB, mostly untouched zero pages; the vault keeps views
@@ -134,6 +135,7 @@ def test_one_gib_promote_arrives_in_bounded_chunks(vault_factory: Callable) -> N
     with VaultClient(vault.address, promote_deadline_s=60) as client:
         found = client.promote(NS, keys, [0])
         assert client.checksum_failures == 0  # every payload matched its stored checksum
+        assert client.transport == ("bulk" if bulk else "grpc")
     assert len(found) == count
     assert all(found[(i, 0)][:8] == i.to_bytes(8, "little") for i in range(count))
     chunks = {id(payload.obj): len(payload.obj) for payload in found.values()}
