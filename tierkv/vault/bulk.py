@@ -43,7 +43,7 @@ CLIENT_RUN_BYTES = 8 * MIB
 """The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
 MAX_POOLED_BYTES = 1024 * MIB
 """The client keeps at most this many bytes of receive buffers for reuse (per process)."""
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 256
 """A vault serves at most this many bulk connections at once; more are closed at once."""
 FRAME_IDLE_S = 60.0
 """The vault drops a connection whose frame stalls mid-way for this long."""
