@@ -43,6 +43,7 @@ CLIENT_RUN_BYTES = 8 * MIB
 """The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
 MAX_POOLED_BYTES = 1024 * MIB
 """The client keeps at most this many bytes of receive buffers for reuse (per process)."""
+HUGE_PAGE_BYTES = 2 * MIB
 MAX_CONNECTIONS = 256
 """A vault serves at most this many bulk connections at once; more are closed at once."""
 FRAME_IDLE_S = 60.0
@@ -128,12 +129,20 @@ def _empty_buffer(size: int) -> memoryview:
     return np.empty(size, dtype=np.uint8).data
 
 
+def _huge_page_aligned(size: int) -> np.ndarray:
+    """Uninitialised bytes starting on a 2 MiB boundary, so huge pages can back all of them."""
+    raw = np.empty(size + HUGE_PAGE_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE_BYTES
+    return raw[start : start + size]
+
+
 class ReceiveBuffers:
     """Fixed-size receive buffers, each reused once no payload view of it is alive any more.
 
     Fresh memory costs a page fault per page and, below 4 MiB, comes in 4 KiB pages that a VM
-    walks slowly; pooled buffers are already mapped, in huge pages (numpy advises them). A buffer
-    is free when only the pool refers to it: every view the caller was given has been released.
+    walks slowly; pooled buffers are already mapped and aligned to whole huge pages (numpy advises
+    them). A buffer is free when only the pool refers to it: every view the caller was given has
+    been released.
     """
 
     def __init__(self, buffer_bytes: int, max_bytes: int) -> None:
@@ -149,7 +158,7 @@ class ReceiveBuffers:
                 # References: the pool's list, this loop's name and getrefcount's argument.
                 if sys.getrefcount(buf) == 3:
                     return buf
-            buf = np.empty(self.buffer_bytes, dtype=np.uint8)
+            buf = _huge_page_aligned(self.buffer_bytes)
             if len(self._buffers) < self.max_buffers:
                 self._buffers.append(buf)
             return buf
