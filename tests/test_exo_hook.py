@@ -132,6 +132,43 @@ def test_eviction_spills_and_the_next_request_restores_only_the_missing_suffix(
     assert restored.tokens == cold.tokens
 
 
+def test_weights_replaced_in_place_change_the_namespace(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model_dir = tmp_path / "models" / "tests--tiny-llama"
+    model_dir.mkdir(parents=True)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(b"first fine-tune" * 1000)
+    monkeypatch.setenv("FAKE_EXO_MODELS_DIR", str(model_dir.parent))
+    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    runtime = hook.runtime()
+    geometry = hook.Geometry(kv_heads=2, key_dim=16, value_dim=16, dtype=mx.bfloat16)
+    first = runtime.namespace(geometry)
+
+    weights.write_bytes(b"second fine-tune" * 1000)  # same path, same model id
+    rebind(exo)
+    second = runtime.namespace(geometry)
+    assert first is not None and second is not None and first != second
+
+    monkeypatch.setenv("FAKE_EXO_MODELS_DIR", str(tmp_path / "elsewhere"))  # no weights found
+    monkeypatch.setattr(hook, "_reported", set())  # earlier tests reported it already
+    with caplog.at_level(logging.WARNING):
+        rebind(exo)
+    assert runtime.namespace(geometry) not in (first, second)
+    assert "cannot fingerprint the weight files of tests/tiny-llama" in caplog.text
+
+
+def rebind(exo: Exo) -> None:
+    """EXO's runner entry point again (a new runner for the same model)."""
+    shard = type("PipelineShardMetadata", (), {})()
+    shard.model_card = SimpleNamespace(model_id="tests/tiny-llama")
+    shard.start_layer, shard.end_layer, shard.device_rank, shard.world_size = 0, 2, 0, 1
+    exo.bootstrap.entrypoint(SimpleNamespace(bound_shard=shard, work=lambda: None), *[None] * 4)
+
+
 def test_a_local_hit_as_long_as_the_vault_prefix_is_left_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
 ) -> None:

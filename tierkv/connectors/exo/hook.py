@@ -11,7 +11,8 @@ The boot module hands two EXO modules here as soon as they are imported:
   `add_kv_cache`: with `[exo] write_through = true`, new entries are spilled at once too.
 
 Blocks are keyed by the chained hash of `block_tokens`-token blocks; part = 2 x global layer
-index (+1 for values); the namespace fingerprints model id, head slice, dtype, geometry, block
+index (+1 for values); the namespace fingerprints model id, the weight files (where EXO's
+`build_model_path` finds them; tierkv.keys.weights_fingerprint), head slice, dtype, geometry, block
 size and FORMAT_VERSION. Only plain mlx-lm `KVCache` layers are handled; an entry with any other
 cache kind is left to EXO's normal path (reported once per kind).
 
@@ -40,7 +41,7 @@ from mlx_lm.models.cache import KVCache
 
 from tierkv.config import TierKVConfig, load_config
 from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
-from tierkv.keys import chain_block_keys, namespace_fingerprint
+from tierkv.keys import chain_block_keys, namespace_fingerprint, weights_fingerprint
 from tierkv.tier import ColdTier
 
 log = logging.getLogger("tierkv.exo")
@@ -66,6 +67,8 @@ class ShardContext:
     start_layer: int
     head_rank: int = 0
     head_ranks: int = 1
+    weights: str | None = None
+    """Fingerprint of the weight files; None where EXO's model directory was not found."""
 
 
 @dataclass(frozen=True)
@@ -149,11 +152,34 @@ def bind_shard(shard: Any) -> None:
     kind = type(shard).__name__
     model_id = str(shard.model_card.model_id)
     if kind.startswith("Pipeline"):
-        _shard = ShardContext(model_id, int(shard.start_layer))
+        _shard = ShardContext(model_id, int(shard.start_layer), weights=_weights_of(shard))
     elif kind.startswith("Tensor"):
-        _shard = ShardContext(model_id, 0, int(shard.device_rank), int(shard.world_size))
+        _shard = ShardContext(
+            model_id, 0, int(shard.device_rank), int(shard.world_size), _weights_of(shard)
+        )
     else:
         report_once("shard", "EXO shard kind %s is not supported; the hook stays off", kind)
+
+
+def _weights_of(shard: Any) -> str | None:
+    """Fingerprint of the model's weight files where EXO keeps them; None (reported) if unknown."""
+    try:
+        from exo.download.download_utils import build_model_path
+
+        weights = weights_fingerprint(build_model_path(shard.model_card.model_id))
+    except Exception as exc:
+        weights, why = None, repr(exc)
+    else:
+        why = "no weight files there"
+    if weights is None:
+        report_once(
+            "weights",
+            "cannot fingerprint the weight files of %s (%s): weights replaced under the same "
+            "model id would restore stale KV; clear the vault after replacing them",
+            shard.model_card.model_id,
+            why,
+        )
+    return weights
 
 
 def patch_prefix_cache(cls: type) -> None:
@@ -327,6 +353,7 @@ class ExoRuntime:
                 "engine": "exo",
                 "format": FORMAT_VERSION,
                 "model": _shard.model_id,
+                "weights": _shard.weights,
                 "heads": [_shard.head_rank, _shard.head_ranks],
                 "kv_heads": geometry.kv_heads,
                 "key_dim": geometry.key_dim,

@@ -1,0 +1,1 @@
+"""Test fixture: EXO's model download package (only what the tierkv hook reads)."""
