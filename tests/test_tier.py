@@ -152,3 +152,24 @@ def test_dead_vault_is_a_fast_miss(two_vaults: tuple[VaultHandle, VaultHandle]) 
     assert failed == set(range(len(KEYS)))
     assert time.monotonic() - start < 3 * 0.5 + 1.0
     tier.close()
+
+
+def test_a_block_missing_a_part_is_not_decoded_at_all(
+    two_vaults: tuple[VaultHandle, VaultHandle],
+) -> None:
+    kv, _ = two_vaults
+    tier = make_tier("none", *two_vaults)
+    data = blocks()
+    store_all(tier, data)
+    kv.store.delete(NS, [KEYS[1]])  # every kv part of block 1 gone ...
+    tier.store(NS, KEYS[1], 0, data[(1, "kv", 0)].copy(), vault="kv")  # ... but part 0
+    assert tier.flush(timeout=30)
+    written: list[tuple[int, int]] = []
+
+    def out_for(index: int, part: int) -> np.ndarray:
+        written.append((index, part))
+        return np.zeros_like(data[(index, "kv", part)])
+
+    assert tier.load(NS, KEYS, {"kv": KV_PARTS}, out_for) == {1}
+    assert sorted(written) == [(i, p) for i in (0, 2, 3) for p in KV_PARTS]
+    tier.close()

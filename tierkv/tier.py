@@ -153,26 +153,26 @@ class ColdTier:
             vault: self._promoters.submit(self._client(vault).promote, namespace, keys, parts)
             for vault, parts in parts_by_vault.items()
         }
-        failed: set[int] = set()
-        decodes = []
-        for vault, parts in parts_by_vault.items():
+        found: dict[str, dict[tuple[int, int], memoryview]] = {}
+        for vault in parts_by_vault:
             try:
-                payloads = promotes[vault].result()
+                found[vault] = promotes[vault].result()
             except Exception:
                 log.exception("tierkv: promote from the %s vault failed; recomputing", vault)
-                payloads = {}
-            for index in range(len(keys)):
+                found[vault] = {}
+        failed = {
+            index
+            for index in range(len(keys))
+            for vault, parts in parts_by_vault.items()
+            if any((index, part) not in found[vault] for part in parts)
+        }
+        decodes = []  # only blocks with every part: a partial block is recomputed anyway
+        for vault, parts in parts_by_vault.items():
+            for index in sorted(set(range(len(keys))) - failed):
                 for part in parts:
-                    payload = payloads.get((index, part))
-                    if payload is None:
-                        failed.add(index)
-                    else:
-                        decodes.append(
-                            (
-                                index,
-                                self._decoders.submit(self._decode, payload, index, part, out_for),
-                            )
-                        )
+                    payload = found[vault][(index, part)]
+                    future = self._decoders.submit(self._decode, payload, index, part, out_for)
+                    decodes.append((index, future))
         for index, future in decodes:
             if not future.result():
                 failed.add(index)
