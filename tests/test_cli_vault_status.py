@@ -128,7 +128,18 @@ def test_status_reads_the_configured_vaults(
     assert result.exit_code == 1
     rows = {row["name"]: row for row in json.loads(result.stdout)["vaults"]}
     assert rows["kv_cold"]["up"] and rows["kv_cold"]["entries"] == 0
+    assert (rows["kv_cold"]["bulk_port"], rows["kv_cold"]["bulk_reachable"]) == (
+        up.server.bulk_port,
+        True,
+    )
     assert not rows["ssm_cold"]["up"] and "did not answer" in rows["ssm_cold"]["error"]
+
+
+def test_status_tells_a_vault_without_bulk_path(vault_factory: Callable[..., Any]) -> None:
+    grpc_only = vault_factory(bulk=False)
+    result = runner.invoke(app, ["status", "--vault", grpc_only.address])
+    assert result.exit_code == 0, result.output
+    assert "none (gRPC)" in result.stdout
 
 
 def test_status_down_vault_table_exits_1(free_port: int, empty_config: Path) -> None:

@@ -31,6 +31,7 @@ VAULT_COLUMNS = {
     "address": "address",
     "up": "up",
     "rtt_ms": "rtt ms",
+    "bulk": "bulk port",
     "role": "role",
     "entries": "entries",
     "used": "used / cap",
@@ -71,6 +72,7 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
     try:
         client.stats()  # connects; the second call measures the round trip alone
         stats = client.stats()
+        bulk_port, bulk_reachable = client.bulk_path()
     except VaultUnavailable as exc:
         return {"name": name, "address": address, "up": False, "error": str(exc)}
     finally:
@@ -80,6 +82,8 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
         "address": address,
         "up": True,
         "rtt_ms": round(stats.rtt_s * 1000, 2),
+        "bulk_port": bulk_port,  # 0: none, payloads travel over gRPC
+        "bulk_reachable": bulk_reachable,  # False: a firewall? payloads fall back to gRPC
         "role": stats.role,
         "entries": stats.entries,
         "bytes_used": stats.bytes_used,
@@ -118,6 +122,12 @@ def _cell(row: dict[str, Any], key: str) -> str:
         return f"{format_size(row['bytes_used'])} / {cap}"
     if key == "uptime":
         return _duration(row["uptime_s"])
+    if key == "bulk":
+        if not row["bulk_port"]:
+            return "none (gRPC)"
+        if not row["bulk_reachable"]:
+            return f"[yellow]{row['bulk_port']} unreachable (gRPC, slower)[/yellow]"
+        return str(row["bulk_port"])
     return str(row.get(key, ""))
 
 

@@ -507,6 +507,20 @@ class VaultClient:
         request = vault_pb2.ClearRequest(namespace=namespace)
         return int(self._management_call(self._stub.Clear, request).deleted)
 
+    def bulk_path(self) -> tuple[int, bool]:
+        """(bulk port, reachable from here) of the vault; port 0 = it has none.
+
+        Raises VaultUnavailable when the vault does not answer over gRPC.
+        """
+        port = int(self._management_call(self._stub.Hello, vault_pb2.HelloRequest()).bulk_port)
+        if not port:
+            return 0, False
+        try:
+            BulkConnection(self._host, port, self.deadline_s).close()
+        except BulkError:
+            return port, False
+        return port, True
+
     def wait_ready(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the vault to report SERVING."""
         deadline = time.monotonic() + timeout
