@@ -244,8 +244,8 @@ class BulkServer:
                     return
                 sock.settimeout(FRAME_IDLE_S)
                 self._answer_frame(sock)
-        except (OSError, ValueError):
-            return  # peer gone, stalled or malformed: drop the connection
+        except (OSError, ValueError, MemoryError):
+            return  # peer gone, stalled, malformed or too large: drop the connection
         finally:
             with self._lock:
                 self._connections.discard(sock)
