@@ -72,11 +72,16 @@ def start_exo(
         importlib.import_module("exo.worker.engines.mlx.generator.generate"),
         importlib.import_module("exo.worker.runner.bootstrap"),
     )
+    start_runner(exo)
+    return exo
+
+
+def start_runner(exo: Exo) -> None:
+    """EXO's runner entry point for the tiny model (which binds its shard)."""
     shard = type("PipelineShardMetadata", (), {})()
     shard.model_card = SimpleNamespace(model_id="tests/tiny-llama")
     shard.start_layer, shard.end_layer, shard.device_rank, shard.world_size = 0, 2, 0, 1
     exo.bootstrap.entrypoint(SimpleNamespace(bound_shard=shard, work=lambda: None), *[None] * 4)
-    return exo
 
 
 @pytest.fixture(autouse=True)
@@ -149,24 +154,16 @@ def test_weights_replaced_in_place_change_the_namespace(
     first = runtime.namespace(geometry)
 
     weights.write_bytes(b"second fine-tune" * 1000)  # same path, same model id
-    rebind(exo)
+    start_runner(exo)  # a new runner for the same model
     second = runtime.namespace(geometry)
     assert first is not None and second is not None and first != second
 
     monkeypatch.setenv("FAKE_EXO_MODELS_DIR", str(tmp_path / "elsewhere"))  # no weights found
     monkeypatch.setattr(hook, "_reported", set())  # earlier tests reported it already
     with caplog.at_level(logging.WARNING):
-        rebind(exo)
+        start_runner(exo)  # a new runner for the same model
     assert runtime.namespace(geometry) not in (first, second)
     assert "cannot fingerprint the weight files of tests/tiny-llama" in caplog.text
-
-
-def rebind(exo: Exo) -> None:
-    """EXO's runner entry point again (a new runner for the same model)."""
-    shard = type("PipelineShardMetadata", (), {})()
-    shard.model_card = SimpleNamespace(model_id="tests/tiny-llama")
-    shard.start_layer, shard.end_layer, shard.device_rank, shard.world_size = 0, 2, 0, 1
-    exo.bootstrap.entrypoint(SimpleNamespace(bound_shard=shard, work=lambda: None), *[None] * 4)
 
 
 def test_a_local_hit_as_long_as_the_vault_prefix_is_left_alone(
