@@ -7,12 +7,14 @@ import os
 import socket
 import sys
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
-from tierkv.vault._pb import vault_pb2
+from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.bulk import HEADER, MAGIC, PUT, ReceiveBuffers
 from tierkv.vault.client import VaultClient
 from tierkv.vault.memory import HUGE_PAGE_TUNABLE, with_huge_pages
@@ -186,5 +188,26 @@ def test_bulk_path_over_ipv6_loopback() -> None:
             assert client.flush(timeout=10)
             assert client.promote(NS, [key(6)], [0]) == {(0, 0): b"six"}
             assert client.transport == "bulk"
+    finally:
+        server.stop(grace=0)
+
+
+class _VaultBeforeHello(vault_pb2_grpc.VaultServicer):
+    """A vault of an earlier version: Stats, and no Hello (nor anything else)."""
+
+    def Stats(self, request: Any, context: Any) -> vault_pb2.StatsReply:
+        return vault_pb2.StatsReply(role="kv_cold", version="0.0.1")
+
+
+def test_a_vault_that_predates_hello_is_up_without_bulk_path(free_port: int) -> None:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    vault_pb2_grpc.add_VaultServicer_to_server(_VaultBeforeHello(), server)
+    server.add_insecure_port(f"127.0.0.1:{free_port}")
+    server.start()
+    try:
+        with VaultClient(f"127.0.0.1:{free_port}") as client:
+            assert client.bulk_path() == (0, False)
+            assert client.promote(NS, [key(1)], [0]) == {}  # its gRPC Promote: a plain miss
+            assert client.failed_calls == 1
     finally:
         server.stop(grace=0)

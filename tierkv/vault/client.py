@@ -453,20 +453,24 @@ class VaultClient:
                 connection.close()  # the vault restarted or dropped it
             if time.monotonic() < self._bulk_retry_at:
                 return None
-        try:
-            reply = self._stub.Hello(vault_pb2.HelloRequest(), timeout=self.deadline_s)
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # an older vault: gRPC alone
-                raise
-            reply = vault_pb2.HelloReply()
-        if reply.bulk_port:
+        port = self._bulk_port(vault_pb2.HelloRequest(), timeout=self.deadline_s)
+        if port:
             try:
-                return BulkConnection(self._host, reply.bulk_port, self.deadline_s)
+                return BulkConnection(self._host, port, self.deadline_s)
             except BulkError:
                 pass  # e.g. a firewall that lets only the gRPC port through
         with self._bulk_lock:
             self._bulk_retry_at = time.monotonic() + self._bulk_retry_s
         return None
+
+    def _bulk_port(self, request: vault_pb2.HelloRequest, timeout: float) -> int:
+        """The vault's bulk port (Hello); 0 when it has none or predates Hello (gRPC alone)."""
+        try:
+            return int(self._stub.Hello(request, timeout=timeout).bulk_port)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                return 0
+            raise
 
     def _release_bulk(self, connection: BulkConnection) -> None:
         """Keep a connection whose call succeeded for the next call (a few at most)."""
@@ -512,7 +516,7 @@ class VaultClient:
 
         Raises VaultUnavailable when the vault does not answer over gRPC.
         """
-        port = int(self._management_call(self._stub.Hello, vault_pb2.HelloRequest()).bulk_port)
+        port = self._management_call(self._bulk_port, vault_pb2.HelloRequest())
         if not port:
             return 0, False
         try:
