@@ -211,3 +211,14 @@ def test_a_vault_that_predates_hello_is_up_without_bulk_path(free_port: int) -> 
             assert client.failed_calls == 1
     finally:
         server.stop(grace=0)
+
+
+def test_many_small_frames_are_all_answered(vault: Any) -> None:
+    # Alternating namespaces make one PUT frame per block: thousands of summaries to read back.
+    namespaces = [b"a" * 16, b"z" * 16]
+    with VaultClient(vault.address) as client:
+        for i in range(3000):
+            client.put(namespaces[i % 2], key(i), 0, payload(i, 64))
+        assert client.flush(timeout=60)
+        assert (client.stored_puts, client.failed_puts, client.transport) == (3000, 0, "bulk")
+    assert vault.store.stats().entries == 3000

@@ -46,6 +46,8 @@ MAX_POOLED_BYTES = 1024 * MIB
 HUGE_PAGE_BYTES = 2 * MIB
 MAX_CONNECTIONS = 256
 """A vault serves at most this many bulk connections at once; more are closed at once."""
+MAX_UNANSWERED_PUTS = 4
+"""A client sends at most this many PUT frames ahead of the summaries it has read."""
 FRAME_IDLE_S = 60.0
 """The vault drops a connection whose frame stalls mid-way for this long."""
 
@@ -56,6 +58,7 @@ class BulkError(ConnectionError):
 
 Payload = bytes | memoryview
 T = TypeVar("T")
+MessageT = TypeVar("MessageT", bound=Message)
 
 
 class BulkHandler(Protocol):
@@ -112,7 +115,7 @@ def _recv_header(sock: socket.socket, expected_kind: int | None = None) -> tuple
     return kind, index_len, data_len
 
 
-def _parse(message_type: type[Message], raw: bytes) -> Message:
+def _parse(message_type: type[MessageT], raw: bytes) -> MessageT:
     try:
         return message_type.FromString(raw)
     except DecodeError as exc:
@@ -256,13 +259,11 @@ class BulkServer:
         raw_index = _recv_bytes(sock, index_len)
         if kind == PUT:
             index = _parse(vault_pb2.PutIndex, raw_index)
-            assert isinstance(index, vault_pb2.PutIndex)
             _check_lengths(index.lengths, data_len)
             payloads = _recv_put_payloads(sock, index.lengths)
             _send_frame(sock, PUT_REPLY, self._handler.put_blocks(index, payloads))
         elif kind == PROMOTE and data_len == 0:
             request = _parse(vault_pb2.PromoteRequest, raw_index)
-            assert isinstance(request, vault_pb2.PromoteRequest)
             promote_index, payloads = self._handler.promote_blocks(request)
             _send_frame(sock, PROMOTE_REPLY, promote_index, payloads)
         else:
@@ -290,30 +291,34 @@ class BulkConnection:
     def put(
         self, frames: Iterable[tuple[vault_pb2.PutIndex, Sequence[Payload]]], deadline: float
     ) -> list[vault_pb2.PutSummary]:
-        """Send PUT frames back to back, then read the vault's summaries, one per frame.
+        """Send PUT frames and return the vault's summaries, one per frame.
 
         The vault stores frame k while frame k+1 is still being prepared (`frames` may build
-        each index lazily) and sent, so both ends work at once.
+        each index lazily) and sent, so both ends work at once; at most MAX_UNANSWERED_PUTS
+        frames await their summary, so unread summaries never fill the socket buffers.
         """
 
         def call() -> list[vault_pb2.PutSummary]:
             sent = 0
+            summaries: list[vault_pb2.PutSummary] = []
             for index, payloads in frames:
                 self._sock.settimeout(self._remaining(deadline))  # sendall: the whole frame
                 _send_frame(self._sock, PUT, index, payloads)
                 sent += 1
-            summaries = []
-            for _ in range(sent):
-                self._sock.settimeout(self._wait_s(deadline))
-                _, index_len, data_len = _recv_header(self._sock, PUT_REPLY)
-                if data_len:
-                    raise ValueError("a PUT_REPLY frame carries no payloads")
-                summary = _parse(vault_pb2.PutSummary, _recv_bytes(self._sock, index_len))
-                assert isinstance(summary, vault_pb2.PutSummary)
-                summaries.append(summary)
+                while sent - len(summaries) >= MAX_UNANSWERED_PUTS:
+                    summaries.append(self._put_summary(deadline))
+            while len(summaries) < sent:
+                summaries.append(self._put_summary(deadline))
             return summaries
 
         return self._guarded(call)
+
+    def _put_summary(self, deadline: float) -> vault_pb2.PutSummary:
+        self._sock.settimeout(self._wait_s(deadline))
+        _, index_len, data_len = _recv_header(self._sock, PUT_REPLY)
+        if data_len:
+            raise ValueError("a PUT_REPLY frame carries no payloads")
+        return _parse(vault_pb2.PutSummary, _recv_bytes(self._sock, index_len))
 
     def promote(
         self, request: vault_pb2.PromoteRequest, deadline: float
@@ -326,7 +331,6 @@ class BulkConnection:
             self._sock.settimeout(self._wait_s(deadline))
             _, index_len, data_len = _recv_header(self._sock, PROMOTE_REPLY)
             index = _parse(vault_pb2.PromoteIndex, _recv_bytes(self._sock, index_len))
-            assert isinstance(index, vault_pb2.PromoteIndex)
             _check_lengths(index.lengths, data_len)
             payloads: list[memoryview] = []
             for run in batched_by_size(list(index.lengths), int, CLIENT_RUN_BYTES):
