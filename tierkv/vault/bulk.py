@@ -37,8 +37,10 @@ PUT, PUT_REPLY, PROMOTE, PROMOTE_REPLY = 1, 2, 3, 4
 MAX_INDEX_BYTES = 64 * MIB
 """Larger index lengths are protocol errors (an index holds about 40 bytes per block)."""
 SMALL_RUN_BYTES = 256 * KIB
-"""Payloads smaller than this travel in runs joined (sender) or split (vault) with one copy,
-which costs less than a system call per payload."""
+"""The vault receives payloads smaller than this in runs that it splits with one copy, which
+costs less than a system call per payload."""
+SEND_BUFFERS = 512
+"""Buffers per sendmsg call (the kernel takes at most IOV_MAX, 1024 on Linux)."""
 CLIENT_RUN_BYTES = 8 * MIB
 """The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
 MAX_POOLED_BYTES = 1024 * MIB
@@ -79,12 +81,19 @@ class BulkHandler(Protocol):
 def _send_frame(
     sock: socket.socket, kind: int, index: Message, payloads: Sequence[Payload] = ()
 ) -> None:
-    """Header, index and payloads; small payloads joined into runs, large ones sent in place."""
+    """Header, index and payloads, the payloads sent from where they lie (scatter-gather)."""
     index_bytes = index.SerializeToString()
     data_len = sum(len(p) for p in payloads)
-    sock.sendall(HEADER.pack(MAGIC, kind, len(index_bytes), data_len) + index_bytes)
-    for run in batched_by_size(payloads, len, SMALL_RUN_BYTES):
-        sock.sendall(run[0] if len(run) == 1 else b"".join(run))
+    head = HEADER.pack(MAGIC, kind, len(index_bytes), data_len) + index_bytes
+    buffers = [memoryview(head), *(memoryview(p) for p in payloads if len(p))]
+    first = 0  # buffers[first:] are still to send
+    while first < len(buffers):
+        sent = sock.sendmsg(buffers[first : first + SEND_BUFFERS])
+        while first < len(buffers) and sent >= len(buffers[first]):
+            sent -= len(buffers[first])
+            first += 1
+        if sent:
+            buffers[first] = buffers[first][sent:]
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
