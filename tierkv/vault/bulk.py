@@ -28,7 +28,7 @@ from google.protobuf.message import DecodeError, Message
 
 from tierkv.config import KIB, MIB
 from tierkv.vault._pb import vault_pb2
-from tierkv.vault.wire import batched_by_size
+from tierkv.vault.wire import batched_by_size, split_payloads
 
 MAGIC = b"TKVB"
 HEADER = struct.Struct("<4sBIQ")
@@ -190,11 +190,8 @@ def _recv_put_payloads(sock: socket.socket, lengths: Sequence[int]) -> list[Payl
         _recv_into(sock, buf)
         if len(run) == 1:
             payloads.append(buf.toreadonly())
-            continue
-        offset = 0
-        for length in run:
-            payloads.append(bytes(buf[offset : offset + length]))
-            offset += length
+        else:
+            payloads.extend(bytes(payload) for payload in split_payloads(buf, run))
     return payloads
 
 
@@ -348,10 +345,7 @@ class BulkConnection:
                 buf = RECEIVE_BUFFERS.take().data if size <= CLIENT_RUN_BYTES else None
                 buf = buf[:size] if buf is not None else _empty_buffer(size)
                 _recv_into(self._sock, buf)
-                offset = 0
-                for length in run:
-                    payloads.append(buf[offset : offset + length].toreadonly())
-                    offset += length
+                payloads.extend(split_payloads(buf.toreadonly(), run))
             return index, payloads
 
         return self._guarded(call)
