@@ -203,6 +203,13 @@ class TierWorker:
         self.stats.add("load_failed_blocks", len(result.failed_block_ids))
         if not result.failed_block_ids:
             return True
+        log.warning(
+            "tierkv: %d of %d blocks of request %s were not restored (vault unreachable, "
+            "blocks evicted or corrupt); vLLM recomputes them",
+            len(result.failed_block_ids),
+            result.blocks,
+            result.req_id,
+        )
         if len(self.plans) == 1:
             self._invalid_block_ids |= result.failed_block_ids
             return True
