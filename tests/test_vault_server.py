@@ -9,13 +9,12 @@ from typing import Any
 
 import grpc
 import pytest
-import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.client import VaultClient, VaultUnavailable
 from tierkv.vault.server import CHUNK_BYTES, SERVICE_NAME, VaultBindError, serve
-from tierkv.vault.wire import encode_bulk
+from tierkv.vault.wire import block_checksum, encode_bulk
 
 NS = b"n" * 16
 MIB = 1024 * 1024
@@ -72,14 +71,30 @@ def test_oversize_put_is_reported_rejected_not_stored(vault_factory: Callable) -
 def test_corrupted_payload_is_a_counted_miss(vault: Any) -> None:
     good = b"g" * 4096
     rotting = bytearray(b"r" * 4096)
-    vault.store.put(NS, key(0), 0, good, xxhash.xxh3_64_intdigest(good))
-    vault.store.put(NS, key(1), 0, memoryview(rotting), xxhash.xxh3_64_intdigest(rotting))
+    vault.store.put(NS, key(0), 0, good, block_checksum(NS, key(0), 0, good))
+    vault.store.put(NS, key(1), 0, memoryview(rotting), block_checksum(NS, key(1), 0, rotting))
     rotting[100] ^= 0xFF  # bit rot in the vault's RAM after the checksum was verified
     with VaultClient(vault.address) as client:
         found = client.promote(NS, [key(0), key(1)], [0])
         assert list(found) == [(0, 0)]
         assert client.checksum_failures == 1
         assert client.breaker_state == "closed"
+
+
+def test_payload_returned_under_another_key_is_a_counted_miss(vault: Any) -> None:
+    """Bytes the vault files or returns under the wrong key (a bug, a flipped index) fail the
+    reader's checksum like corrupted ones: a miss, never another block's KV."""
+    payload = b"k" * 4096
+    vault.store.put(NS, key(0), 0, payload, block_checksum(NS, key(0), 0, payload))
+    store = vault.store
+    with store._lock:  # fault injection below the vault's API: key(0)'s entry also under key(1)
+        store._entries[(NS, key(1), 0)] = store._entries[(NS, key(0), 0)]
+        store._parts[(NS, key(1))] = {0}
+        store._bytes_used += len(payload)
+    with VaultClient(vault.address) as client:
+        found = client.promote(NS, [key(0), key(1)], [0])
+        assert list(found) == [(0, 0)]
+        assert client.checksum_failures == 1
 
 
 def test_malformed_put_batch_is_rejected_with_a_reason(vault: Any) -> None:
@@ -96,7 +111,7 @@ def test_malformed_put_batch_is_rejected_with_a_reason(vault: Any) -> None:
 def test_generated_stub_interoperates_with_the_fast_codec(vault: Any) -> None:
     """A plain protobuf client (any language) sees an ordinary PromoteChunk stream."""
     payload = b"p" * 5000
-    vault.store.put(NS, key(7), 3, payload, xxhash.xxh3_64_intdigest(payload))
+    vault.store.put(NS, key(7), 3, payload, block_checksum(NS, key(7), 3, payload))
     from tierkv.vault._pb import vault_pb2_grpc
 
     with grpc.insecure_channel(vault.address) as channel:
@@ -110,7 +125,7 @@ def test_generated_stub_interoperates_with_the_fast_codec(vault: Any) -> None:
                 keys=[key(8)],
                 parts=[0],
                 lengths=[3],
-                checksums=[xxhash.xxh3_64_intdigest(b"abc")],
+                checksums=[block_checksum(NS, key(8), 0, b"abc")],
             ),
             data=b"abc",
         )
@@ -131,7 +146,7 @@ def test_one_gib_promote_arrives_in_bounded_chunks(vault_factory: Callable, bulk
     for i in range(count):
         data[i * block : i * block + 8] = i.to_bytes(8, "little")  # which block is which
         piece = view[i * block : (i + 1) * block]
-        assert vault.store.put(NS, keys[i], 0, piece, xxhash.xxh3_64_intdigest(piece)) is None
+        assert vault.store.put(NS, keys[i], 0, piece, block_checksum(NS, keys[i], 0, piece)) is None
     with VaultClient(vault.address, promote_deadline_s=60) as client:
         found = client.promote(NS, keys, [0])
         assert client.checksum_failures == 0  # every payload matched its stored checksum

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import threading
 
-import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.vault.store import VaultStore
+from tierkv.vault.wire import block_checksum
 
 NS = b"n" * 16
 
@@ -19,7 +19,7 @@ def key(i: int) -> bytes:
 
 def put(store: VaultStore, i: int, size: int, part: int = 0, ns: bytes = NS) -> str | None:
     payload = bytes([i % 256]) * size
-    return store.put(ns, key(i), part, payload, xxhash.xxh3_64_intdigest(payload))
+    return store.put(ns, key(i), part, payload, block_checksum(ns, key(i), part, payload))
 
 
 def stored_keys(store: VaultStore, count: int) -> list[int]:
@@ -67,9 +67,21 @@ def test_restore_replaces_without_double_counting() -> None:
 
 def test_checksum_mismatch_is_rejected() -> None:
     store = VaultStore()
-    reason = store.put(NS, key(1), 0, b"payload", xxhash.xxh3_64_intdigest(b"other"))
+    reason = store.put(NS, key(1), 0, b"payload", block_checksum(NS, key(1), 0, b"other"))
     assert reason is not None and "checksum" in reason
     assert store.stats().entries == 0
+
+
+def test_checksum_of_another_address_is_rejected() -> None:
+    """The checksum binds a payload to its (namespace, key, part): an index entry naming
+    another block (a corrupted or buggy writer) cannot file valid bytes under it."""
+    store = VaultStore()
+    payload = b"payload"
+    for namespace, k, part in [(b"other", key(1), 0), (NS, key(2), 0), (NS, key(1), 1)]:
+        reason = store.put(NS, key(1), 0, payload, block_checksum(namespace, k, part, payload))
+        assert reason is not None and "checksum" in reason
+    assert store.stats().entries == 0
+    assert store.put(NS, key(1), 0, payload, block_checksum(NS, key(1), 0, payload)) is None
 
 
 def test_lookup_counts_leading_keys_with_every_part() -> None:

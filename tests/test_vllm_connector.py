@@ -25,7 +25,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import xxhash
 from conftest import pick_free_port, start_subprocess_vault
 from tiny_models import build_tiny_llama, build_tiny_qwen3_next
 
@@ -33,6 +32,7 @@ from tierkv.keys import chain_block_keys
 from tierkv.patches.vllm import kv_transfer_config
 from tierkv.vault.client import VaultClient
 from tierkv.vault.server import VaultServer, serve
+from tierkv.vault.wire import block_checksum
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -277,7 +277,7 @@ def test_corrupt_payload_is_recomputed(llama_engine: Engine, kv_vault: VaultServ
             damaged += 1
         if key == keys[3]:
             wrong = get_codec("none").encode(np.zeros(7, "float16"))
-            store.put(namespace, key, part, wrong, xxhash.xxh3_64_intdigest(wrong))
+            store.put(namespace, key, part, wrong, block_checksum(namespace, key, part, wrong))
             damaged += 1
     assert damaged == 2
     before = llama_engine.stats()

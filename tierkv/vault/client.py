@@ -23,7 +23,6 @@ from typing import Any, NamedTuple
 
 import grpc
 import grpc.experimental
-import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.config import KIB, MIB, ClientConfig, parse_address
@@ -33,6 +32,7 @@ from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
     already_encoded,
     batched_by_size,
+    block_checksum,
     decode_bulk,
     encode_bulk,
     split_payloads,
@@ -412,7 +412,7 @@ class VaultClient:
                 ):
                     if key_index >= len(keys) or part not in wanted_parts:
                         continue
-                    if xxhash.xxh3_64_intdigest(payload) != checksum:
+                    if block_checksum(namespace, keys[key_index], part, payload) != checksum:
                         bad_checksums += 1
                         continue
                     found[(key_index, part)] = payload
@@ -612,7 +612,7 @@ def _put_index(batch: Sequence[_PendingPut]) -> vault_pb2.PutIndex:
         keys=[p.key for p in batch],
         parts=[p.part for p in batch],
         lengths=[len(p.payload) for p in batch],
-        checksums=[xxhash.xxh3_64_intdigest(p.payload) for p in batch],
+        checksums=[block_checksum(p.namespace, p.key, p.part, p.payload) for p in batch],
     )
 
 

@@ -1,9 +1,9 @@
 """The vault's memory: a byte-capped, thread-safe LRU of (namespace, key, part) → payload.
 
-No gRPC here. Writers' xxh3_64 checksums are verified on `put` (a mismatch is rejected, never
-stored); payloads are hashed outside the lock, which guards only the index and never a payload
-copy, so many clients can store and read at once. `bytes_used` is exactly the sum of stored
-payload sizes.
+No gRPC here. Writers' checksums (`wire.block_checksum`, bound to the block's address) are
+verified on `put` (a mismatch is rejected, never stored); payloads are hashed outside the lock,
+which guards only the index and never a payload copy, so many clients can store and read at
+once. `bytes_used` is exactly the sum of stored payload sizes.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import xxhash
-
 from tierkv.config import UNLIMITED
+from tierkv.vault.wire import block_checksum
 
 EntryKey = tuple[bytes, bytes, int]
 """(namespace, block key, part)"""
@@ -69,8 +68,8 @@ class VaultStore:
         reason = None
         if self.max_bytes != UNLIMITED and size > self.max_bytes:
             reason = f"payload of {size} bytes exceeds the vault cap of {self.max_bytes} bytes"
-        elif xxhash.xxh3_64_intdigest(payload) != checksum:
-            reason = "checksum mismatch: payload corrupted in transit"
+        elif block_checksum(namespace, key, part, payload) != checksum:
+            reason = "checksum mismatch: payload corrupted in transit or sent under another key"
         if reason is not None:
             with self._lock:
                 self._rejected += 1

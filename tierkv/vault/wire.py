@@ -9,9 +9,11 @@ another order (another writer) is parsed by the generated class instead.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import xxhash
 from google.protobuf.message import DecodeError, Message
 
 CHANNEL_OPTIONS = [
@@ -26,6 +28,14 @@ _DATA_TAG = 0x12  # field 2, length-delimited
 
 IndexT = TypeVar("IndexT", bound=Message)
 ItemT = TypeVar("ItemT")
+
+
+def block_checksum(namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> int:
+    """The checksum a payload travels and is stored with: xxh3_64 of the payload, seeded with
+    its address, so a payload filed or returned under another (namespace, key, part) fails its
+    check exactly like a corrupted one."""
+    address = struct.pack("<II", len(namespace), part) + namespace + key
+    return xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(address))
 
 
 class MalformedMessage(ValueError):
