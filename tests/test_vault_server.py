@@ -13,7 +13,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.client import VaultClient, VaultUnavailable
-from tierkv.vault.server import CHUNK_BYTES, SERVICE_NAME, VaultBindError, serve
+from tierkv.vault.server import (
+    CHUNK_BYTES,
+    MAX_REPORTED_REJECTIONS,
+    SERVICE_NAME,
+    VaultBindError,
+    serve,
+)
 from tierkv.vault.wire import block_checksum, encode_bulk
 
 NS = b"n" * 16
@@ -106,6 +112,25 @@ def test_malformed_put_batch_is_rejected_with_a_reason(vault: Any) -> None:
         summary = put(iter([encode_bulk(index, [b"short"])]), timeout=5)
     assert summary.rejected == 1 and "malformed" in summary.rejections[0].reason
     assert vault.store.stats().entries == 0
+
+
+def test_put_stream_counts_every_rejection_and_reports_at_most_the_cap(vault: Any) -> None:
+    """Rejections add up across the batches of one stream; reasons stop at the cap."""
+    batches = []
+    for batch in range(3):
+        keys = [key(batch * 60 + i) for i in range(60)]
+        index = vault_pb2.PutIndex(
+            namespace=NS, keys=keys, parts=[0] * 60, lengths=[3] * 60, checksums=[0] * 60
+        )
+        batches.append(encode_bulk(index, [b"abc"] * 60))
+    with grpc.insecure_channel(vault.address) as channel:
+        put = channel.stream_unary(
+            f"/{SERVICE_NAME}/Put", response_deserializer=vault_pb2.PutSummary.FromString
+        )
+        summary = put(iter(batches), timeout=5)
+    assert (summary.stored, summary.rejected) == (0, 180)
+    assert len(summary.rejections) == MAX_REPORTED_REJECTIONS
+    assert all("checksum" in rejection.reason for rejection in summary.rejections)
 
 
 def test_generated_stub_interoperates_with_the_fast_codec(vault: Any) -> None:

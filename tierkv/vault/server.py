@@ -117,18 +117,19 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 # Batched payloads get their own copies (made outside the store's lock) so
                 # evicting one frees its memory; a lone payload keeps its message buffer.
                 payloads = [bytes(payload) for payload in payloads]
-            batch_summary = self.put_blocks(index, payloads)
-            summary.stored += batch_summary.stored
-            summary.rejected += batch_summary.rejected
-            room = MAX_REPORTED_REJECTIONS - len(summary.rejections)
-            summary.rejections.extend(batch_summary.rejections[:room])
+            self.put_blocks(index, payloads, summary)
         return summary
 
     def put_blocks(
-        self, index: vault_pb2.PutIndex, payloads: Sequence[bytes | memoryview]
+        self,
+        index: vault_pb2.PutIndex,
+        payloads: Sequence[bytes | memoryview],
+        summary: vault_pb2.PutSummary | None = None,
     ) -> vault_pb2.PutSummary:
-        """Store one batch (payloads kept as given); the bulk path calls this directly."""
-        summary = vault_pb2.PutSummary()
+        """Store one batch (payloads kept as given), counted into `summary` (a new one when not
+        given), which is returned; the bulk path calls this directly, one summary per frame."""
+        if summary is None:
+            summary = vault_pb2.PutSummary()
         if not len(index.keys) == len(index.parts) == len(index.checksums) == len(payloads):
             _reject_all(summary, index, "malformed batch: PutIndex arrays differ in length")
             return summary
