@@ -4,7 +4,8 @@ Byte-compatible with the generated protobuf classes: `encode_bulk` writes field 
 index, serialised by protobuf) and then field 2 (the payloads, concatenated with one copy);
 `decode_bulk` parses the index with protobuf and returns the payload area as a memoryview of the
 received buffer, so payloads are sliced out without copying. A message whose fields come in
-another order (another writer) is parsed by the generated class instead.
+another order (another writer) is parsed by the generated class instead. `block_checksum` is the
+checksum every payload travels with, on the gRPC and the bulk path alike.
 """
 
 from __future__ import annotations
