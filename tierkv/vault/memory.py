@@ -56,11 +56,16 @@ def reuse_freed_memory() -> bool:
     )
 
 
+def _sets_huge_pages(env: Mapping[str, str]) -> bool:
+    """Whether `env`'s GLIBC_TUNABLES already decides the huge-page tunable (either way)."""
+    return "glibc.malloc.hugetlb=" in env.get("GLIBC_TUNABLES", "")
+
+
 def with_huge_pages(env: Mapping[str, str]) -> dict[str, str]:
     """A copy of `env` whose GLIBC_TUNABLES also asks for a huge-page malloc heap."""
-    tunables = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb=" in tunables:
+    if _sets_huge_pages(env):
         return dict(env)
+    tunables = env.get("GLIBC_TUNABLES", "")
     return {**env, "GLIBC_TUNABLES": ":".join(filter(None, [tunables, HUGE_PAGE_TUNABLE]))}
 
 
@@ -70,7 +75,7 @@ def restart_with_huge_pages() -> None:
     Returns at once where it is set already (also after the restart) or the C library is not
     glibc; call it first thing, before threads start or output is buffered.
     """
-    if not _is_glibc_linux() or "glibc.malloc.hugetlb=" in os.environ.get("GLIBC_TUNABLES", ""):
+    if not _is_glibc_linux() or _sets_huge_pages(os.environ):
         return
     sys.stdout.flush()
     sys.stderr.flush()
