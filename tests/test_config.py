@@ -13,6 +13,7 @@ from tierkv.config import (
     GIB,
     MIB,
     ConfigError,
+    Endpoint,
     TierKVConfig,
     config_from_mapping,
     default_max_bytes,
@@ -49,8 +50,8 @@ def test_published_inference_example_loads_unchanged(tmp_path: Path) -> None:
     cfg = load_config(path)
     assert cfg.source == str(path)
     assert cfg.cluster.vault_addresses() == {
-        "kv_cold": "192.168.1.10:50051",
-        "ssm_cold": "192.168.1.11:50051",
+        "kv_cold": (Endpoint("192.168.1.10:50051"),),
+        "ssm_cold": (Endpoint("192.168.1.11:50051"),),
     }
     assert (cfg.turbo_quant.enabled, cfg.turbo_quant.kv_dim) == (True, 256)
     assert cfg.turbo_quant.codec_name == "tq3.5"
@@ -110,6 +111,13 @@ def test_missing_explicit_or_env_file_is_an_error(
         ("[cluster]\nkv_cold = '10.0.0.1'\n", "cluster.kv_cold: expected host:port"),
         ("[cluster]\nkv_cold = '10.0.0.1:0'\n", "cluster.kv_cold: port 0 out of range"),
         ("[cluster]\nkv_cold = 50051\n", "cluster.kv_cold: expected an address"),
+        ("[cluster]\nkv_cold = []\n", "cluster.kv_cold: expected at least one address"),
+        ("[cluster]\nkv_cold = ['a:1', 'a:1']\n", "cluster.kv_cold: an address is listed twice"),
+        ("[cluster]\nkv_cold = [{ address = 'a:1', weight = 0 }]\n", "expected a positive number"),
+        ("[cluster]\nkv_cold = [{ adress = 'a:1' }]\n", "expected { address = ..., weight"),
+        ("[cluster]\nkv_cold = 'http://a:1'\n", "cluster.kv_cold: unknown scheme in 'http://a:1'"),
+        ("[cluster]\nkv_cold = 'redis://:pw@a'\n", r"no port in 'redis://a'"),
+        ("[client]\nredis_password = 7\n", "client.redis_password: expected a non-empty string"),
         ("[cluster]\nkv_colt = '10.0.0.1:1'\n", "unknown key cluster.kv_colt"),
         ("[clutser]\nrole = 'inference'\n", r"unknown section \[clutser\]"),
         ("[vault]\nmax_bytes = '24 bananas'\n", "vault.max_bytes: expected a size"),
@@ -155,7 +163,7 @@ def test_config_from_mapping_accepts_tables_and_dotted_keys() -> None:
         },
         "kv_connector_extra_config",
     )
-    assert cfg.cluster.kv_cold == "[::1]:50051"
+    assert cfg.cluster.kv_cold == (Endpoint("[::1]:50051"),)
     assert cfg.turbo_quant.enabled and cfg.client.deadline_ms == 5
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config: unknown key exo\.colour"):
         config_from_mapping({"exo.colour": "red"}, "kv_connector_extra_config")
@@ -212,3 +220,16 @@ def test_readme_toml_examples_load(tmp_path: Path) -> None:
     assert blocks
     for number, block in enumerate(blocks):
         load_config(write(tmp_path / f"readme-{number}.toml", block))
+
+
+def test_cold_stores_take_lists_weights_and_redis_urls(tmp_path: Path) -> None:
+    path = write(
+        tmp_path / "tierkv.toml",
+        '[cluster]\nkv_cold = ["10.0.0.5:50051", { address = "10.0.0.6:50051", weight = 2 }]\n'
+        'ssm_cold = "rediss+cluster://ops:pw@cache.lan:6380"\n',
+    )
+    cfg = load_config(path)
+    assert cfg.cluster.kv_cold == (Endpoint("10.0.0.5:50051"), Endpoint("10.0.0.6:50051", 2.0))
+    [ssm] = cfg.cluster.ssm_cold
+    assert ssm.address == "rediss+cluster://ops:pw@cache.lan:6380"
+    assert str(ssm) == "rediss+cluster://cache.lan:6380"  # what messages and tables show

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tierkv.config import ConfigError
+from tierkv.config import ConfigError, Endpoint
 from tierkv.connectors.vllm.connector import connector_config
 from tierkv.connectors.vllm.scheduler import request_keys
 from tierkv.connectors.vllm.stats import TierKVStats
@@ -19,13 +19,15 @@ from tierkv.keys import chain_block_keys
 
 def test_settings_inline_or_from_a_file(tmp_path: Path):
     inline = connector_config({"cluster.kv_cold": "127.0.0.1:5000", "connector.store": "on_finish"})
-    assert inline.cluster.kv_cold == "127.0.0.1:5000"
+    assert inline.cluster.kv_cold == (Endpoint("127.0.0.1:5000"),)
     assert inline.connector.store == "on_finish"
     assert inline.source == "kv_connector_extra_config"
 
     path = tmp_path / "tierkv.toml"
     path.write_text('[cluster]\nkv_cold = "127.0.0.1:5001"\n')
-    assert connector_config({"config_path": str(path)}).cluster.kv_cold == "127.0.0.1:5001"
+    assert connector_config({"config_path": str(path)}).cluster.kv_cold == (
+        Endpoint("127.0.0.1:5001"),
+    )
 
 
 def test_settings_errors_name_the_bad_thing(tmp_path: Path):

@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
@@ -112,6 +113,58 @@ def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
+"""URL schemes of a Valkey / Redis backend: rediss = TLS, +cluster = a Redis Cluster."""
+
+
+def is_redis_url(address: str) -> bool:
+    """Whether `address` names a Valkey / Redis backend rather than a tierkv vault."""
+    return address.partition("://")[0] in REDIS_SCHEMES and "://" in address
+
+
+def redact(address: str) -> str:
+    """`address` without any user:password part, for logs and tables."""
+    if not is_redis_url(address):
+        return address
+    scheme, _, rest = address.partition("://")
+    return f"{scheme}://{rest.rpartition('@')[2]}"
+
+
+def parse_cold_address(text: str) -> str:
+    """A vault "host:port" or a redis://, rediss://, redis+cluster:// URL; else ValueError."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected an address host:port or a redis:// URL, got {text!r}")
+    if "://" not in text:
+        parse_address(text)
+        return text
+    if not is_redis_url(text):
+        raise ValueError(
+            f"unknown scheme in {redact(text)!r}; expected host:port or one of "
+            + ", ".join(f"{scheme}://" for scheme in REDIS_SCHEMES)
+        )
+    try:
+        url = urlsplit(text)
+        port = url.port
+    except ValueError as exc:
+        raise ValueError(f"bad URL {redact(text)!r}: {exc}") from None
+    if not url.hostname or (url.path not in ("", "/") and not url.path[1:].isdigit()):
+        raise ValueError(f"expected redis://host:port[/db], got {redact(text)!r}")
+    if port is None:
+        raise ValueError(f"no port in {redact(text)!r} (e.g. redis://10.0.0.5:6379)")
+    return text
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One cold store: a vault "host:port" or a redis URL, and its share weight among several."""
+
+    address: str
+    weight: float = 1.0
+
+    def __str__(self) -> str:
+        return redact(self.address)
+
+
 def physical_ram_bytes() -> int:
     """Physical memory of this machine in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -124,16 +177,20 @@ def default_max_bytes() -> int:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """Which role this machine plays and where the vaults are ("host:port" addresses)."""
+    """Which role this machine plays and where the cold stores of each role are (empty: none).
+
+    `kv_cold` / `ssm_cold` take one address, a list of them, or `{ address, weight }` tables;
+    blocks are spread over several in proportion to their weights.
+    """
 
     role: str = "inference"
-    kv_cold: str | None = None
-    ssm_cold: str | None = None
+    kv_cold: tuple[Endpoint, ...] = ()
+    ssm_cold: tuple[Endpoint, ...] = ()
 
-    def vault_addresses(self) -> dict[str, str]:
-        """Configured vaults by role name ("kv_cold", "ssm_cold")."""
+    def vault_addresses(self) -> dict[str, tuple[Endpoint, ...]]:
+        """Configured cold stores by role name ("kv_cold", "ssm_cold")."""
         found = {"kv_cold": self.kv_cold, "ssm_cold": self.ssm_cold}
-        return {role: address for role, address in found.items() if address}
+        return {role: endpoints for role, endpoints in found.items() if endpoints}
 
 
 @dataclass(frozen=True)
@@ -159,6 +216,10 @@ class ClientConfig:
     max_pending_bytes: int = 256 * MIB
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    redis_username: str | None = None
+    """ACL user for redis:// backends (else $TIERKV_REDIS_USERNAME, else the URL's)."""
+    redis_password: str | None = None
+    """Password for redis:// backends (else $TIERKV_REDIS_PASSWORD, else the URL's)."""
 
 
 @dataclass(frozen=True)
@@ -265,9 +326,32 @@ def parse_max_bytes(value: int | str) -> int:
         raise ValueError(f'{exc} (or "unlimited")') from None
 
 
-def _vault_address(value: Any) -> str:
-    parse_address(value)
-    return str(value)
+def _string(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a non-empty string")
+    return value
+
+
+def _endpoint(value: Any) -> Endpoint:
+    if not isinstance(value, Mapping):
+        return Endpoint(parse_cold_address(value))
+    unknown = set(value) - {"address", "weight"}
+    if unknown or "address" not in value:
+        raise ValueError(f"expected {{ address = ..., weight = ... }}, got keys {sorted(value)}")
+    return Endpoint(parse_cold_address(value["address"]), _positive_float(value.get("weight", 1)))
+
+
+def _cold_endpoints(value: Any) -> tuple[Endpoint, ...]:
+    """One address, or a non-empty list of addresses / { address, weight } tables."""
+    endpoints = (
+        tuple(_endpoint(v) for v in value) if isinstance(value, list) else (_endpoint(value),)
+    )
+    if not endpoints:
+        raise ValueError("expected at least one address")
+    addresses = [endpoint.address for endpoint in endpoints]
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"an address is listed twice in {[str(e) for e in endpoints]}")
+    return endpoints
 
 
 def _listen_address(value: Any) -> str:
@@ -278,7 +362,7 @@ def _listen_address(value: Any) -> str:
 _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
     "cluster": (
         ClusterConfig,
-        {"role": _one_of(ROLES), "kv_cold": _vault_address, "ssm_cold": _vault_address},
+        {"role": _one_of(ROLES), "kv_cold": _cold_endpoints, "ssm_cold": _cold_endpoints},
     ),
     "vault": (
         VaultConfig,
@@ -292,6 +376,8 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "max_pending_bytes": _positive_size,
             "breaker_failures": _positive_int,
             "breaker_cooldown_s": _positive_float,
+            "redis_username": _string,
+            "redis_password": _string,
         },
     ),
     "turbo_quant": (

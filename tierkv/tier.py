@@ -1,8 +1,9 @@
 """ColdTier: the one API both engine adapters use to store blocks in the vaults and load them back.
 
-It joins a codec, one vault client per vault ("kv" for attention KV, "ssm" for linear-attention /
-SSM state) and the block keys. Engines differ only in how blocks leave and enter their caches;
-everything that happens to a block between those two points lives here.
+It joins a codec, one backend per vault role ("kv" for attention KV, "ssm" for linear-attention /
+SSM state; a backend is a vault, Valkey / Redis, or several spread by weight) and the block keys.
+Engines differ only in how blocks leave and enter their caches; everything that happens to a
+block between those two points lives here.
 
 Call order, per engine request:
 1. `lookup(namespace, keys, parts_by_vault)` -> how many leading blocks every vault holds.
@@ -27,10 +28,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from tierkv.backends import open_backend
+from tierkv.backends.base import Backend
 from tierkv.config import TierKVConfig
 from tierkv.quant import Codec, NonFiniteError, PayloadError, decode_into, encode_block, get_codec
 from tierkv.quant import warmup as warmup_codecs
-from tierkv.vault.client import VaultClient
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +57,12 @@ class TierStats:
 
 
 class ColdTier:
-    """Codec + vault clients + keys: store blocks, find the longest stored prefix, load it back."""
+    """Codec + backends + keys: store blocks, find the longest stored prefix, load it back."""
 
     def __init__(
         self,
         codec: Codec,
-        vaults: Mapping[str, VaultClient],
+        vaults: Mapping[str, Backend],
         *,
         min_cosine: float = 0.0,
         encode_threads: int = 2,
@@ -83,12 +85,10 @@ class ColdTier:
 
     @classmethod
     def from_config(cls, cfg: TierKVConfig) -> ColdTier:
-        """A tier with the configured codec and a client for each configured vault."""
-        addresses = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
+        """A tier with the configured codec and a backend for each configured vault role."""
+        endpoints = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
         vaults = {
-            name: VaultClient.from_config(address, cfg.client)
-            for name, address in addresses.items()
-            if address
+            name: open_backend(found, cfg.client) for name, found in endpoints.items() if found
         }
         warmup_codecs()
         codec = get_codec(cfg.turbo_quant.codec_name, group_size=cfg.turbo_quant.kv_dim)
@@ -203,7 +203,7 @@ class ColdTier:
         for client in self.vaults.values():
             client.close()
 
-    def _client(self, vault: str) -> VaultClient:
+    def _client(self, vault: str) -> Backend:
         try:
             return self.vaults[vault]
         except KeyError:
@@ -218,7 +218,7 @@ class ColdTier:
     def _encode_and_put(
         self,
         codec: Codec,
-        client: VaultClient,
+        client: Backend,
         namespace: bytes,
         key: bytes,
         part: int,

@@ -69,11 +69,11 @@ def serve(
     except ValueError as exc:
         typer.echo(f"tierkv serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    for name, address in vaults.items():
-        row = check_vault(name, address, cfg)
+    for name, endpoint in ((n, e) for n, found in vaults.items() for e in found):
+        row = check_vault(name, endpoint.address, cfg)
         if not row["up"]:
             console.print(
-                f"[yellow]warning[/yellow]: vault {name} ({address}) is down: {row['error']}; "
+                f"[yellow]warning[/yellow]: vault {name} ({endpoint}) is down: {row['error']}; "
                 "serving anyway, its blocks are misses until it is back",
                 highlight=False,
             )

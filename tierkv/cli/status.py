@@ -1,5 +1,8 @@
 """`tierkv status`: is each vault up, how fast it answers, and what it holds — table or JSON.
 
+A vault is a tierkv vault or a Valkey / Redis backend (a cluster is one entry, its nodes summed);
+where a role spreads blocks over several, each one's share of the role's entries and bytes shows.
+
 Exit code 0 when every checked component is up, 1 when one is down, 2 on a configuration error.
 A check is a function returning rows (dicts) plus whether everything it checked is healthy; the
 command runs the vault check and prints one table (or one JSON key) per check.
@@ -16,16 +19,19 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tierkv.backends import open_one
+from tierkv.backends.base import VaultUnavailable
+from tierkv.backends.vault import VaultBackend
 from tierkv.cli import app
 from tierkv.config import (
     ConfigError,
     TierKVConfig,
     format_size,
     load_config,
-    parse_address,
+    parse_cold_address,
+    redact,
 )
 from tierkv.patches.exo import hook_state
-from tierkv.vault.client import VaultClient, VaultUnavailable
 
 VAULT_COLUMNS = {
     "address": "address",
@@ -35,6 +41,7 @@ VAULT_COLUMNS = {
     "role": "role",
     "entries": "entries",
     "used": "used / cap",
+    "share": "share (entries / bytes)",
     "hits": "hits",
     "misses": "misses",
     "evictions": "evictions",
@@ -52,12 +59,17 @@ class CheckResult:
     healthy: bool
 
 
-def vault_targets(cfg: TierKVConfig, addresses: list[str]) -> list[tuple[str, str]]:
-    """(name, address) to check: the given ones, else the configured vaults, else the local one."""
+def vault_targets(cfg: TierKVConfig, addresses: list[str]) -> list[tuple[str, str, str]]:
+    """(group, name, address) to check: the given ones (one group), else the configured vaults
+    (one group per role), else the local one."""
     if addresses:
-        return [(f"vault {i + 1}", address) for i, address in enumerate(addresses)]
-    configured = cfg.cluster.vault_addresses()
-    return list(configured.items()) or [("local", cfg.vault.listen)]
+        return [("given", f"vault {i + 1}", address) for i, address in enumerate(addresses)]
+    targets = [
+        (role, role if len(endpoints) == 1 else f"{role} {i + 1}", endpoint.address)
+        for role, endpoints in cfg.cluster.vault_addresses().items()
+        for i, endpoint in enumerate(endpoints)
+    ]
+    return targets or [("local", "local", cfg.vault.listen)]
 
 
 def _duration(seconds: float) -> str:
@@ -67,39 +79,59 @@ def _duration(seconds: float) -> str:
 
 
 def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
-    """One vault's status row (machine-readable values; `up` False with `error` when down)."""
-    client = VaultClient.from_config(address, cfg.client)
+    """One vault's status row (machine-readable values; `up` False with `error` when down).
+
+    A Redis Cluster's nodes are summed into its row; `bulk_port` is None for Valkey / Redis.
+    """
+    backend = open_one(address, cfg.client)
+    bulk_port: int | None = None
+    bulk_reachable = False
     try:
-        client.stats()  # connects; the second call measures the round trip alone
-        stats = client.stats()
-        bulk_port, bulk_reachable = client.bulk_path()
+        backend.stats()  # connects; the second call measures the round trip alone
+        nodes = backend.stats()
+        if isinstance(backend, VaultBackend):
+            bulk_port, bulk_reachable = backend.client.bulk_path()
     except VaultUnavailable as exc:
-        return {"name": name, "address": address, "up": False, "error": str(exc)}
+        return {"name": name, "address": redact(address), "up": False, "error": str(exc)}
     finally:
-        client.close()
+        backend.close()
     return {
         "name": name,
-        "address": address,
+        "address": redact(address),
         "up": True,
-        "rtt_ms": round(stats.rtt_s * 1000, 2),
-        "bulk_port": bulk_port,  # 0: none, payloads travel over gRPC
+        "rtt_ms": round(max(s.rtt_s for s in nodes) * 1000, 2),
+        "bulk_port": bulk_port,  # 0: none, payloads travel over gRPC; None: Valkey / Redis
         "bulk_reachable": bulk_reachable,  # False: a firewall? payloads fall back to gRPC
-        "role": stats.role,
-        "entries": stats.entries,
-        "bytes_used": stats.bytes_used,
-        "max_bytes": stats.max_bytes,
-        "hits": stats.hits,
-        "misses": stats.misses,
-        "evictions": stats.evictions,
-        "rejected": stats.rejected,
-        "uptime_s": round(stats.uptime_s, 1),
-        "version": stats.version,
+        "role": nodes[0].role,
+        "nodes": len(nodes),
+        "entries": sum(s.entries for s in nodes),
+        "bytes_used": sum(s.bytes_used for s in nodes),
+        "max_bytes": sum(s.max_bytes for s in nodes),
+        "hits": sum(s.hits for s in nodes),
+        "misses": sum(s.misses for s in nodes),
+        "evictions": sum(s.evictions for s in nodes),
+        "rejected": sum(s.rejected for s in nodes),
+        "uptime_s": round(min(s.uptime_s for s in nodes), 1),
+        "version": nodes[0].version,
     }
 
 
 def check_vaults(cfg: TierKVConfig, addresses: list[str]) -> CheckResult:
-    rows = [check_vault(name, address, cfg) for name, address in vault_targets(cfg, addresses)]
+    targets = vault_targets(cfg, addresses)
+    rows = [check_vault(name, address, cfg) for _, name, address in targets]
+    for group in {group for group, _, _ in targets}:
+        members = [row for (g, _, _), row in zip(targets, rows, strict=True) if g == group]
+        add_shares([row for row in members if row["up"]])
     return CheckResult("vaults", VAULT_COLUMNS, rows, all(row["up"] for row in rows))
+
+
+def add_shares(rows: list[dict[str, Any]]) -> None:
+    """Each row's fraction of the group's entries and bytes (`entry_share`, `byte_share`)."""
+    entries = sum(row["entries"] for row in rows)
+    used = sum(row["bytes_used"] for row in rows)
+    for row in rows:
+        row["entry_share"] = row["entries"] / entries if entries else 0.0
+        row["byte_share"] = row["bytes_used"] / used if used else 0.0
 
 
 def check_exo_hook(exo_path: Path) -> CheckResult:
@@ -120,9 +152,13 @@ def _cell(row: dict[str, Any], key: str) -> str:
     if key == "used":
         cap = "unlimited" if row["max_bytes"] == 0 else format_size(row["max_bytes"])
         return f"{format_size(row['bytes_used'])} / {cap}"
+    if key == "share":
+        return f"{row['entry_share']:.0%} / {row['byte_share']:.0%}"
     if key == "uptime":
         return _duration(row["uptime_s"])
     if key == "bulk":
+        if row["bulk_port"] is None:
+            return "n/a (redis)"
         if not row["bulk_port"]:
             return "none (gRPC)"
         if not row["bulk_reachable"]:
@@ -151,7 +187,10 @@ def status(
     config: Annotated[Path | None, typer.Option(help="tierkv.toml to read.")] = None,
     vault: Annotated[
         list[str] | None,
-        typer.Option(help="HOST:PORT of a vault to check (repeatable; default: cluster.*)."),
+        typer.Option(
+            help="HOST:PORT of a vault, or a redis:// URL, to check (repeatable; default: "
+            "cluster.*)."
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     exo_path: Annotated[
@@ -168,7 +207,7 @@ def status(
         cfg = load_config(config)
         for address in addresses:
             try:
-                parse_address(address)
+                parse_cold_address(address)
             except ValueError as exc:
                 raise ConfigError(f"--vault: {exc}") from None
     except ConfigError as exc:

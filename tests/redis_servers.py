@@ -1,0 +1,136 @@
+"""Real Valkey / Redis servers for tests: one server, or a 3-node Redis Cluster, on loopback.
+
+`start_redis(work_dir)` -> RedisServer and `start_cluster(work_dir)` -> list[RedisServer] run the
+installed `valkey-server` / `redis-server` binary (.ci/run installs it) on free 127.0.0.1 ports,
+without persistence, with `maxmemory-policy allkeys-lru`. `require_redis()` skips the test,
+saying why, when no server binary is installed. Call `.stop()` / `.kill()` (SIGKILL) when done.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.conftest import LOOPBACK, pick_free_port
+
+START_TIMEOUT_S = 30.0
+
+
+def server_binary() -> str | None:
+    return shutil.which("valkey-server") or shutil.which("redis-server")
+
+
+def cli_binary() -> str | None:
+    return shutil.which("valkey-cli") or shutil.which("redis-cli")
+
+
+def require_redis() -> str:
+    """The server binary, or a loud skip naming what is missing."""
+    binary = server_binary()
+    if binary is None or cli_binary() is None:
+        pytest.skip(
+            "NO valkey-server/redis-server (+ its cli) INSTALLED: the Redis backend tests need "
+            "it (.ci/run installs redis-server with apt-get)"
+        )
+    return binary
+
+
+@dataclass
+class RedisServer:
+    port: int
+    process: subprocess.Popen[bytes]
+
+    @property
+    def address(self) -> str:
+        return f"{LOOPBACK}:{self.port}"
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_redis(work_dir: Path, *extra: str) -> RedisServer:
+    """A server on a free loopback port, answering PING when returned."""
+    binary = require_redis()
+    port = pick_free_port()
+    node_dir = work_dir / f"redis-{port}"
+    node_dir.mkdir(parents=True)
+    command = [binary, "--port", str(port), "--bind", LOOPBACK, "--dir", str(node_dir)]
+    command += ["--save", "", "--appendonly", "no", "--maxmemory-policy", "allkeys-lru", *extra]
+    log = (node_dir / "server.log").open("wb")
+    server = RedisServer(port, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + START_TIMEOUT_S
+    client = server.client()
+    while True:
+        try:
+            client.ping()
+            return server
+        except (redis.AuthenticationError, redis.ResponseError):
+            return server  # up, and asks for a password
+        except redis.RedisError:
+            if server.process.poll() is not None or time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"redis on port {port} did not start; see {node_dir}") from None
+            time.sleep(0.05)
+        finally:
+            client.close()
+
+
+def start_cluster(work_dir: Path, nodes: int = 3) -> list[RedisServer]:
+    """`nodes` primaries (no replicas) in one cluster whose state is ok on every node.
+
+    cluster-require-full-coverage is off, so a dead node costs its slots only.
+    """
+    servers = [
+        start_redis(
+            work_dir,
+            "--cluster-enabled",
+            "yes",
+            "--cluster-node-timeout",
+            "1000",
+            "--cluster-require-full-coverage",
+            "no",
+            "--cluster-port",  # the default, port + 10000, may be taken or past 65535
+            str(pick_free_port()),
+        )
+        for _ in range(nodes)
+    ]
+    try:
+        addresses = [server.address for server in servers]
+        create = [str(cli_binary()), "--cluster", "create", *addresses]
+        subprocess.run(
+            [*create, "--cluster-replicas", "0", "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=START_TIMEOUT_S,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for server in servers:
+            client = server.client()
+            while client.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the test cluster did not reach cluster_state:ok")
+                time.sleep(0.1)
+            client.close()
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers

@@ -1,0 +1,35 @@
+"""Cold stores behind one protocol (base.Backend): a tierkv vault, Valkey / Redis (single or
+cluster), or several of them with blocks spread by weight. `open_backend` builds the right one
+from configured endpoints; ColdTier holds backends, never addresses."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from urllib.parse import urlsplit
+
+from tierkv.backends.base import Backend
+from tierkv.config import ClientConfig, Endpoint, is_redis_url
+
+
+def open_one(address: str, client_cfg: ClientConfig) -> Backend:
+    """The backend of one address: a vault "host:port" or a redis[s][+cluster]:// URL."""
+    if not is_redis_url(address):
+        from tierkv.backends.vault import VaultBackend
+
+        return VaultBackend.from_config(address, client_cfg)
+    from tierkv.backends.redis import RedisBackend, RedisClusterBackend, connection_options
+
+    if "+cluster" in address.partition("://")[0]:
+        return RedisClusterBackend(address, client_cfg)
+    url = urlsplit(address)
+    options = connection_options(address, client_cfg)
+    return RedisBackend.connect(url.hostname or "", url.port or 6379, options, client_cfg, address)
+
+
+def open_backend(endpoints: Sequence[Endpoint], client_cfg: ClientConfig) -> Backend:
+    """One endpoint's backend, or several spread by weighted rendezvous hashing."""
+    if len(endpoints) == 1:
+        return open_one(endpoints[0].address, client_cfg)
+    from tierkv.backends.sharded import WeightedShards
+
+    return WeightedShards([(open_one(e.address, client_cfg), e.weight) for e in endpoints])

@@ -1,0 +1,318 @@
+"""Valkey / Redis as a Backend: blocks stored directly in the server, no tierkv process needed.
+
+A block part is the string key ``tierkv:<namespace hex>:{<block key hex>}:<part>`` holding the
+8-byte little-endian checksum (wire.block_checksum, as on the vault) followed by the payload.
+The block key is the hash tag, so in a cluster all parts of a block share one slot (one node).
+Reads are pipelined (one round trip per batch), bounded by the client deadline per read and by
+the promote deadline in all; puts go through the shared PutQueue; the breaker is the shared one.
+Capacity is the server's: run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru``.
+
+`redis+cluster://host:port` (or `rediss+cluster://`) is a Redis Cluster: its slot map is read
+from the node named (and refreshed when a node fails), each primary is one RedisBackend, and
+calls fan out to the nodes in parallel through ShardedBackend, so a dead node costs its slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import key_slot
+from redis.exceptions import RedisError
+from redis.retry import Retry
+
+from tierkv.backends.base import (
+    Backend,
+    CircuitBreaker,
+    PendingPut,
+    PutQueue,
+    VaultStats,
+    VaultUnavailable,
+)
+from tierkv.backends.sharded import ShardedBackend
+from tierkv.config import ClientConfig, format_address, redact
+from tierkv.vault.wire import block_checksum
+
+log = logging.getLogger(__name__)
+
+USERNAME_ENV = "TIERKV_REDIS_USERNAME"
+PASSWORD_ENV = "TIERKV_REDIS_PASSWORD"
+PROMOTE_BATCH = 256
+"""GETs per pipelined round trip of a promote."""
+_CHECKSUM_BYTES = 8
+_FAILURES = (RedisError, OSError)
+
+
+def redis_key(namespace: bytes, key: bytes, part: int) -> bytes:
+    """The server key of one block part (the block key is the cluster hash tag)."""
+    return b"tierkv:%s:{%s}:%d" % (namespace.hex().encode(), key.hex().encode(), part)
+
+
+def connection_options(url: str, client_cfg: ClientConfig) -> dict[str, Any]:
+    """redis-py keyword arguments for `url`: TLS, db, credentials (config, else env, else URL)."""
+    parts = urlsplit(url)
+    options: dict[str, Any] = {
+        "socket_timeout": client_cfg.deadline_ms / 1000,
+        "socket_connect_timeout": client_cfg.deadline_ms / 1000,
+        "retry": Retry(NoBackoff(), 0),  # a failure is a miss at once; the breaker decides
+        "username": client_cfg.redis_username or os.environ.get(USERNAME_ENV) or parts.username,
+        "password": client_cfg.redis_password or os.environ.get(PASSWORD_ENV) or parts.password,
+    }
+    if parts.scheme.startswith("rediss"):
+        options["ssl"] = True
+    if parts.path.strip("/"):
+        options["db"] = int(parts.path.strip("/"))
+    return options
+
+
+class RedisBackend:
+    """One Valkey / Redis server (or one cluster node); thread-safe."""
+
+    def __init__(
+        self,
+        address: str,
+        client: redis.Redis,
+        *,
+        deadline_s: float = 2.0,
+        promote_deadline_s: float = 30.0,
+        max_pending_bytes: int = 256 * 1024 * 1024,
+        breaker_failures: int = 3,
+        breaker_cooldown_s: float = 5.0,
+    ) -> None:
+        self.address = redact(address)
+        self.deadline_s = deadline_s
+        self.promote_deadline_s = promote_deadline_s
+        self._client = client
+        self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s, self._ping)
+        self._queue = PutQueue(self.address, self._send, self._breaker, max_pending_bytes)
+        self._lock = threading.Lock()
+        self.checksum_failures = 0
+        self.failed_calls = 0
+
+    @classmethod
+    def connect(
+        cls, host: str, port: int, options: dict[str, Any], client_cfg: ClientConfig, label: str
+    ) -> RedisBackend:
+        """A backend for the server at host:port with `connection_options`."""
+        client = redis.Redis(host=host, port=port, **options)
+        return cls(
+            label,
+            client,
+            deadline_s=client_cfg.deadline_ms / 1000,
+            promote_deadline_s=client_cfg.promote_deadline_ms / 1000,
+            max_pending_bytes=client_cfg.max_pending_bytes,
+            breaker_failures=client_cfg.breaker_failures,
+            breaker_cooldown_s=client_cfg.breaker_cooldown_s,
+        )
+
+    @property
+    def breaker_state(self) -> str:
+        return self._breaker.state
+
+    def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
+        self._queue.put(namespace, key, part, payload)
+
+    def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
+        if not keys or not self._breaker.allow():
+            return 0
+        wanted = sorted(set(parts))
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.exists(*(redis_key(namespace, key, part) for part in wanted))
+        try:
+            counts = pipe.execute(raise_on_error=False)
+        except _FAILURES:
+            self._record_failure()
+            return 0
+        self._breaker.record_success()
+        for index, count in enumerate(counts):
+            if count != len(wanted):
+                return index
+        return len(keys)
+
+    def promote(
+        self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]
+    ) -> dict[tuple[int, int], memoryview]:
+        found: dict[tuple[int, int], memoryview] = {}
+        if not keys or not parts or not self._breaker.allow():
+            return found
+        wanted = [(index, part) for index in range(len(keys)) for part in sorted(set(parts))]
+        deadline = time.monotonic() + self.promote_deadline_s
+        bad_checksums = 0
+        try:
+            for start in range(0, len(wanted), PROMOTE_BATCH):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("promote deadline passed")
+                batch = wanted[start : start + PROMOTE_BATCH]
+                pipe = self._client.pipeline(transaction=False)
+                for index, part in batch:
+                    pipe.get(redis_key(namespace, keys[index], part))
+                values = pipe.execute(raise_on_error=False)
+                for (index, part), value in zip(batch, values, strict=True):
+                    if not isinstance(value, bytes) or len(value) < _CHECKSUM_BYTES:
+                        continue  # absent, or an error for this key (e.g. MOVED): a miss
+                    view = memoryview(value)
+                    payload = view[_CHECKSUM_BYTES:]
+                    checksum = int.from_bytes(view[:_CHECKSUM_BYTES], "little")
+                    if block_checksum(namespace, keys[index], part, payload) != checksum:
+                        bad_checksums += 1
+                        continue
+                    found[(index, part)] = payload
+        except (*_FAILURES, TimeoutError):
+            self._record_failure()
+        else:
+            self._breaker.record_success()
+        if bad_checksums:
+            with self._lock:
+                self.checksum_failures += bad_checksums
+        return found
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self._queue.flush(timeout)
+
+    def stats(self) -> list[VaultStats]:
+        started = time.monotonic()
+        try:
+            info = self._client.info()
+        except _FAILURES as exc:
+            raise VaultUnavailable(f"redis at {self.address} did not answer: {exc}") from None
+        keyspace = info.get(f"db{self._client.connection_pool.connection_kwargs.get('db', 0)}")
+        return [
+            VaultStats(
+                address=self.address,
+                role=f"redis {info.get('redis_mode', 'standalone')}",
+                entries=int(keyspace["keys"]) if isinstance(keyspace, dict) else 0,
+                bytes_used=int(info.get("used_memory", 0)),
+                max_bytes=int(info.get("maxmemory", 0)),
+                hits=int(info.get("keyspace_hits", 0)),
+                misses=int(info.get("keyspace_misses", 0)),
+                evictions=int(info.get("evicted_keys", 0)),
+                rejected=0,
+                uptime_s=float(info.get("uptime_in_seconds", 0)),
+                version=str(info.get("valkey_version", info.get("redis_version", ""))),
+                rtt_s=time.monotonic() - started,
+            )
+        ]
+
+    def counters(self) -> dict[str, int | str]:
+        with self._lock:
+            mine: dict[str, int | str] = {
+                "checksum_failures": self.checksum_failures,
+                "failed_calls": self.failed_calls,
+            }
+        return {**self._queue.counters(), **mine}
+
+    def close(self) -> None:
+        self._queue.close(self.deadline_s)
+        self._breaker.stop()
+        self._client.close()
+
+    def _send(self, batch: list[PendingPut]) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for put in batch:
+            checksum = block_checksum(put.namespace, put.key, put.part, put.payload)
+            value = checksum.to_bytes(_CHECKSUM_BYTES, "little") + put.payload
+            pipe.set(redis_key(put.namespace, put.key, put.part), value)
+        pipe.execute()
+
+    def _record_failure(self) -> None:
+        with self._lock:
+            self.failed_calls += 1
+        self._breaker.record_failure()
+
+    def _ping(self) -> bool:
+        try:
+            return bool(self._client.ping())
+        except _FAILURES:
+            return False
+
+
+class RedisClusterBackend(ShardedBackend):
+    """A Redis Cluster: each block on the primary serving its hash slot, nodes in parallel."""
+
+    def __init__(self, url: str, client_cfg: ClientConfig) -> None:
+        super().__init__(redact(url), threads=16)
+        parts = urlsplit(url)
+        self._options = connection_options(url, client_cfg)
+        self._options.pop("db", None)  # a cluster has database 0 only
+        self._client_cfg = client_cfg
+        self._seeds = [(parts.hostname or "", parts.port or 6379)]
+        self._nodes: dict[tuple[str, int], RedisBackend] = {}
+        self._slots: list[tuple[str, int] | None] = [None] * 16384
+        self._lock = threading.Lock()
+        self._refreshed_at = 0.0
+        self._refreshing = False
+        self._load_slots()
+
+    def owner(self, key: bytes) -> RedisBackend | None:
+        node = self._slots[key_slot(key.hex().encode())]
+        return None if node is None else self._nodes.get(node)
+
+    def members(self) -> list[Backend]:
+        with self._lock:
+            return list(self._nodes.values())
+
+    def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
+        self._refresh_if_failing()
+        return super().lookup(namespace, keys, parts)
+
+    def promote(
+        self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]
+    ) -> dict[tuple[int, int], memoryview]:
+        self._refresh_if_failing()
+        return super().promote(namespace, keys, parts)
+
+    def _refresh_if_failing(self) -> None:
+        """Re-read the slot map in the background when a node's breaker is open (a failover)."""
+        cooldown = self._client_cfg.breaker_cooldown_s
+        with self._lock:
+            failing = any(node.breaker_state == "open" for node in self._nodes.values())
+            stale = time.monotonic() - self._refreshed_at > cooldown
+            if not (failing or not self._nodes) or not stale or self._refreshing:
+                return
+            self._refreshing = True
+        threading.Thread(target=self._load_slots, name="tierkv-cluster-slots", daemon=True).start()
+
+    def _load_slots(self) -> None:
+        """The slot map from the first node that answers CLUSTER SLOTS; unchanged if none does."""
+        with self._lock:
+            candidates = [*self._seeds, *self._nodes]
+        try:
+            for host, port in candidates:
+                probe = redis.Redis(host=host, port=port, **self._options)
+                try:
+                    ranges = probe.execute_command("CLUSTER SLOTS")
+                except _FAILURES:
+                    continue
+                finally:
+                    probe.close()
+                self._install(ranges)
+                return
+            log.warning(
+                "tierkv: no node of the cluster at %s answered; its blocks miss", self.address
+            )
+        finally:
+            with self._lock:
+                self._refreshed_at = time.monotonic()
+                self._refreshing = False
+
+    def _install(self, ranges: list[Any]) -> None:
+        slots: list[tuple[str, int] | None] = [None] * 16384
+        for start, end, primary, *_replicas in ranges:
+            host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
+            node = (host, int(primary[1]))
+            with self._lock:
+                if node not in self._nodes:
+                    label = f"{self.address} node {format_address(*node)}"
+                    self._nodes[node] = RedisBackend.connect(
+                        *node, self._options, self._client_cfg, label
+                    )
+            slots[int(start) : int(end) + 1] = [node] * (int(end) - int(start) + 1)
+        self._slots = slots
