@@ -5,8 +5,8 @@
     function for code that needs several.
 
 `vault_factory` (fixture, callable)
-    ``vault_factory(max_bytes="1GiB", *, role="kv_cold", subprocess=False, bulk=True)
-    -> VaultHandle``
+    ``vault_factory(max_bytes="1GiB", *, role="kv_cold", subprocess=False, bulk=True,
+    args=()) -> VaultHandle``
     (max_bytes: bytes, a size string, or "unlimited") starts a REAL vault on 127.0.0.1 on a
     free port and returns a handle with:
       ``.address``  "127.0.0.1:PORT", ready to pass to VaultClient / tierkv.toml
@@ -16,24 +16,30 @@
     (tierkv.vault.server.serve) and ``.server`` / ``.store`` expose it. With ``subprocess=True``
     it runs the real ``tierkv vault`` command in a child process (``.process``, output in
     ``.log_path``) and
-    ``.kill()`` SIGKILLs it, e.g. to test what clients do when a vault dies. ``bulk=False``
+    ``.kill()`` SIGKILLs it, e.g. to test what clients do when a vault dies; ``args`` are more
+    ``tierkv vault`` options (e.g. ``["--disk-dir", str(path)]``). ``bulk=False``
     starts an in-process vault without its bulk data path (clients then use gRPC alone). The
     handle is ready
     (health SERVING) when returned; no process is left behind after the test.
 
 `vault` (fixture, VaultHandle)
     One in-process 1 GiB vault, for tests that need just one.
+
+`disk_dir` (fixture, Path; parametrized)
+    A directory for a vault's disk tier that does not exist yet: under tmp_path, and on tmpfs
+    (/dev/shm, removed afterwards; skipped where there is none).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,7 +115,7 @@ def _wait_serving(address: str, process: subprocess.Popen[bytes] | None = None) 
 
 
 def start_subprocess_vault(
-    port: int, max_bytes: str, role: str, work_dir: Path
+    port: int, max_bytes: str, role: str, work_dir: Path, args: Sequence[str] = ()
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """`tierkv vault` on 127.0.0.1:port with an empty config; its output goes to a log file."""
     config = work_dir / f"vault-{port}.toml"
@@ -117,6 +123,7 @@ def start_subprocess_vault(
     log_path = work_dir / f"vault-{port}.log"
     command = [sys.executable, "-m", "tierkv", "vault", "--config", str(config)]
     command += ["--listen", f"{LOOPBACK}:{port}", "--max-bytes", max_bytes, "--role", role]
+    command += args
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             command,
@@ -137,10 +144,11 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
         role: str = "kv_cold",
         subprocess: bool = False,
         bulk: bool = True,
+        args: Sequence[str] = (),
     ) -> VaultHandle:
         if subprocess:
             port = pick_free_port()
-            process, log_path = start_subprocess_vault(port, str(max_bytes), role, tmp_path)
+            process, log_path = start_subprocess_vault(port, str(max_bytes), role, tmp_path, args)
             handle = VaultHandle(
                 address=f"{LOOPBACK}:{port}", port=port, process=process, log_path=log_path
             )
@@ -163,3 +171,17 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
 @pytest.fixture
 def vault(vault_factory: Callable[..., VaultHandle]) -> VaultHandle:
     return vault_factory()
+
+
+@pytest.fixture(params=["tmp_path", "tmpfs"])
+def disk_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
+    """A plain directory under tmp_path, and one on tmpfs (/dev/shm) where this machine has one."""
+    if request.param == "tmp_path":
+        yield tmp_path / "disk"
+        return
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    directory = shm / f"tierkv-test-{os.getpid()}-{tmp_path.name}"
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)

@@ -27,6 +27,8 @@ VAULT_ROLES = ("kv_cold", "ssm_cold")
 TURBO_QUANT_CODECS = ("int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
 """The lossy codecs of tierkv.quant that `[turbo_quant] codec` may name."""
 STORE_MODES = ("on_eviction", "on_finish")
+FSYNC_MODES = ("never", "interval", "always")
+"""When a vault's disk tier syncs its writes: see the README's table of what each loses."""
 DEFAULT_LISTEN = "127.0.0.1:50051"
 DEFAULT_RAM_FRACTION = 0.5
 """Share of physical RAM a vault caps itself at when `vault.max_bytes` is not set."""
@@ -201,6 +203,11 @@ class VaultConfig:
     max_bytes: int | None = None
     bulk_port: int = 0
     """TCP port of the bulk data path on the listen host; 0: any free port (told to clients)."""
+    disk_dir: str | None = None
+    """Directory of the disk tier (blocks spill there and survive restarts); None: RAM only."""
+    disk_max_bytes: int | None = None
+    """Cap of the disk tier; None: half of what the filesystem has free (plus what it holds)."""
+    fsync: str = "interval"
 
     def resolved_max_bytes(self) -> int:
         """The cap to use: the configured one, or default_max_bytes() (0 stays unlimited)."""
@@ -366,7 +373,14 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
     ),
     "vault": (
         VaultConfig,
-        {"listen": _listen_address, "max_bytes": parse_max_bytes, "bulk_port": _port},
+        {
+            "listen": _listen_address,
+            "max_bytes": parse_max_bytes,
+            "bulk_port": _port,
+            "disk_dir": _string,
+            "disk_max_bytes": _positive_size,
+            "fsync": _one_of(FSYNC_MODES),
+        },
     ),
     "client": (
         ClientConfig,

@@ -32,6 +32,7 @@ from tierkv.config import (
     redact,
 )
 from tierkv.patches.exo import hook_state
+from tierkv.vault.client import TierStats
 
 VAULT_COLUMNS = {
     "address": "address",
@@ -45,6 +46,8 @@ VAULT_COLUMNS = {
     "hits": "hits",
     "misses": "misses",
     "evictions": "evictions",
+    "ram": "RAM tier",
+    "disk": "disk tier",
     "uptime": "uptime",
 }
 
@@ -113,6 +116,8 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
         "rejected": sum(s.rejected for s in nodes),
         "uptime_s": round(min(s.uptime_s for s in nodes), 1),
         "version": nodes[0].version,
+        "ram": _tier_sum([s.ram for s in nodes]),
+        "disk": _tier_sum([s.disk for s in nodes]),  # None: RAM only
     }
 
 
@@ -143,6 +148,27 @@ def check_exo_hook(exo_path: Path) -> CheckResult:
     return CheckResult("exo", columns, [row], state.installed)
 
 
+def _tier_sum(tiers: list[TierStats | None]) -> dict[str, Any] | None:
+    """One tier's figures summed over the nodes that have it (None where none has)."""
+    present = [tier for tier in tiers if tier is not None]
+    if not present:
+        return None
+    return {name: sum(getattr(tier, name) for tier in present) for name in TierStats._fields}
+
+
+def _used(used: int, cap: int) -> str:
+    return f"{format_size(used)} / {'unlimited' if cap == 0 else format_size(cap)}"
+
+
+def _tier(tier: dict[str, Any]) -> str:
+    """One tier's figures in a cell: entries, used / cap, hits, reads/s (and damaged blocks)."""
+    text = (
+        f"{tier['entries']} entries, {_used(tier['bytes_used'], tier['max_bytes'])}, "
+        f"{tier['hits']} hits, {tier['reads_per_s']:.1f} reads/s"
+    )
+    return text + (f", [red]{tier['corrupt']} corrupt[/red]" if tier["corrupt"] else "")
+
+
 def _cell(row: dict[str, Any], key: str) -> str:
     """The table text of one value of a row."""
     if key == "up":
@@ -150,12 +176,13 @@ def _cell(row: dict[str, Any], key: str) -> str:
     if not row["up"]:
         return str(row.get(key, "")) if key in ("name", "address") else ""
     if key == "used":
-        cap = "unlimited" if row["max_bytes"] == 0 else format_size(row["max_bytes"])
-        return f"{format_size(row['bytes_used'])} / {cap}"
+        return _used(row["bytes_used"], row["max_bytes"])
     if key == "share":
         return f"{row['entry_share']:.0%} / {row['byte_share']:.0%}"
     if key == "uptime":
         return _duration(row["uptime_s"])
+    if key in ("ram", "disk"):
+        return _tier(row[key]) if row[key] else "none"
     if key == "bulk":
         if row["bulk_port"] is None:
             return "n/a (redis)"

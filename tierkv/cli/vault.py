@@ -1,9 +1,14 @@
-"""`tierkv vault`: run a vault server on this machine until SIGINT / SIGTERM."""
+"""`tierkv vault`: run a vault server on this machine until SIGINT / SIGTERM.
+
+With a disk tier (--disk-dir / vault.disk_dir) it reports what it recovered at start, and on
+SIGINT / SIGTERM it writes every block that is only in RAM to disk (at most FLUSH_TIMEOUT_S).
+"""
 
 from __future__ import annotations
 
 import signal
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Annotated
@@ -15,16 +20,20 @@ from tierkv.config import (
     DEFAULT_RAM_FRACTION,
     VAULT_ROLES,
     ConfigError,
+    TierKVConfig,
     format_size,
     load_config,
     parse_address,
     parse_max_bytes,
+    parse_size,
     physical_ram_bytes,
 )
+from tierkv.vault.disk import DiskLockedError, DiskTier, default_max_bytes
 from tierkv.vault.memory import reuse_freed_memory
 from tierkv.vault.server import VaultBindError, serve
 
 STOP_GRACE_S = 5.0
+FLUSH_TIMEOUT_S = 60.0
 
 
 def _fail(message: str, code: int) -> typer.Exit:
@@ -59,8 +68,20 @@ def vault(
             help="TCP port of the bulk data path (default: vault.bulk_port, else any free port).",
         ),
     ] = None,
+    disk_dir: Annotated[
+        Path | None,
+        typer.Option(help="Spill to, and recover from, this directory (default: vault.disk_dir)."),
+    ] = None,
+    disk_max_bytes: Annotated[
+        str | None,
+        typer.Option(
+            help="Disk tier cap, e.g. 500GB (default: vault.disk_max_bytes, else half the free "
+            "space)."
+        ),
+    ] = None,
 ) -> None:
-    """Run a vault: a RAM-only, byte-capped store of KV blocks for engines on the LAN."""
+    """Run a vault: a byte-capped store of KV blocks for engines on the LAN, in RAM (and on disk
+    with --disk-dir)."""
     try:
         cfg = load_config(config)
     except ConfigError as exc:
@@ -87,10 +108,13 @@ def vault(
             else f"default: {DEFAULT_RAM_FRACTION:.0%} of {format_size(physical_ram_bytes())} RAM"
         )
     reuse_freed_memory()
+    disk = _open_disk(cfg, disk_dir, disk_max_bytes)
     try:
         bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
-        server = serve(listen, cap, role=role, bulk_port=bulk)
+        server = serve(listen, cap, role=role, bulk_port=bulk, disk=disk)
     except VaultBindError as exc:
+        if disk:
+            disk.close()
         raise _fail(str(exc), 1) from None
 
     stop = threading.Event()
@@ -108,4 +132,48 @@ def vault(
     stop.wait()
     typer.echo("tierkv vault: stopping")
     server.stop(grace=STOP_GRACE_S)
+    if disk:
+        started = time.monotonic()
+        left = server.store.close(timeout=FLUSH_TIMEOUT_S)
+        typer.echo(
+            f"tierkv vault: disk tier flushed in {time.monotonic() - started:.1f} s"
+            + (f"; {left} blocks did not reach the disk in {FLUSH_TIMEOUT_S:.0f} s" if left else "")
+        )
     typer.echo("tierkv vault: stopped")
+
+
+def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -> DiskTier | None:
+    """The disk tier the options or the config ask for (recovered), else None; exits on errors."""
+    directory = option or (Path(cfg.vault.disk_dir) if cfg.vault.disk_dir else None)
+    if directory is None:
+        if cap_option is not None:
+            raise _fail("--disk-max-bytes needs --disk-dir (or vault.disk_dir)", 2)
+        return None
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        if cap_option is not None:
+            try:
+                cap = parse_size(cap_option)
+                if cap <= 0:
+                    raise ValueError(f"expected a positive size, got {cap_option!r}")
+            except ValueError as exc:
+                raise _fail(f"--disk-max-bytes: {exc}", 2) from None
+        else:
+            cap = cfg.vault.disk_max_bytes or default_max_bytes(directory)
+        disk = DiskTier(directory, cap, cfg.vault.fsync)
+    except DiskLockedError as exc:
+        raise _fail(str(exc), 1) from None
+    except OSError as exc:
+        raise _fail(f"disk_dir {directory}: {exc.strerror or exc}", 1) from None
+    found = disk.recovery
+    typer.echo(
+        f"tierkv vault: disk tier {directory}: recovered {found.blocks} blocks "
+        f"({format_size(found.payload_bytes)}) in {found.seconds:.2f} s; cap {format_size(cap)}, "
+        f"fsync {cfg.vault.fsync}"
+    )
+    if found.damaged:
+        typer.echo(
+            f"tierkv vault: disk tier {directory}: damaged records dropped (never served): "
+            + "; ".join(found.damaged)
+        )
+    return disk

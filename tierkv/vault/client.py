@@ -64,6 +64,19 @@ class VaultUnavailable(RuntimeError):
     """The vault did not answer a management call (stats, delete, clear)."""
 
 
+class TierStats(NamedTuple):
+    """One storage tier of a vault (see TierStats in vault.proto)."""
+
+    entries: int
+    bytes_used: int
+    max_bytes: int
+    hits: int
+    reads_per_s: float
+    evictions: int
+    corrupt: int
+    queued_bytes: int
+
+
 @dataclass(frozen=True)
 class VaultStats:
     """What a vault reports about itself, plus the round trip the call took."""
@@ -80,6 +93,8 @@ class VaultStats:
     uptime_s: float
     version: str
     rtt_s: float
+    ram: TierStats | None = None
+    disk: TierStats | None = None  # None: the vault has no disk tier
 
 
 class _PendingPut(NamedTuple):
@@ -499,6 +514,8 @@ class VaultClient:
             uptime_s=reply.uptime_s,
             version=reply.version,
             rtt_s=time.monotonic() - started,
+            ram=_tier_stats(reply.ram) if reply.HasField("ram") else None,
+            disk=_tier_stats(reply.disk) if reply.HasField("disk") else None,
         )
 
     def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
@@ -622,3 +639,16 @@ def _put_batches(stream: list[_PendingPut]) -> Iterator[bytes]:
         stream, lambda p: len(p.payload), PUT_BATCH_BYTES, lambda p: p.namespace
     ):
         yield encode_bulk(_put_index(batch), [p.payload for p in batch])
+
+
+def _tier_stats(reply: vault_pb2.TierStats) -> TierStats:
+    return TierStats(
+        reply.entries,
+        reply.bytes_used,
+        reply.max_bytes,
+        reply.hits,
+        reply.reads_per_s,
+        reply.evictions,
+        reply.corrupt,
+        reply.queued_bytes,
+    )

@@ -21,6 +21,7 @@ import tierkv
 from tierkv.config import VAULT_ROLES, format_address, parse_address
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.bulk import BulkServer
+from tierkv.vault.disk import DiskTier
 from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
@@ -171,6 +172,26 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self, request: vault_pb2.StatsRequest, context: grpc.ServicerContext
     ) -> vault_pb2.StatsReply:
         stats = self.store.stats()
+        ram = vault_pb2.TierStats(
+            entries=stats.entries,
+            bytes_used=stats.bytes_used,
+            max_bytes=stats.max_bytes,
+            hits=stats.ram_hits,
+            reads_per_s=stats.ram_reads_per_s,
+            evictions=stats.evictions,
+        )
+        disk = None
+        if stats.disk is not None:
+            disk = vault_pb2.TierStats(
+                entries=stats.disk.entries,
+                bytes_used=stats.disk.bytes_used,
+                max_bytes=stats.disk.max_bytes,
+                hits=stats.disk_hits,
+                reads_per_s=stats.disk_reads_per_s,
+                evictions=stats.disk.evictions,
+                corrupt=stats.disk.corrupt,
+                queued_bytes=stats.disk.queued_bytes,
+            )
         return vault_pb2.StatsReply(
             role=self.role,
             entries=stats.entries,
@@ -182,6 +203,8 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
             rejected=stats.rejected,
             uptime_s=time.monotonic() - self.started,
             version=tierkv.__version__,
+            ram=ram,
+            disk=disk,
         )
 
     def Delete(
@@ -269,17 +292,19 @@ def serve(
     role: str = "kv_cold",
     bulk_port: int | None = 0,
     max_workers: int = 32,
+    disk: DiskTier | None = None,
 ) -> VaultServer:
     """Start a vault in this process on `listen` (port 0: any free port); raise VaultBindError.
 
     `max_bytes` 0 means unlimited; callers resolve defaults with tierkv.config. The bulk data
     path listens on the same host at `bulk_port` (0: any free port; None: no bulk path, clients
-    then use gRPC alone).
+    then use gRPC alone). With `disk`, the store spills to that disk tier (the caller closes it
+    after stopping the server, through `VaultServer.store.close`).
     """
     if role not in VAULT_ROLES:
         raise ValueError(f"vault role must be one of {', '.join(VAULT_ROLES)}, got {role!r}")
     host, port = parse_address(listen, allow_port_zero=True)
-    servicer = VaultServicer(VaultStore(max_bytes), role)
+    servicer = VaultServicer(VaultStore(max_bytes, disk), role)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tierkv-vault"),
         options=SERVER_OPTIONS,

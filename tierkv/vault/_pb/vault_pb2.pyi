@@ -99,7 +99,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("role", "entries", "bytes_used", "max_bytes", "hits", "misses", "evictions", "rejected", "uptime_s", "version")
+    __slots__ = ("role", "entries", "bytes_used", "max_bytes", "hits", "misses", "evictions", "rejected", "uptime_s", "version", "ram", "disk")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,8 @@ class StatsReply(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RAM_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     role: str
     entries: int
     bytes_used: int
@@ -120,7 +122,29 @@ class StatsReply(_message.Message):
     rejected: int
     uptime_s: float
     version: str
-    def __init__(self, role: _Optional[str] = ..., entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ...) -> None: ...
+    ram: TierStats
+    disk: TierStats
+    def __init__(self, role: _Optional[str] = ..., entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., ram: _Optional[_Union[TierStats, _Mapping]] = ..., disk: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("entries", "bytes_used", "max_bytes", "hits", "reads_per_s", "evictions", "corrupt", "queued_bytes")
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_USED_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    READS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    bytes_used: int
+    max_bytes: int
+    hits: int
+    reads_per_s: float
+    evictions: int
+    corrupt: int
+    queued_bytes: int
+    def __init__(self, entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., reads_per_s: _Optional[float] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., queued_bytes: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("namespace", "keys")

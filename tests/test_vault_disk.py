@@ -1,0 +1,188 @@
+"""DiskTier alone: write and read back, restart, torn tails, damaged bytes, the cap, the lock."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tierkv.config import MIB
+from tierkv.vault.disk import DiskLockedError, DiskTier
+from tierkv.vault.store import VaultStore
+from tierkv.vault.wire import block_checksum
+
+NS = b"n" * 16
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def payload(i: int, size: int = 1000) -> bytes:
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+def write(disk: DiskTier, i: int, size: int = 1000, part: int = 0) -> None:
+    data = payload(i, size)
+    disk.write(NS, key(i), part, data, block_checksum(NS, key(i), part, data))
+
+
+def read(disk: DiskTier, indices: list[int], part: int = 0) -> list[bytes | None]:
+    found = disk.read_many(NS, [(key(i), part) for i in indices])
+    return [None if f is None else bytes(f[0]) for f in found]
+
+
+def test_written_blocks_read_back_and_survive_a_restart(disk_dir: Path) -> None:
+    disk = DiskTier(disk_dir, 64 * MIB, "always")
+    for i in range(50):
+        write(disk, i, 1000 + i)
+    assert read(disk, [3, 99, 7]) == [payload(3, 1003), None, payload(7, 1007)]
+    assert disk.close(timeout=30) == 0
+    disk = DiskTier(disk_dir, 64 * MIB)
+    assert (disk.recovery.blocks, disk.recovery.damaged) == (50, [])
+    assert disk.recovery.payload_bytes == sum(1000 + i for i in range(50))
+    assert read(disk, list(range(50))) == [payload(i, 1000 + i) for i in range(50)]
+    disk.close()
+
+
+def test_deletes_and_clears_stay_deleted_after_a_restart(disk_dir: Path) -> None:
+    disk = DiskTier(disk_dir, 64 * MIB)
+    for i in range(6):
+        write(disk, i)
+        write(disk, i, part=1)
+    assert len(disk.delete(NS, [key(1)])) == 2
+    write(disk, 1)  # stored again after the delete: must come back
+    other = b"o" * 16
+    data = payload(9)
+    disk.write(other, key(9), 0, data, block_checksum(other, key(9), 0, data))
+    disk.close(timeout=30)
+    disk = DiskTier(disk_dir, 64 * MIB)
+    assert read(disk, [0, 1, 2]) == [payload(0), payload(1), payload(2)]
+    assert read(disk, [1], part=1) == [None]
+    assert len(disk.clear(NS)) == 11
+    disk.close(timeout=30)
+    disk = DiskTier(disk_dir, 64 * MIB)
+    assert read(disk, list(range(6))) == [None] * 6
+    assert disk.read_many(other, [(key(9), 0)])[0] is not None
+    disk.close()
+
+
+def test_a_torn_tail_is_truncated_reported_and_never_served(disk_dir: Path) -> None:
+    disk = DiskTier(disk_dir, 64 * MIB)
+    for i in range(10):
+        write(disk, i)
+    disk.close(timeout=30)
+    [segment] = disk_dir.glob("*.seg")
+    size = segment.stat().st_size
+    os.truncate(segment, size - 10)  # the last record lost its last 10 bytes
+    disk = DiskTier(disk_dir, 64 * MIB)
+    assert disk.recovery.blocks == 9
+    [problem] = disk.recovery.damaged
+    assert "torn tail" in problem and segment.name in problem
+    assert read(disk, list(range(10))) == [payload(i) for i in range(9)] + [None]
+    write(disk, 10)  # a new segment; the old one keeps its 9 records
+    disk.close(timeout=30)
+    disk = DiskTier(disk_dir, 64 * MIB)
+    assert (disk.recovery.blocks, disk.recovery.damaged) == (10, [])
+    disk.close()
+
+
+def ten_blocks_with_a_flipped_byte(disk_dir: Path, from_payload_4: int) -> DiskTier:
+    """A restarted tier of blocks 0-9 after one byte, `from_payload_4` bytes from the start of
+    block 4's payload, was flipped on disk."""
+    disk = DiskTier(disk_dir, 64 * MIB)
+    for i in range(10):
+        write(disk, i)
+    disk.close(timeout=30)
+    [segment] = disk_dir.glob("*.seg")
+    with segment.open("r+b") as f:
+        data = f.read()
+        at = data.index(payload(4)) + from_payload_4
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0xFF]))
+    return DiskTier(disk_dir, 64 * MIB)
+
+
+def test_a_damaged_payload_byte_is_a_miss_for_that_block_only(disk_dir: Path) -> None:
+    disk = ten_blocks_with_a_flipped_byte(disk_dir, 500)
+    expected = [None if i == 4 else payload(i) for i in range(10)]
+    assert read(disk, list(range(10))) == expected
+    assert disk.stats().corrupt == 1
+    assert disk.stats().entries == 9
+    disk.close()
+
+
+def test_a_damaged_header_skips_that_record_only(disk_dir: Path) -> None:
+    disk = ten_blocks_with_a_flipped_byte(disk_dir, -30)  # inside record 4's header
+    [problem] = disk.recovery.damaged
+    assert "skipped" in problem
+    assert read(disk, list(range(10))) == [None if i == 4 else payload(i) for i in range(10)]
+    disk.close()
+
+
+def test_the_cap_drops_the_oldest_segments(disk_dir: Path) -> None:
+    cap = 8 * MIB  # segments of 1 MiB
+    disk = DiskTier(disk_dir, cap, "never")
+    for i in range(100):
+        write(disk, i, 256 * 1024)
+        disk.wait_for_room()
+        assert disk.stats().bytes_used <= cap
+    disk.close(timeout=30)
+    assert sum(p.stat().st_size for p in disk_dir.glob("*.seg")) <= cap
+    disk = DiskTier(disk_dir, cap)
+    found = read(disk, list(range(100)))
+    kept = [i for i, f in enumerate(found) if f is not None]
+    assert 20 <= len(kept) < 32 and kept == list(range(100 - len(kept), 100))
+    assert all(found[i] == payload(i, 256 * 1024) for i in kept)
+    disk.close()
+
+
+def test_reads_of_adjacent_blocks_coalesce_and_keep_request_order(disk_dir: Path) -> None:
+    disk = DiskTier(disk_dir, 64 * MIB)
+    for i in range(40):
+        for part in (0, 1):
+            write(disk, i, 3000 + i, part)
+    disk.close(timeout=30)
+    disk = DiskTier(disk_dir, 64 * MIB)
+    wanted = [(key(i), part) for i in reversed(range(40)) for part in (1, 0)]
+    found = disk.read_many(NS, wanted)
+    assert [bytes(f[0]) if f else None for f in found] == [
+        payload(i, 3000 + i) for i in reversed(range(40)) for _ in (1, 0)
+    ]
+    disk.close()
+
+
+def test_a_second_tier_on_the_same_directory_refuses(disk_dir: Path) -> None:
+    disk = DiskTier(disk_dir, 64 * MIB)
+    with pytest.raises(DiskLockedError, match=f"in use by another vault \\(pid {os.getpid()}\\)"):
+        DiskTier(disk_dir, 64 * MIB)
+    disk.close()
+    DiskTier(disk_dir, 64 * MIB).close()
+
+
+def test_a_store_with_a_disk_tier_spills_reads_through_and_keeps_request_order(
+    tmp_path: Path,
+) -> None:
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    store = VaultStore(max_bytes=3000, disk=disk)
+    for i in range(10):
+        data = payload(i)
+        assert store.put(NS, key(i), 0, data, block_checksum(NS, key(i), 0, data)) is None
+    assert store.stats().entries == 3
+    assert store.lookup(NS, [key(i) for i in range(11)], [0]) == 10
+    found = store.get_many(NS, [key(i) for i in (9, 0, 42, 5)], [0])
+    assert [(b.key_index, bytes(b.payload)) for b in found] == [
+        (0, payload(9)),
+        (1, payload(0)),
+        (3, payload(5)),
+    ]
+    stats = store.stats()
+    assert (stats.hits, stats.misses, stats.disk_hits, stats.ram_hits) == (3, 1, 2, 1)
+    assert stats.entries == 3 and stats.disk is not None and stats.disk.entries == 10
+    assert store.delete(NS, [key(0), key(1)]) == 2
+    assert store.lookup(NS, [key(1)], [0]) == 0
+    assert store.close(timeout=30) == 0
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    assert disk.recovery.blocks == 8
+    disk.close()

@@ -1,0 +1,620 @@
+"""The vault's disk tier: blocks in append-only segment files under `disk_dir`, found by an index.
+
+No gRPC and no RAM LRU here (store.py owns those). Each record in a segment is a header (magic,
+kind, namespace and key lengths, part, payload length, payload checksum; then namespace, key and
+an xxh3 checksum of all of that) followed by the payload. The payload checksum is
+`wire.block_checksum`, seeded with the block's address, so a damaged or misfiled payload is a
+miss when read, never served. Deletes and clears are records too (kinds DELETE, CLEAR), so a
+restart does not bring back what was removed.
+
+Writes are queued (`write`, `spill`) and appended by one background thread with `pwritev`; a
+queued block is readable from memory until it lands. On start the index is rebuilt by reading
+headers only (payloads are seeked past); an invalid header is skipped up to the next valid one,
+and a torn tail (the last record cut short by a crash) is truncated and reported. Past
+`max_bytes` the oldest whole segment is dropped (segment-level FIFO: cheap and simple; blocks
+read recently live in the RAM tier and are written again when RAM evicts them). Reads of many
+blocks sort by position and coalesce neighbours into one `preadv` straight into the buffers that
+are returned. A lock file (`flock`) keeps a second vault off the same directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import xxhash
+
+from tierkv.config import FSYNC_MODES, MIB
+from tierkv.vault.wire import block_checksum
+
+log = logging.getLogger(__name__)
+
+EntryKey = tuple[bytes, bytes, int]
+"""(namespace, block key, part)"""
+
+FSYNC_INTERVAL_S = 1.0
+SEGMENT_BYTES = 256 * MIB
+"""Largest segment file (smaller when the cap is small: at most an eighth of it)."""
+WRITE_BEHIND_BYTES = 256 * MIB
+"""Queued-but-unwritten payload bytes past which `wait_for_room` makes writers wait."""
+MAX_READ_BYTES = 64 * MIB
+"""Largest single coalesced read."""
+IOV_MAX = 1024
+LOCK_NAME = "lock"
+SEGMENT_SUFFIX = ".seg"
+
+MAGIC = b"TKVR"
+KIND_BLOCK, KIND_DELETE, KIND_CLEAR = 0, 1, 2
+_FIXED = struct.Struct("<4sBxHHxxIQQ")  # magic kind - ns_len key_len -- part length checksum
+_HEADER_SUM = struct.Struct("<Q")
+_SCAN_CHUNK = 4 * MIB
+
+
+DEFAULT_FREE_FRACTION = 0.5
+"""Share of the filesystem's free space (plus the tier's own files) a disk tier caps itself at."""
+
+
+def default_max_bytes(directory: Path) -> int:
+    """The disk cap when none is configured; the same on every restart of a steady tier."""
+    held = sum(path.stat().st_size for path in directory.glob(f"*{SEGMENT_SUFFIX}"))
+    return int((shutil.disk_usage(directory).free + held) * DEFAULT_FREE_FRACTION)
+
+
+class DiskLockedError(RuntimeError):
+    """Another vault holds the disk directory."""
+
+
+class Location(NamedTuple):
+    """Where one block's record lies."""
+
+    segment: int
+    record: int  # offset of the record's header in the segment
+    header_len: int
+    length: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    """Counters of a DiskTier. bytes_used counts segment files, dead records included."""
+
+    entries: int
+    bytes_used: int
+    max_bytes: int
+    live_bytes: int
+    queued_bytes: int
+    segments: int
+    evictions: int  # blocks dropped with their segment by the cap
+    corrupt: int  # blocks whose payload failed its checksum when read (then dropped)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What start-up found in the directory."""
+
+    blocks: int
+    payload_bytes: int
+    seconds: float
+    damaged: list[str]  # one description per truncated tail or skipped damaged range
+
+
+class _Op(NamedTuple):
+    kind: int
+    namespace: bytes
+    key: bytes
+    part: int
+    payload: bytes | memoryview
+    checksum: int
+
+
+def _header(op: _Op) -> bytes:
+    fixed = _FIXED.pack(
+        MAGIC, op.kind, len(op.namespace), len(op.key), op.part, len(op.payload), op.checksum
+    )
+    body = fixed + op.namespace + op.key
+    return body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def _read_header(fd: int, pos: int) -> tuple[_Op, int, int] | None:
+    """(op without payload, header length, payload length) of a valid header at `pos`."""
+    fixed = os.pread(fd, _FIXED.size, pos)
+    if len(fixed) < _FIXED.size:
+        return None
+    magic, kind, ns_len, key_len, part, length, checksum = _FIXED.unpack(fixed)
+    if magic != MAGIC or kind > KIND_CLEAR:
+        return None
+    rest = os.pread(fd, ns_len + key_len + _HEADER_SUM.size, pos + _FIXED.size)
+    if len(rest) < ns_len + key_len + _HEADER_SUM.size:
+        return None
+    body = fixed + rest[: ns_len + key_len]
+    if _HEADER_SUM.unpack_from(rest, ns_len + key_len)[0] != xxhash.xxh3_64_intdigest(body):
+        return None
+    op = _Op(kind, rest[:ns_len], rest[ns_len : ns_len + key_len], part, b"", checksum)
+    return op, len(body) + _HEADER_SUM.size, length
+
+
+class DiskTier:
+    """Blocks on disk: queue writes, read many at once, survive restarts. Thread-safe."""
+
+    def __init__(
+        self,
+        directory: Path,
+        max_bytes: int,
+        fsync: str = "interval",
+        *,
+        segment_bytes: int | None = None,
+        write_behind_bytes: int = WRITE_BEHIND_BYTES,
+    ) -> None:
+        if fsync not in FSYNC_MODES:
+            raise ValueError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {fsync!r}")
+        if max_bytes <= 0:
+            raise ValueError(f"disk max_bytes must be positive, got {max_bytes}")
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self.fsync = fsync
+        self.segment_bytes = segment_bytes or max(MIB, min(SEGMENT_BYTES, max_bytes // 8))
+        self._write_behind = write_behind_bytes
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = self._take_lock()
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._index: dict[EntryKey, Location] = {}
+        self._parts: dict[tuple[bytes, bytes], set[int]] = {}
+        self._segment_keys: dict[int, set[EntryKey]] = {}
+        self._fds: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self._queue: deque[_Op] = deque()
+        self._queued: dict[EntryKey, _Op] = {}
+        self._queued_bytes = 0
+        self._live_bytes = 0
+        self._evictions = self._corrupt = 0
+        self._closing = False
+        self._busy = False
+        started = time.monotonic()
+        damaged = [problem for segment in self._segment_ids() for problem in self._scan(segment)]
+        self.recovery = Recovery(
+            len(self._index), self._live_bytes, time.monotonic() - started, damaged
+        )
+        self._active = max(self._fds, default=0) + 1
+        self._open_segment(self._active)
+        self._last_sync = time.monotonic()
+        self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk", daemon=True)
+        self._writer.start()
+
+    # ---- the API store.py uses ---------------------------------------------------------------
+
+    def write(
+        self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview, checksum: int
+    ) -> None:
+        """Queue a block (replacing any older copy); readable at once, on disk soon."""
+        self._enqueue(_Op(KIND_BLOCK, namespace, key, part, payload, checksum))
+
+    def spill(
+        self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview, checksum: int
+    ) -> None:
+        """Queue a block only if the disk has no copy of it (the RAM tier evicts it)."""
+        with self._lock:
+            if (namespace, key, part) in self._queued or (namespace, key, part) in self._index:
+                return
+        self.write(namespace, key, part, payload, checksum)
+
+    def wait_for_room(self, timeout: float | None = None) -> bool:
+        """Wait while more than the write-behind bound is queued; False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: self._queued_bytes <= self._write_behind or self._closing, timeout
+            )
+
+    def has(self, namespace: bytes, key: bytes, parts: Sequence[int]) -> bool:
+        """Whether every one of `parts` of the block is on disk or queued."""
+        with self._lock:
+            on_disk = self._parts.get((namespace, key), ())
+            return all(part in on_disk or (namespace, key, part) in self._queued for part in parts)
+
+    def read_many(
+        self, namespace: bytes, wanted: Sequence[tuple[bytes, int]]
+    ) -> list[tuple[bytes | memoryview, int] | None]:
+        """(payload, checksum) of each wanted (key, part), None where absent or damaged."""
+        found: list[tuple[bytes | memoryview, int] | None] = [None] * len(wanted)
+        located: list[tuple[Location, int]] = []
+        with self._lock:
+            for position, (key, part) in enumerate(wanted):
+                op = self._queued.get((namespace, key, part))
+                if op is not None:
+                    found[position] = (op.payload, op.checksum)
+                elif (loc := self._index.get((namespace, key, part))) is not None:
+                    located.append((loc, position))
+            fds = {loc.segment: os.dup(self._fds[loc.segment]) for loc, _ in located}
+        try:
+            located.sort()
+            for run in _runs(located):
+                for (loc, position), payload in zip(run, self._read_run(fds, run), strict=True):
+                    key, part = wanted[position]
+                    if payload is not None and (
+                        block_checksum(namespace, key, part, payload) == loc.checksum
+                    ):
+                        found[position] = (payload, loc.checksum)
+                    else:
+                        self._forget_corrupt((namespace, key, part), loc)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        return found
+
+    def delete(self, namespace: bytes, keys: Sequence[bytes]) -> set[EntryKey]:
+        """Remove every part of `keys`; the (namespace, key, part) entries that went."""
+        removed: set[EntryKey] = set()
+        with self._lock:
+            doomed = {(namespace, key) for key in keys}
+            removed |= self._drop_queued(lambda ek: (ek[0], ek[1]) in doomed)
+            for key in keys:
+                for part in list(self._parts.get((namespace, key), ())):
+                    self._unindex((namespace, key, part))
+                    removed.add((namespace, key, part))
+        for key in keys:
+            self._enqueue(_Op(KIND_DELETE, namespace, key, 0, b"", 0))
+        return removed
+
+    def clear(self, namespace: bytes) -> set[EntryKey]:
+        """Remove everything under `namespace`; the entries that went."""
+        with self._lock:
+            removed = self._drop_queued(lambda ek: ek[0] == namespace)
+            doomed = [ek for ek in self._index if ek[0] == namespace]
+            for entry_key in doomed:
+                self._unindex(entry_key)
+            removed.update(doomed)
+        self._enqueue(_Op(KIND_CLEAR, namespace, b"", 0, b"", 0))
+        return removed
+
+    def stats(self) -> DiskStats:
+        """A consistent snapshot of the counters."""
+        with self._lock:
+            return DiskStats(
+                entries=len(self._index.keys() | self._queued.keys()),
+                bytes_used=sum(self._sizes.values()),
+                max_bytes=self.max_bytes,
+                live_bytes=self._live_bytes,
+                queued_bytes=self._queued_bytes,
+                segments=len(self._sizes),
+                evictions=self._evictions,
+                corrupt=self._corrupt,
+            )
+
+    def close(self, timeout: float | None = None) -> int:
+        """Write what is queued (for at most `timeout` s), sync, release the directory.
+
+        Returns how many queued blocks did not make it to disk (0 unless the timeout hit).
+        """
+        with self._changed:
+            self._changed.wait_for(lambda: not self._queue and not self._busy, timeout)
+            self._closing = True
+            left = len(self._queued)
+            self._changed.notify_all()
+        self._writer.join()
+        with self._lock:
+            if self.fsync != "never":
+                os.fsync(self._fds[self._active])
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+        os.close(self._lock_fd)
+        return left
+
+    # ---- start-up ----------------------------------------------------------------------------
+
+    def _take_lock(self) -> int:
+        path = self.directory / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DiskLockedError(
+                f"disk_dir {self.directory} is in use by another vault (pid {holder}); "
+                "give each vault its own disk_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _segment_ids(self) -> list[int]:
+        ids = []
+        for path in self.directory.glob(f"*{SEGMENT_SUFFIX}"):
+            if path.stem.isdigit():
+                ids.append(int(path.stem))
+        return sorted(ids)
+
+    def _segment_path(self, segment: int) -> Path:
+        return self.directory / f"{segment:010d}{SEGMENT_SUFFIX}"
+
+    def _open_segment(self, segment: int) -> int:
+        fd = os.open(self._segment_path(segment), os.O_RDWR | os.O_CREAT, 0o644)
+        self._fds[segment] = fd
+        self._sizes[segment] = os.fstat(fd).st_size
+        self._segment_keys.setdefault(segment, set())
+        return fd
+
+    def _scan(self, segment: int) -> list[str]:
+        """Index one segment's records (headers only); cut a torn tail; describe damage."""
+        fd = self._open_segment(segment)
+        size = self._sizes[segment]
+        name = self._segment_path(segment).name
+        damaged = []
+        pos = 0
+        while pos < size:
+            parsed = _read_header(fd, pos)
+            if parsed is not None and pos + parsed[1] + parsed[2] <= size:
+                op, header_len, length = parsed
+                self._apply(op, Location(segment, pos, header_len, length, op.checksum))
+                pos += header_len + length
+                continue
+            resume = _next_header(fd, pos + 1, size)
+            if resume is None:
+                os.ftruncate(fd, pos)
+                damaged.append(f"{name}: torn tail of {size - pos} bytes at {pos} truncated")
+                self._sizes[segment] = size = pos
+            else:
+                damaged.append(f"{name}: {resume - pos} damaged bytes at {pos} skipped")
+                pos = resume
+        if size == 0:
+            os.close(self._fds.pop(segment))
+            del self._sizes[segment], self._segment_keys[segment]
+            self._segment_path(segment).unlink()
+        return damaged
+
+    def _apply(self, op: _Op, loc: Location) -> None:
+        """Replay one record found at `loc`; the caller holds the lock (or is starting up)."""
+        if op.kind == KIND_DELETE:
+            for part in list(self._parts.get((op.namespace, op.key), ())):
+                self._unindex((op.namespace, op.key, part))
+        elif op.kind == KIND_CLEAR:
+            for entry_key in [ek for ek in self._index if ek[0] == op.namespace]:
+                self._unindex(entry_key)
+        else:
+            self._reindex(_key(op), loc)
+
+    # ---- index bookkeeping (caller holds the lock) ------------------------------------------
+
+    def _reindex(self, entry_key: EntryKey, loc: Location) -> None:
+        self._unindex(entry_key)
+        self._index[entry_key] = loc
+        self._parts.setdefault(entry_key[:2], set()).add(entry_key[2])
+        self._segment_keys[loc.segment].add(entry_key)
+        self._live_bytes += loc.length
+
+    def _unindex(self, entry_key: EntryKey) -> None:
+        loc = self._index.pop(entry_key, None)
+        if loc is None:
+            return
+        self._live_bytes -= loc.length
+        parts = self._parts[entry_key[:2]]
+        parts.discard(entry_key[2])
+        if not parts:
+            del self._parts[entry_key[:2]]
+
+    def _drop_queued(self, doomed: Callable[[EntryKey], bool]) -> set[EntryKey]:
+        removed = {ek for ek in self._queued if doomed(ek)}
+        for entry_key in removed:
+            self._queued_bytes -= len(self._queued.pop(entry_key).payload)
+        if removed:
+            self._changed.notify_all()
+        return removed
+
+    def _forget_corrupt(self, entry_key: EntryKey, loc: Location) -> None:
+        with self._lock:
+            if self._index.get(entry_key) == loc:
+                self._unindex(entry_key)
+                self._corrupt += 1
+
+    # ---- the writer thread -------------------------------------------------------------------
+
+    def _enqueue(self, op: _Op) -> None:
+        with self._changed:
+            if self._closing:
+                return
+            if op.kind == KIND_BLOCK:
+                entry_key = (op.namespace, op.key, op.part)
+                old = self._queued.pop(entry_key, None)
+                self._queued_bytes += len(op.payload) - (len(old.payload) if old else 0)
+                self._queued[entry_key] = op
+            self._queue.append(op)
+            self._changed.notify_all()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._queue or self._closing, FSYNC_INTERVAL_S)
+                if self._closing:
+                    return
+                batch = []
+                size = 0
+                while self._queue and size < MAX_READ_BYTES:
+                    op = self._queue.popleft()
+                    if op.kind != KIND_BLOCK or self._queued.get(_key(op)) is op:
+                        batch.append(op)
+                        size += len(op.payload)
+                self._busy = bool(batch)
+            if batch:
+                try:
+                    self._append(batch)
+                except OSError as exc:
+                    log.error("tierkv vault: disk tier cannot write to %s: %s", self.directory, exc)
+                    self._forget(batch)
+            elif self.fsync == "interval" and time.monotonic() - self._last_sync >= 1.0:
+                self._sync()
+
+    def _append(self, batch: list[_Op]) -> None:
+        """Write `batch` to the active segment(s), then index the blocks still current."""
+        written: list[tuple[_Op, Location]] = []
+        iov: list[bytes | memoryview] = []
+        start = offset = self._sizes[self._active]
+        for op in batch:
+            header = _header(op)
+            record_len = len(header) + len(op.payload)
+            if record_len > self.max_bytes:
+                continue  # never fits; the block stays in RAM only
+            if self._needs_room(record_len, offset - start) or len(iov) + 2 > IOV_MAX:
+                self._write_iov(iov, start)
+                iov = []
+                self._make_room(record_len)
+                start = offset = self._sizes[self._active]
+            iov += [header, op.payload]
+            loc = Location(self._active, offset, len(header), len(op.payload), op.checksum)
+            written.append((op, loc))
+            offset += record_len
+        self._write_iov(iov, start)
+        if self.fsync == "always" or (
+            self.fsync == "interval" and time.monotonic() - self._last_sync >= FSYNC_INTERVAL_S
+        ):
+            self._sync()
+        with self._changed:
+            for op, loc in written:
+                if op.kind != KIND_BLOCK:
+                    self._apply(op, loc)
+                elif self._queued.get(_key(op)) is op and loc.segment in self._sizes:
+                    self._reindex(_key(op), loc)  # not replaced, deleted or dropped meanwhile
+        self._forget(batch)
+
+    def _forget(self, batch: list[_Op]) -> None:
+        """Take the blocks of a handled batch off the queue (whether or not they landed)."""
+        with self._changed:
+            for op in batch:
+                if op.kind == KIND_BLOCK and self._queued.get(_key(op)) is op:
+                    self._queued_bytes -= len(self._queued.pop(_key(op)).payload)
+            self._busy = False
+            self._changed.notify_all()
+
+    def _needs_room(self, record_len: int, unwritten: int) -> bool:
+        """Whether a record must start a new segment or push out old ones first."""
+        size = self._sizes[self._active] + unwritten
+        total = sum(self._sizes.values()) + unwritten
+        return (size > 0 and size + record_len > self.segment_bytes) or (
+            total + record_len > self.max_bytes
+        )
+
+    def _write_iov(self, iov: list[bytes | memoryview], start: int) -> None:
+        if not iov:
+            return
+        fd = self._fds[self._active]
+        total = sum(map(len, iov))
+        done = os.pwritev(fd, iov, start)
+        while done < total:  # a short write: finish the rest from where it stopped
+            rest = b"".join(bytes(part) for part in iov)[done:]
+            done += os.pwrite(fd, rest, start + done)
+        with self._lock:
+            self._sizes[self._active] = start + total
+
+    def _make_room(self, record_len: int) -> None:
+        """Start a new segment when the active one is full; drop the oldest past the cap."""
+        size = self._sizes[self._active]
+        if size > 0 and size + record_len > self.segment_bytes:
+            self._roll()
+        while sum(self._sizes.values()) + record_len > self.max_bytes:
+            oldest = min(self._sizes)
+            if oldest == self._active:
+                self._roll()
+            self._drop_segment(oldest)
+
+    def _roll(self) -> None:
+        self._sync()
+        with self._lock:
+            self._active += 1
+            self._open_segment(self._active)
+        if self.fsync != "never":
+            _sync_dir(self.directory)
+
+    def _drop_segment(self, segment: int) -> None:
+        with self._lock:
+            for entry_key in self._segment_keys.pop(segment):
+                loc = self._index.get(entry_key)
+                if loc is not None and loc.segment == segment:
+                    self._unindex(entry_key)
+                    self._evictions += 1
+            os.close(self._fds.pop(segment))
+            del self._sizes[segment]
+        self._segment_path(segment).unlink()
+
+    def _sync(self) -> None:
+        if self.fsync != "never":
+            os.fsync(self._fds[self._active])
+        self._last_sync = time.monotonic()
+
+    def _read_run(
+        self, fds: dict[int, int], run: list[tuple[Location, int]]
+    ) -> list[memoryview | None]:
+        """The payloads of adjacent records, read with one preadv; None for any cut short."""
+        payloads = [bytearray(loc.length) for loc, _ in run]
+        scratch = memoryview(bytearray(max(loc.header_len for loc, _ in run)))
+        iov: list[memoryview | bytearray] = []
+        for (loc, _), payload in zip(run, payloads, strict=True):
+            iov += [scratch[: loc.header_len], payload]
+        first = run[0][0]
+        try:
+            got = os.preadv(fds[first.segment], iov, first.record)
+        except OSError:
+            got = 0
+        result: list[memoryview | None] = []
+        end = first.record
+        for (loc, _), payload in zip(run, payloads, strict=True):
+            end += loc.header_len + loc.length
+            complete = got >= end - first.record
+            result.append(memoryview(payload).toreadonly() if complete else None)
+        return result
+
+
+def _key(op: _Op) -> EntryKey:
+    return (op.namespace, op.key, op.part)
+
+
+def _runs(located: list[tuple[Location, int]]) -> list[list[tuple[Location, int]]]:
+    """Sorted locations grouped into runs of adjacent records of one segment."""
+    runs: list[list[tuple[Location, int]]] = []
+    size = 0
+    for item in located:
+        loc = item[0]
+        if runs:
+            last = runs[-1][-1][0]
+            adjacent = (
+                loc.segment == last.segment
+                and loc.record == last.record + last.header_len + last.length
+            )
+            if adjacent and len(runs[-1]) < IOV_MAX // 2 and size + loc.length <= MAX_READ_BYTES:
+                runs[-1].append(item)
+                size += loc.length
+                continue
+        runs.append([item])
+        size = loc.length
+    return runs
+
+
+def _next_header(fd: int, pos: int, size: int) -> int | None:
+    """Offset of the next valid record header at or after `pos`, else None."""
+    while pos < size:
+        chunk = os.pread(fd, _SCAN_CHUNK + _FIXED.size, pos)
+        at = chunk.find(MAGIC)
+        while at != -1:
+            parsed = _read_header(fd, pos + at)
+            if parsed is not None and pos + at + parsed[1] + parsed[2] <= size:
+                return pos + at
+            at = chunk.find(MAGIC, at + 1)
+        pos += _SCAN_CHUNK
+    return None
+
+
+def _sync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
