@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from conftest import SLOW_BOX_MARGIN_S
+
 from tierkv.vault.client import VaultClient
 from tierkv.vault.server import serve
 
@@ -56,18 +58,19 @@ def test_killed_vault_gives_misses_in_time_and_puts_never_block(vault_factory: C
             started = time.monotonic()
             assert client.lookup(NS, [key(0)], [0]) == 0
             assert client.promote(NS, [key(0)], [0]) == {}
-            assert time.monotonic() - started < 2 * deadline_s + 1.0
+            assert time.monotonic() - started < 2 * deadline_s + SLOW_BOX_MARGIN_S
         assert client.breaker_state == "open"
-        started = time.monotonic()
-        assert client.lookup(NS, [key(0)], [0]) == 0  # open breaker: at once
-        assert time.monotonic() - started < 0.2
+        calls_failed = client.failed_calls
+        assert client.lookup(NS, [key(0)], [0]) == 0  # open breaker: answered without a call
+        assert client.promote(NS, [key(0)], [0]) == {}
+        assert client.failed_calls == calls_failed
 
         slowest = 0.0
         for i in range(500):
             started = time.monotonic()
             client.put(NS, key(i), 0, os.urandom(4 * KIB))
             slowest = max(slowest, time.monotonic() - started)
-        assert slowest < 0.2
+        assert slowest < deadline_s  # no put ever waits for a call to the vault
         assert client.pending_bytes <= 64 * KIB
         assert client.flush(timeout=5) is False  # puts were lost, and flush says so
         assert client.dropped_puts + client.failed_puts == 500
@@ -106,12 +109,14 @@ def test_hung_vault_costs_one_deadline_and_the_queue_drops_the_oldest(
         os.kill(vault.process.pid, signal.SIGSTOP)
         assert wait_until(lambda: process_state(vault.process.pid) == "T", timeout=5)
         try:
+            # Each call gives up after its 1 s deadline (the promote's whole-call deadline is
+            # 30 s: its stall guard ends it), never much later even on a loaded box.
             started = time.monotonic()
             assert client.lookup(NS, [key(100)], [0]) == 0
-            assert 0.9 < time.monotonic() - started < 2.5
+            assert 0.9 < time.monotonic() - started < 1.0 + SLOW_BOX_MARGIN_S
             started = time.monotonic()
-            assert client.promote(NS, [key(100)], [0]) == {}  # promote deadline is 30 s
-            assert 0.9 < time.monotonic() - started < 2.5
+            assert client.promote(NS, [key(100)], [0]) == {}
+            assert 0.9 < time.monotonic() - started < 1.0 + SLOW_BOX_MARGIN_S
             client.put(NS, key(99), 0, b"k" * KIB)  # the sender takes it and hangs
             assert wait_until(lambda: client.in_flight_puts == 1, timeout=1)
             for i in range(20):
