@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -70,8 +72,37 @@ def assert_int8_close(x: np.ndarray, y: np.ndarray, dtype: str, group_size: int)
         assert np.abs(gx - gy).max() <= tol
 
 
+WARMUP_CHECK = """
+import numpy as np
+from numba.core.registry import CPUDispatcher
+from tierkv.quant import CODEC_NAMES, decode_into, get_codec, warmup
+from tierkv.quant import fidelity, int8, kernels, lossless, turbo
+
+def compiled():
+    return {
+        f"{module.__name__}.{name}": len(kernel.signatures)
+        for module in (lossless, int8, turbo, fidelity, kernels)
+        for name, kernel in vars(module).items()
+        if isinstance(kernel, CPUDispatcher)
+    }
+
+warmup()
+after = compiled()
+rng = np.random.default_rng(0)
+block = rng.standard_normal((2, 4, 32, 128)).astype(np.float32)
+arrays = {"fp16": block.astype(np.float16), "fp32": block,
+          "bf16": block.astype(np.float16).view(np.uint16)}
+for name in CODEC_NAMES:
+    for dtype, array in arrays.items():
+        decode_into(get_codec(name).encode(array, dtype), np.empty_like(array))
+grown = {name: count for name, count in compiled().items() if count != after[name]}
+assert not grown, grown
+"""
+
+
 def test_warmup_compiles_every_kernel() -> None:
-    warmup()
+    """In a fresh process, warmup() leaves no kernel for a request's encode or decode to compile."""
+    subprocess.run([sys.executable, "-c", WARMUP_CHECK], check=True, timeout=600)
 
 
 @pytest.mark.parametrize("module", [lossless, int8, turbo, fidelity_module, kernels])
@@ -211,10 +242,15 @@ def test_mismatching_output_array_is_rejected() -> None:
         decode_into(payload, np.empty((4, 128), np.float32))
     with pytest.raises(PayloadError, match="contiguous"):
         decode_into(payload, np.empty((128, 4), np.float16).T)
-    bf16_payload = get_codec("int8").encode(np.ones((4, 128), np.uint16), "bf16")
+    words = to_dtype(np.linspace(-3, 3, 4 * 128).reshape(4, 128), "bf16")
+    bf16_payload = get_codec("int8").encode(words, "bf16")
     with pytest.raises(PayloadError, match="bf16"):
         decode_into(bf16_payload, np.empty((4, 128), np.float16))
-    decode_into(bf16_payload, np.empty((4, 128), np.int16))
+    as_uint16, as_int16 = np.empty((4, 128), np.uint16), np.empty((4, 128), np.int16)
+    decode_into(bf16_payload, as_uint16)
+    decode_into(bf16_payload, as_int16)  # torch's bf16 seen through numpy: int16 words
+    assert as_int16.view(np.uint16).tobytes() == as_uint16.tobytes()
+    assert_int8_close(words, as_uint16, "bf16", 128)
 
 
 def test_bad_codec_and_input_errors_name_the_problem() -> None:

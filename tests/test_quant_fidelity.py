@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -93,3 +95,19 @@ def test_fidelity_of_identical_zero_and_opposite_blocks() -> None:
     assert opposite.max_abs_err == pytest.approx(2 * float(np.abs(x.astype(np.float32)).max()))
     with pytest.raises(ValueError, match="shapes"):
         fidelity(x, x[:2])
+
+
+README_RATIOS = {"int8": 1.96, "tq4": 3.9, "tq3.5": 4.2, "tq3": 5.1, "tq2.5": 5.6, "tq2": 7.4}
+
+
+def test_every_codec_ratio_is_the_readmes() -> None:
+    """README's codec table, to the digits it prints: a 16-token block of 8 heads x 128 in fp16,
+    every payload byte counted."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("## Codecs", 1)[1].split("\n\n")[2]
+    x = np.random.default_rng(0).standard_normal((16, 8, 128)).astype(np.float16)
+    for name, figure in README_RATIOS.items():
+        assert f"{figure}x" in table, f"README's codec table no longer gives {name} as {figure}x"
+        ratio = x.nbytes / len(get_codec(name, 128).encode(x))
+        digits = 2 if name == "int8" else 1
+        assert round(ratio, digits) == figure, (name, ratio)
