@@ -2,24 +2,31 @@
 decode, timed per phase against numpy memcpy of the same bytes measured in the same run.
 
 `run_bench` is what `tierkv bench` calls; it needs no engine and no GPU. Without a vault address
-it embeds a vault in-process on a free loopback port and stops it at the end.
+it embeds a vault in-process on a free loopback port and stops it at the end; with several (vaults
+or redis:// URLs) blocks are spread over them as tierkv.toml would. With `workers` > 1 the stored
+prefix is also promoted by that many concurrent worker processes (`concurrent_promote`), each
+with its own connections, and their GB/s are reported per worker and in aggregate.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import resource
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from multiprocessing.synchronize import Barrier
 
 import numpy as np
 
+from tierkv.backends import open_backend
+from tierkv.backends.base import Backend
+from tierkv.config import ClientConfig, Endpoint
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import Codec, decode_into, fidelity, get_codec
 from tierkv.quant import warmup as warmup_codecs
-from tierkv.vault.client import VaultClient
 from tierkv.vault.server import serve as serve_vault
 
 PHASES = ("generate", "encode", "put", "lookup", "promote", "decode")
@@ -65,7 +72,7 @@ class BenchResult:
     model_shape: str
     codec: str
     vault: str
-    """The vault's address; "embedded" ones are gone when run_bench returns."""
+    """The vaults' addresses; embedded ones are gone when run_bench returns."""
     dtype: str
     block_tokens: int
     blocks: int
@@ -90,6 +97,11 @@ class BenchResult:
     max_abs_err: float
     link_s: dict[str, float]
     peak_rss_bytes: int
+    workers: int = 1
+    worker_promote_gbps: list[float] = field(default_factory=list)
+    """Each concurrent worker's promote of the whole prefix (workers > 1 only)."""
+    aggregate_promote_gbps: float = 0.0
+    """Bytes all workers promoted ÷ the time from the first start to the last finish."""
 
     def as_json(self) -> dict[str, object]:
         return asdict(self)
@@ -160,16 +172,78 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 @contextmanager
-def vault_address(address: str | None) -> Iterator[str]:
-    """`address` as given, or an embedded in-process vault on a free loopback port."""
-    if address:
-        yield address
+def vault_addresses(addresses: Sequence[str]) -> Iterator[list[str]]:
+    """`addresses` as given, or an embedded in-process vault on a free loopback port."""
+    if addresses:
+        yield list(addresses)
         return
     server = serve_vault("127.0.0.1:0", max_bytes=0)
     try:
-        yield server.address
+        yield [server.address]
     finally:
         server.stop()
+
+
+def bench_client_config(max_pending_bytes: int) -> ClientConfig:
+    """Deadlines for bulk transfers of a benchmark, and a put queue that holds every payload."""
+    return ClientConfig(
+        deadline_ms=30_000, promote_deadline_ms=300_000, max_pending_bytes=max_pending_bytes
+    )
+
+
+def concurrent_promote(
+    addresses: Sequence[str],
+    client_cfg: ClientConfig,
+    namespace: bytes,
+    keys: Sequence[bytes],
+    parts: Sequence[int],
+    workers: int,
+) -> tuple[list[float], float]:
+    """(each worker's GB/s, aggregate GB/s) of `workers` processes promoting the same blocks at
+    once, each through its own backend; they start together at a barrier. Raises RuntimeError
+    when a worker got fewer blocks than asked for."""
+    context = multiprocessing.get_context("spawn")
+    barrier = context.Barrier(workers)
+    results = context.Queue()
+    args = (list(addresses), client_cfg, namespace, list(keys), list(parts), barrier, results)
+    processes = [context.Process(target=_promote_worker, args=args) for _ in range(workers)]
+    for process in processes:
+        process.start()
+    runs = [results.get(timeout=client_cfg.promote_deadline_ms / 1000 + 120) for _ in processes]
+    for process in processes:
+        process.join()
+    if any(isinstance(run, str) for run in runs):
+        raise RuntimeError(f"a promote worker failed: {[r for r in runs if isinstance(r, str)]}")
+    total = sum(nbytes for nbytes, _, _ in runs)
+    span = max(end for _, _, end in runs) - min(start for _, start, _ in runs)
+    return [nbytes / (end - start) / 1e9 for nbytes, start, end in runs], total / span / 1e9
+
+
+def _promote_worker(
+    addresses: list[str],
+    client_cfg: ClientConfig,
+    namespace: bytes,
+    keys: list[bytes],
+    parts: list[int],
+    barrier: Barrier,
+    results: multiprocessing.Queue,
+) -> None:
+    """One worker of concurrent_promote: (bytes, start, end) or an error message on `results`."""
+    backend = open_backend([Endpoint(address) for address in addresses], client_cfg)
+    try:
+        backend.lookup(namespace, keys[:1], parts)  # connect before the clock starts
+        barrier.wait()
+        start = time.monotonic()  # system-wide clock: comparable across the workers
+        found = backend.promote(namespace, keys, parts)
+        end = time.monotonic()
+        if len(found) != len(keys) * len(parts):
+            results.put(f"got {len(found)} of {len(keys) * len(parts)} blocks")
+        else:
+            results.put((sum(len(p) for p in found.values()), start, end))
+    except Exception as exc:
+        results.put(f"{type(exc).__name__}: {exc}")
+    finally:
+        backend.close()
 
 
 def run_bench(
@@ -179,7 +253,8 @@ def run_bench(
     codecs: list[str],
     dtype: str = "fp16",
     block_tokens: int = 256,
-    vault: str | None = None,
+    vaults: Sequence[str] = (),
+    workers: int = 1,
     on_phase: Callable[[str, str, int, int], None] = lambda codec, phase, done, total: None,
 ) -> list[BenchResult]:
     """Run every phase for each codec; `on_phase(codec, phase, done, total)` reports progress."""
@@ -196,33 +271,32 @@ def run_bench(
     on_phase(codecs[0], "generate", 1, 1)
     reference_gbps = memcpy_gbps(kv.raw_bytes)
     results = []
-    with vault_address(vault) as address:
+    with vault_addresses(vaults) as addresses:
         # Every payload is already in memory: let the put queue hold them all, so none is dropped.
-        client = VaultClient(
-            address, deadline_s=30.0, promote_deadline_s=300.0, max_pending_bytes=2 * kv.raw_bytes
-        )
+        client_cfg = bench_client_config(2 * kv.raw_bytes)
+        backend = open_backend([Endpoint(address) for address in addresses], client_cfg)
         try:
             for codec in coded:
-                results.append(
-                    _bench_codec(
-                        client,
-                        codec,
-                        kv,
-                        shape,
-                        model_shape,
-                        tokens,
-                        block_tokens,
-                        reference_gbps,
-                        on_phase,
-                    )
+                result = _bench_codec(
+                    backend,
+                    codec,
+                    kv,
+                    shape,
+                    model_shape,
+                    tokens,
+                    block_tokens,
+                    reference_gbps,
+                    on_phase,
+                    promote_workers=(addresses, client_cfg, workers),
                 )
+                results.append(result)
         finally:
-            client.close()
+            backend.close()
     return results
 
 
 def _bench_codec(
-    client: VaultClient,
+    client: Backend,
     codec: Codec,
     kv: SyntheticKV,
     shape: ModelShape,
@@ -231,6 +305,7 @@ def _bench_codec(
     block_tokens: int,
     reference_gbps: float,
     on_phase: Callable[[str, str, int, int], None],
+    promote_workers: tuple[list[str], ClientConfig, int],
 ) -> BenchResult:
     """One codec through every phase. Attention blocks use `codec`; linear-attention state, which
     an engine keeps feeding forward, is stored lossless."""
@@ -298,6 +373,15 @@ def _bench_codec(
         decode_into(fetched_states[(0, part)], restored_states[part])
     decode_s = time.perf_counter() - start
     del fetched, fetched_states
+    addresses, client_cfg, workers = promote_workers
+    worker_gbps: list[float] = []
+    aggregate_gbps = 0.0
+    if workers > 1:
+        report("promote ×workers", 0, 1)
+        worker_gbps, aggregate_gbps = concurrent_promote(
+            addresses, client_cfg, kv_ns, keys, kv_parts, workers
+        )
+        report("promote ×workers", 1, 1)
     client.clear(kv_ns)
     client.clear(state_ns)
 
@@ -337,4 +421,7 @@ def _bench_codec(
         max_abs_err=max(f.max_abs_err for f in worst),
         link_s={f"{g}GbE": stored_bytes * 8 / (g * 1e9) for g in LINK_GBITS},
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        workers=workers,
+        worker_promote_gbps=worker_gbps,
+        aggregate_promote_gbps=aggregate_gbps,
     )

@@ -59,6 +59,9 @@ class Backend(Protocol):
     def stats(self) -> list[VaultStats]:
         """One row per server behind this backend; raises VaultUnavailable when one is down."""
 
+    def clear(self, namespace: bytes) -> int:
+        """Remove all of `namespace`; the entries removed. Raises VaultUnavailable."""
+
     def counters(self) -> dict[str, int | str]:
         """Client-side counters (dropped / failed / stored puts, breaker state...)."""
 

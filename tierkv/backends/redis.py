@@ -201,6 +201,22 @@ class RedisBackend:
             )
         ]
 
+    def clear(self, namespace: bytes) -> int:
+        pattern = b"tierkv:%s:*" % namespace.hex().encode()
+        removed = 0
+        try:
+            batch: list[bytes] = []
+            for key in self._client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) == 1000:
+                    removed += int(self._client.unlink(*batch))
+                    batch.clear()
+            if batch:
+                removed += int(self._client.unlink(*batch))
+        except _FAILURES as exc:
+            raise VaultUnavailable(f"redis at {self.address} did not answer: {exc}") from None
+        return removed
+
     def counters(self) -> dict[str, int | str]:
         with self._lock:
             mine: dict[str, int | str] = {

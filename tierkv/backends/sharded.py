@@ -91,6 +91,9 @@ class ShardedBackend:
     def stats(self) -> list[VaultStats]:
         return [row for backend in self.members() for row in backend.stats()]
 
+    def clear(self, namespace: bytes) -> int:
+        return sum(backend.clear(namespace) for backend in self.members())
+
     def counters(self) -> dict[str, int | str]:
         """Numeric counters summed over the members; `breaker`: how many are open."""
         sums: dict[str, int] = {"unrouted_puts": self.unrouted_puts}

@@ -36,6 +36,9 @@ class VaultBackend:
     def stats(self) -> list[VaultStats]:
         return [self.client.stats()]
 
+    def clear(self, namespace: bytes) -> int:
+        return self.client.clear(namespace)
+
     def counters(self) -> dict[str, int | str]:
         return self.client.counters()
 

@@ -18,11 +18,11 @@ from tierkv.bench import (
     MODEL_SHAPES,
     BenchResult,
     run_bench,
-    vault_address,
+    vault_addresses,
 )
 from tierkv.bench_engines import EngineBench, exo_bench, long_prompt, vllm_bench
 from tierkv.cli import app
-from tierkv.config import ConfigError, TierKVConfig, load_config, parse_size
+from tierkv.config import ConfigError, TierKVConfig, load_config, parse_cold_address, parse_size
 from tierkv.quant import CODEC_NAMES
 
 console = Console(stderr=True)
@@ -41,8 +41,16 @@ def bench(
         typer.Option(help=f"{', '.join(CODEC_NAMES)} or all [default: the config's codec]"),
     ] = None,
     vault: Annotated[
-        str | None, typer.Option(help="HOST:PORT of a running vault [default: an embedded one].")
+        list[str] | None,
+        typer.Option(
+            help="HOST:PORT of a running vault, or a redis:// URL; repeat to spread blocks over "
+            "several [default: an embedded vault]."
+        ),
     ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(help="Also promote the prefix from N concurrent worker processes.", min=1),
+    ] = 1,
     dtype: Annotated[str, typer.Option(help="fp16 or fp32.")] = "fp16",
     block_tokens: Annotated[int, typer.Option(help="Tokens per stored block.", min=1)] = 256,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -74,6 +82,13 @@ def bench(
     except ConfigError as exc:
         console.print(f"[red]{exc}")
         raise typer.Exit(2) from None
+    vaults = vault or []
+    for address in vaults:
+        try:
+            parse_cold_address(address)
+        except ValueError as exc:
+            console.print(f"[red]--vault: {exc}")
+            raise typer.Exit(2) from None
     codec = codec or cfg.turbo_quant.codec_name
     if codec != "all" and codec not in CODEC_NAMES:
         console.print(
@@ -85,7 +100,7 @@ def bench(
         limit = None if prompt_file else tokens
         if engine == "vllm":
             kv_bytes = _size_option("--kv-cache-bytes", kv_cache_bytes)
-            _vllm_bench(cfg, model, vault, codec, prompt, limit, kv_bytes, as_json)
+            _vllm_bench(cfg, model, vaults, codec, prompt, limit, kv_bytes, as_json)
         else:
             _exo_bench(engine, model, exo_api, prompt, as_json)
         return
@@ -114,12 +129,13 @@ def bench(
                 codecs=codecs,
                 dtype=dtype,
                 block_tokens=block_tokens,
-                vault=vault,
+                vaults=vaults,
+                workers=workers,
                 on_phase=on_phase,
             )
-    except ValueError as exc:
+    except (ValueError, RuntimeError) as exc:
         console.print(f"[red]{exc}")
-        raise typer.Exit(2) from None
+        raise typer.Exit(2 if isinstance(exc, ValueError) else 1) from None
     if as_json:
         objects = [result.as_json() for result in results]
         print(json.dumps(objects if codec == "all" else objects[0], indent=2))
@@ -153,6 +169,11 @@ def results_table(results: list[BenchResult]) -> Table:
         ("1/10/25 GbE s", lambda r: "/".join(f"{s:.2f}" for s in r.link_s.values())),
         ("peak MB", lambda r: f"{r.peak_rss_bytes / 1e6:,.0f}"),
     ]
+    if first.workers > 1:
+        columns += [
+            (f"{first.workers} workers: each", lambda r: _spread(r.worker_promote_gbps)),
+            ("all", lambda r: f"{r.aggregate_promote_gbps:.2f}"),
+        ]
     for header, _ in columns:
         codec_column = header == "codec"
         table.add_column(header, justify="left" if codec_column else "right", no_wrap=codec_column)
@@ -161,10 +182,15 @@ def results_table(results: list[BenchResult]) -> Table:
     return table
 
 
+def _spread(values: list[float]) -> str:
+    """min–max of per-worker figures."""
+    return f"{min(values):.2f}–{max(values):.2f}"
+
+
 def _vllm_bench(
     cfg: TierKVConfig,
     model: str | None,
-    vault: str | None,
+    vaults: list[str],
     codec: str,
     prompt: str,
     tokens: int | None,
@@ -177,10 +203,13 @@ def _vllm_bench(
     if codec == "all":
         console.print("[red]--codec all: --engine vllm runs one codec; name one")
         raise typer.Exit(2)
-    with vault_address(vault) as address, console.status("vLLM: cold, prefix hit, vault restore"):
+    with (
+        vault_addresses(vaults) as addresses,
+        console.status("vLLM: cold, prefix hit, vault restore"),
+    ):
         settings: dict[str, object] = {
-            "cluster.kv_cold": address,
-            "cluster.ssm_cold": address,
+            "cluster.kv_cold": addresses,
+            "cluster.ssm_cold": addresses,
             "turbo_quant.enabled": codec != "none",
             "turbo_quant.kv_dim": cfg.turbo_quant.kv_dim,
         }
