@@ -6,7 +6,7 @@
 
 `vault_factory` (fixture, callable)
     ``vault_factory(max_bytes="1GiB", *, role="kv_cold", subprocess=False, bulk=True,
-    args=()) -> VaultHandle``
+    args=(), config="") -> VaultHandle``
     (max_bytes: bytes, a size string, or "unlimited") starts a REAL vault on 127.0.0.1 on a
     free port and returns a handle with:
       ``.address``  "127.0.0.1:PORT", ready to pass to VaultClient / tierkv.toml
@@ -17,7 +17,8 @@
     it runs the real ``tierkv vault`` command in a child process (``.process``, output in
     ``.log_path``) and
     ``.kill()`` SIGKILLs it, e.g. to test what clients do when a vault dies; ``args`` are more
-    ``tierkv vault`` options (e.g. ``["--disk-dir", str(path)]``). ``bulk=False``
+    ``tierkv vault`` options (e.g. ``["--disk-dir", str(path)]``) and ``config`` the text of its
+    tierkv.toml (e.g. low ``[limits]``). ``bulk=False``
     starts an in-process vault without its bulk data path (clients then use gRPC alone). The
     handle is ready
     (health SERVING) when returned; no process is left behind after the test.
@@ -125,11 +126,16 @@ def _wait_serving(address: str, process: subprocess.Popen[bytes] | None = None) 
 
 
 def start_subprocess_vault(
-    port: int, max_bytes: str, role: str, work_dir: Path, args: Sequence[str] = ()
+    port: int,
+    max_bytes: str,
+    role: str,
+    work_dir: Path,
+    args: Sequence[str] = (),
+    config_text: str = "",
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    """`tierkv vault` on 127.0.0.1:port with an empty config; its output goes to a log file."""
+    """`tierkv vault` on 127.0.0.1:port with the given config; its output goes to a log file."""
     config = work_dir / f"vault-{port}.toml"
-    config.write_text("")
+    config.write_text(config_text)
     log_path = work_dir / f"vault-{port}.log"
     command = [sys.executable, "-m", "tierkv", "vault", "--config", str(config)]
     command += ["--listen", f"{LOOPBACK}:{port}", "--max-bytes", max_bytes, "--role", role]
@@ -155,10 +161,13 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
         subprocess: bool = False,
         bulk: bool = True,
         args: Sequence[str] = (),
+        config: str = "",
     ) -> VaultHandle:
         if subprocess:
             port = pick_free_port()
-            process, log_path = start_subprocess_vault(port, str(max_bytes), role, tmp_path, args)
+            process, log_path = start_subprocess_vault(
+                port, str(max_bytes), role, tmp_path, args, config
+            )
             handle = VaultHandle(
                 address=f"{LOOPBACK}:{port}", port=port, process=process, log_path=log_path
             )

@@ -19,6 +19,7 @@ from tierkv.vault.bulk import HEADER, MAGIC, PUT, ReceiveBuffers
 from tierkv.vault.client import VaultClient
 from tierkv.vault.memory import HUGE_PAGE_TUNABLE, with_huge_pages
 from tierkv.vault.server import VaultBindError, serve
+from tierkv.vault.store import entry_bytes
 
 NS = b"b" * 16
 
@@ -32,7 +33,7 @@ def payload(i: int, size: int) -> bytes:
 
 
 def test_put_and_promote_travel_the_bulk_path(vault: Any) -> None:
-    sizes = [0, 1, 300, 64 * 1024, 300 * 1024, 9 * 1024 * 1024]  # runs and lone payloads
+    sizes = [1, 2, 300, 64 * 1024, 300 * 1024, 9 * 1024 * 1024]  # runs and lone payloads
     with VaultClient(vault.address, max_pending_bytes=64 * 1024 * 1024) as client:
         for i, size in enumerate(sizes):
             client.put(NS, key(i), i % 2, payload(i, size))
@@ -44,7 +45,9 @@ def test_put_and_promote_travel_the_bulk_path(vault: Any) -> None:
         assert {k: bytes(v) for k, v in found.items()} == {
             (i, i % 2): payload(i, size) for i, size in enumerate(sizes)
         }
-        assert vault.store.stats().bytes_used == sum(sizes)
+        assert vault.store.stats().bytes_used == sum(
+            entry_bytes(NS, key(i), size) for i, size in enumerate(sizes)
+        )
 
 
 def test_a_vault_without_bulk_path_is_served_over_grpc() -> None:

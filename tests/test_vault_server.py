@@ -20,6 +20,7 @@ from tierkv.vault.server import (
     VaultBindError,
     serve,
 )
+from tierkv.vault.store import entry_bytes
 from tierkv.vault.wire import block_checksum, encode_bulk
 
 NS = b"n" * 16
@@ -48,7 +49,9 @@ def test_put_lookup_promote_round_trip(vault: Any) -> None:
         assert {k: bytes(v) for k, v in found.items()} == blocks
         stats = client.stats()
         assert stats.entries == 16
-        assert stats.bytes_used == sum(len(p) for p in blocks.values())
+        assert stats.bytes_used == sum(
+            entry_bytes(NS, key(i), len(p)) for (i, _), p in blocks.items()
+        )
         assert (stats.hits, stats.misses) == (16, 4)
         assert stats.role == "kv_cold" and stats.max_bytes == 1024**3
 
@@ -63,15 +66,15 @@ def test_memoryview_puts_are_copied_before_returning(vault: Any) -> None:
 
 
 def test_oversize_put_is_reported_rejected_not_stored(vault_factory: Callable) -> None:
-    vault = vault_factory(max_bytes=1000)
+    vault = vault_factory(max_bytes=2000)
     with VaultClient(vault.address) as client:
-        client.put(NS, key(1), 0, b"x" * 1001)
+        client.put(NS, key(1), 0, b"x" * 2001)
         client.put(NS, key(2), 0, b"y" * 10)
         assert client.flush(timeout=10)
         assert (client.stored_puts, client.rejected_puts) == (1, 1)
         assert "exceeds the vault cap" in client.last_rejections[0]
         assert client.lookup(NS, [key(1)], [0]) == 0
-        assert client.stats().bytes_used == 10
+        assert client.stats().bytes_used == entry_bytes(NS, key(2), 10)
 
 
 def test_corrupted_payload_is_a_counted_miss(vault: Any) -> None:
@@ -95,8 +98,8 @@ def test_payload_returned_under_another_key_is_a_counted_miss(vault: Any) -> Non
     store = vault.store
     with store._lock:  # fault injection below the vault's API: key(0)'s entry also under key(1)
         store._entries[(NS, key(1), 0)] = store._entries[(NS, key(0), 0)]
-        store._parts[(NS, key(1))] = {0}
-        store._bytes_used += len(payload)
+        store._namespaces[NS].parts[key(1)] = {0}
+        store._bytes_used += entry_bytes(NS, key(1), len(payload))
     with VaultClient(vault.address) as client:
         found = client.promote(NS, [key(0), key(1)], [0])
         assert list(found) == [(0, 0)]

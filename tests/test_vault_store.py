@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.vault.store import VaultStore
+from tierkv.vault.store import VaultStore, entry_bytes
 from tierkv.vault.wire import block_checksum
 
 NS = b"n" * 16
@@ -22,45 +23,52 @@ def put(store: VaultStore, i: int, size: int, part: int = 0, ns: bytes = NS) -> 
     return store.put(ns, key(i), part, payload, block_checksum(ns, key(i), part, payload))
 
 
+def cost(size: int) -> int:
+    """What an entry of `size` payload bytes counts against the cap (16-byte key and namespace)."""
+    return entry_bytes(NS, key(0), size)
+
+
 def stored_keys(store: VaultStore, count: int) -> list[int]:
     return [i for i in range(count) if store.lookup(NS, [key(i)], [0]) == 1]
 
 
 def test_lru_evicts_least_recently_used_and_reads_refresh() -> None:
-    store = VaultStore(max_bytes=300)
+    store = VaultStore(max_bytes=3 * cost(100))
     for i in range(3):
         assert put(store, i, 100) is None
     store.get_many(NS, [key(0)], [0])  # 0 is now the most recent
     assert put(store, 3, 100) is None
     assert stored_keys(store, 4) == [0, 2, 3]
     stats = store.stats()
-    assert (stats.entries, stats.bytes_used, stats.evictions) == (3, 300, 1)
+    assert (stats.entries, stats.bytes_used, stats.evictions) == (3, 3 * cost(100), 1)
 
 
 def test_eviction_frees_enough_bytes_for_a_large_payload() -> None:
-    store = VaultStore(max_bytes=300)
+    store = VaultStore(max_bytes=3 * cost(100))
     for i in range(3):
         put(store, i, 100)
-    assert put(store, 9, 250) is None
-    assert store.stats().bytes_used == 250
+    large = 3 * cost(100) - cost(0) - 50
+    assert put(store, 9, large) is None
+    assert store.stats().bytes_used == cost(large)
     assert stored_keys(store, 10) == [9]
 
 
 def test_oversize_payload_is_rejected_with_a_reason_and_not_stored() -> None:
-    store = VaultStore(max_bytes=100)
+    store = VaultStore(max_bytes=cost(100))
     reason = put(store, 1, 101)
-    assert reason is not None and "101 bytes" in reason and "cap of 100" in reason
+    assert reason is not None and f"{cost(101)} bytes" in reason
+    assert f"cap of {cost(100)}" in reason
     assert store.lookup(NS, [key(1)], [0]) == 0
     assert store.stats().rejected == 1
     assert store.stats().bytes_used == 0
 
 
 def test_restore_replaces_without_double_counting() -> None:
-    store = VaultStore(max_bytes=1000)
+    store = VaultStore(max_bytes=10 * cost(100))
     put(store, 1, 100)
     put(store, 1, 60)
     stats = store.stats()
-    assert (stats.entries, stats.bytes_used) == (1, 60)
+    assert (stats.entries, stats.bytes_used) == (1, cost(60))
     [block] = store.get_many(NS, [key(1)], [0])
     assert len(block.payload) == 60
 
@@ -99,6 +107,48 @@ def test_lookup_counts_leading_keys_with_every_part() -> None:
     assert store.lookup(NS, [], [0]) == 0
 
 
+def test_lookup_of_no_parts_finds_nothing() -> None:
+    """A block asked with no parts is not stored (this said every key was present)."""
+    store = VaultStore()
+    assert store.lookup(NS, [key(1), key(2)], []) == 0
+    assert store.get_many(NS, [key(1)], []) == []
+
+
+def test_entries_count_their_bookkeeping_so_tiny_blocks_cannot_outgrow_the_cap() -> None:
+    store = VaultStore(max_bytes=100 * cost(1))
+    for i in range(1000):
+        put(store, i, 1)
+    stats = store.stats()
+    assert stats.entries == 100 and stats.bytes_used == 100 * cost(1)
+    long_key = b"k" * 4096
+    payload = b"x"
+    store.put(NS, long_key, 0, payload, block_checksum(NS, long_key, 0, payload))
+    assert store.stats().bytes_used <= 100 * cost(1)
+    assert store.stats().entries < 100  # the long key took the room of several entries
+
+
+def test_big_requests_take_the_lock_in_slices() -> None:
+    store = VaultStore()
+    put(store, 1, 10)
+    keys = [key(i) for i in range(200_000)]
+    done = threading.Event()
+    waits: list[float] = []
+
+    def reader() -> None:
+        store.get_many(NS, keys, [0, 1, 2])
+        done.set()
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    while not done.is_set():
+        started = time.perf_counter()
+        store.stats()
+        waits.append(time.perf_counter() - started)
+        time.sleep(0.001)
+    thread.join()
+    assert len(waits) > 3  # others got the lock while the big request ran
+
+
 def test_get_many_returns_request_order_and_counts_hits_and_misses() -> None:
     store = VaultStore()
     put(store, 1, 10, part=0)
@@ -131,21 +181,21 @@ def test_delete_and_clear_are_scoped_to_a_namespace() -> None:
         max_size=60,
     )
 )
-def test_bytes_used_is_exactly_the_sum_of_stored_payloads(
+def test_bytes_used_is_exactly_the_sum_of_stored_entries(
     ops: list[tuple[int, int, int]],
 ) -> None:
-    store = VaultStore(max_bytes=500)
+    store = VaultStore(max_bytes=4 * cost(60))
     for i, part, size in ops:
         put(store, i, size, part=part)
-        assert store.stats().bytes_used <= 500
+        assert store.stats().bytes_used <= 4 * cost(60)
     found = store.get_many(NS, [key(i) for i in range(16)], [0, 1, 2])
     stats = store.stats()
-    assert stats.bytes_used == sum(len(b.payload) for b in found)
+    assert stats.bytes_used == sum(cost(len(b.payload)) for b in found)
     assert stats.entries == len(found)
 
 
 def test_concurrent_writers_and_readers_keep_accounting_exact() -> None:
-    store = VaultStore(max_bytes=50_000)
+    store = VaultStore(max_bytes=200 * cost(100))
 
     def writer(offset: int) -> None:
         for i in range(300):
@@ -159,4 +209,4 @@ def test_concurrent_writers_and_readers_keep_accounting_exact() -> None:
         thread.join()
     keys = [key(t * 1000 + i) for t in range(4) for i in range(50)]
     found = store.get_many(NS, keys, [0])
-    assert store.stats().bytes_used == sum(len(b.payload) for b in found)
+    assert store.stats().bytes_used == sum(cost(len(b.payload)) for b in found)

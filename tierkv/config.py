@@ -215,6 +215,36 @@ class VaultConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """What one peer may ask of a vault; beyond it a request is refused, the vault serves on."""
+
+    max_connections: int = 256
+    """Bulk connections served at once (all clients)."""
+    max_connections_per_client: int = 32
+    """Bulk connections served at once per client IP address."""
+    handshake_timeout_s: float = 5.0
+    """A new bulk connection that has not authenticated (or sent a frame) by then is closed."""
+    idle_timeout_s: float = 300.0
+    """A bulk connection idle between frames this long is closed (clients reconnect)."""
+    stall_timeout_s: float = 30.0
+    """A frame that makes no progress this long is dropped with its connection."""
+    max_concurrent_rpcs: int = 64
+    """gRPC calls served at once; more are answered RESOURCE_EXHAUSTED. Put and Promote
+    streams may take at most half of them, so lookups and health checks always get through."""
+    stream_timeout_s: float = 120.0
+    """A gRPC Put or Promote stream still open after this long is cancelled by the vault."""
+    max_message_bytes: int = 64 * MIB
+    """Largest gRPC message the vault receives (one Put batch)."""
+    max_blocks_per_request: int = 65536
+    """keys x parts of one Lookup or Promote, keys of one Delete, blocks of one Put batch."""
+    max_key_bytes: int = 64
+    max_namespace_bytes: int = 256
+    max_inflight_bytes: int = 256 * MIB
+    """Payload bytes of bulk PUT frames being received at once; a frame waits for room, and a
+    frame larger than this (or than the cap) is refused from its header."""
+
+
+@dataclass(frozen=True)
 class ClientConfig:
     """How engines talk to vaults: deadlines, put queue, circuit breaker."""
 
@@ -268,6 +298,7 @@ class TierKVConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     vault: VaultConfig = field(default_factory=VaultConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
     turbo_quant: TurboQuantConfig = field(default_factory=TurboQuantConfig)
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     exo: ExoConfig = field(default_factory=ExoConfig)
@@ -380,6 +411,23 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "disk_dir": _string,
             "disk_max_bytes": _positive_size,
             "fsync": _one_of(FSYNC_MODES),
+        },
+    ),
+    "limits": (
+        LimitsConfig,
+        {
+            "max_connections": _positive_int,
+            "max_connections_per_client": _positive_int,
+            "handshake_timeout_s": _positive_float,
+            "idle_timeout_s": _positive_float,
+            "stall_timeout_s": _positive_float,
+            "max_concurrent_rpcs": _positive_int,
+            "stream_timeout_s": _positive_float,
+            "max_message_bytes": _positive_size,
+            "max_blocks_per_request": _positive_int,
+            "max_key_bytes": _positive_int,
+            "max_namespace_bytes": _positive_int,
+            "max_inflight_bytes": _positive_size,
         },
     ),
     "client": (

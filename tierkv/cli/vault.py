@@ -111,7 +111,7 @@ def vault(
     disk = _open_disk(cfg, disk_dir, disk_max_bytes)
     try:
         bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
-        server = serve(listen, cap, role=role, bulk_port=bulk, disk=disk)
+        server = serve(listen, cap, role=role, bulk_port=bulk, disk=disk, limits=cfg.limits)
     except VaultBindError as exc:
         if disk:
             disk.close()

@@ -15,6 +15,7 @@ Client side: `BulkConnection(host, port, timeout_s)` sends one request at a time
 from __future__ import annotations
 
 import contextlib
+import math
 import socket
 import struct
 import sys
@@ -26,16 +27,18 @@ from typing import Protocol, TypeVar
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from tierkv.config import KIB, MIB
+from tierkv.config import KIB, MIB, LimitsConfig
 from tierkv.vault._pb import vault_pb2
+from tierkv.vault.limits import ByteBudget, ConnectionSlots, request_problem
 from tierkv.vault.wire import batched_by_size, split_payloads
 
 MAGIC = b"TKVB"
 HEADER = struct.Struct("<4sBIQ")
 """magic, kind, index length, data length"""
 PUT, PUT_REPLY, PROMOTE, PROMOTE_REPLY = 1, 2, 3, 4
-MAX_INDEX_BYTES = 64 * MIB
-"""Larger index lengths are protocol errors (an index holds about 40 bytes per block)."""
+MAX_INDEX_BYTES = 16 * MIB
+"""Larger index lengths are protocol errors (an index holds about 40 bytes per block, and a
+request at most limits.max_blocks_per_request blocks)."""
 SMALL_RUN_BYTES = 256 * KIB
 """The vault receives payloads smaller than this in runs that it splits with one copy, which
 costs less than a system call per payload."""
@@ -46,16 +49,21 @@ CLIENT_RUN_BYTES = 8 * MIB
 MAX_POOLED_BYTES = 1024 * MIB
 """The client keeps at most this many bytes of receive buffers for reuse (per process)."""
 HUGE_PAGE_BYTES = 2 * MIB
-MAX_CONNECTIONS = 256
-"""A vault serves at most this many bulk connections at once; more are closed at once."""
+MIN_FRAME_BYTES_PER_S = 1e6
+"""The vault gives a frame limits.stall_timeout_s plus its bytes at this rate to arrive or leave
+(a peer trickling bytes is dropped then, however steady the trickle)."""
 MAX_UNANSWERED_PUTS = 4
 """A client sends at most this many PUT frames ahead of the summaries it has read."""
-FRAME_IDLE_S = 60.0
-"""The vault drops a connection whose frame stalls mid-way for this long."""
 
 
 class BulkError(ConnectionError):
-    """The bulk connection failed (peer gone, timeout, malformed frame); it is now closed."""
+    """The bulk connection failed (peer gone, timeout, malformed frame); it is now closed.
+
+    `timed_out`: the vault did not answer in time (a hung vault, not a refusal)."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 Payload = bytes | memoryview
@@ -78,8 +86,28 @@ class BulkHandler(Protocol):
 # ---- both ends ---------------------------------------------------------------------------------
 
 
+class Deadline:
+    """An absolute deadline (time.monotonic()) for a whole exchange, with `stall_s` bounding
+    each wait for the peer: `arm(sock)` before every send or receive."""
+
+    def __init__(self, at: float, stall_s: float) -> None:
+        self.at = at
+        self.stall_s = stall_s
+
+    def arm(self, sock: socket.socket) -> None:
+        """Set the socket's timeout for its next operation; TimeoutError once the time is up."""
+        remaining = self.at - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the deadline passed")
+        sock.settimeout(min(self.stall_s, remaining))
+
+
 def _send_frame(
-    sock: socket.socket, kind: int, index: Message, payloads: Sequence[Payload] = ()
+    sock: socket.socket,
+    kind: int,
+    index: Message,
+    deadline: Deadline,
+    payloads: Sequence[Payload] = (),
 ) -> None:
     """Header, index and payloads, the payloads sent from where they lie (scatter-gather)."""
     index_bytes = index.SerializeToString()
@@ -88,6 +116,7 @@ def _send_frame(
     buffers = [memoryview(head), *(memoryview(p) for p in payloads if len(p))]
     first = 0  # buffers[first:] are still to send
     while first < len(buffers):
+        deadline.arm(sock)
         sent = sock.sendmsg(buffers[first : first + SEND_BUFFERS])
         while first < len(buffers) and sent >= len(buffers[first]):
             sent -= len(buffers[first])
@@ -96,25 +125,26 @@ def _send_frame(
             buffers[first] = buffers[first][sent:]
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill `view` from the socket; ConnectionError when the peer closes first."""
+def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline) -> None:
+    """Fill `view` from the socket by the deadline; ConnectionError when the peer closes first."""
     filled = 0
     while filled < len(view):
+        deadline.arm(sock)
         received = sock.recv_into(view[filled:])
         if received == 0:
             raise ConnectionError("the peer closed the connection mid-frame")
         filled += received
 
 
-def _recv_bytes(sock: socket.socket, size: int) -> bytes:
+def _recv_bytes(sock: socket.socket, size: int, deadline: Deadline) -> bytes:
     buf = bytearray(size)
-    _recv_into(sock, memoryview(buf))
+    _recv_into(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
-def _recv_header(sock: socket.socket, expected_kind: int | None = None) -> tuple[int, int, int]:
-    """(kind, index length, data length) of the next frame; ValueError when it is malformed."""
-    magic, kind, index_len, data_len = HEADER.unpack(_recv_bytes(sock, HEADER.size))
+def _parse_header(raw: bytes, expected_kind: int | None = None) -> tuple[int, int, int]:
+    """(kind, index length, data length) of a frame header; ValueError when it is malformed."""
+    magic, kind, index_len, data_len = HEADER.unpack(raw)
     if magic != MAGIC:
         raise ValueError(f"not a tierkv bulk frame (magic {magic!r})")
     if expected_kind is not None and kind != expected_kind:
@@ -182,12 +212,14 @@ RECEIVE_BUFFERS = ReceiveBuffers(CLIENT_RUN_BYTES, MAX_POOLED_BYTES)
 # ---- vault side --------------------------------------------------------------------------------
 
 
-def _recv_put_payloads(sock: socket.socket, lengths: Sequence[int]) -> list[Payload]:
+def _recv_put_payloads(
+    sock: socket.socket, lengths: Sequence[int], deadline: Deadline
+) -> list[Payload]:
     """The payloads of a PUT frame, each in memory of its own (evicting one frees it)."""
     payloads: list[Payload] = []
     for run in batched_by_size(list(lengths), int, SMALL_RUN_BYTES):
         buf = _empty_buffer(sum(run))
-        _recv_into(sock, buf)
+        _recv_into(sock, buf, deadline)
         if len(run) == 1:
             payloads.append(buf.toreadonly())
         else:
@@ -196,9 +228,19 @@ def _recv_put_payloads(sock: socket.socket, lengths: Sequence[int]) -> list[Payl
 
 
 class BulkServer:
-    """Answers bulk frames on `host`:`port` (0: any free port; `.port` tells which)."""
+    """Answers bulk frames on `host`:`port` (0: any free port; `.port` tells which), held to
+    `limits`: PUT payloads are received only once `inflight` has room for them, and a frame whose
+    payload exceeds it or `max_bytes` (the vault's cap; 0: none) is refused from its header."""
 
-    def __init__(self, host: str, port: int, handler: BulkHandler) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        handler: BulkHandler,
+        limits: LimitsConfig,
+        inflight: ByteBudget,
+        max_bytes: int = 0,
+    ) -> None:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
@@ -206,12 +248,16 @@ class BulkServer:
         try:
             self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self._listener.bind(sockaddr)
-            self._listener.listen(MAX_CONNECTIONS)
+            self._listener.listen(limits.max_connections)
         except OSError:
             self._listener.close()
             raise
         self.port: int = self._listener.getsockname()[1]
         self._handler = handler
+        self._limits = limits
+        self._max_frame_bytes = min(limits.max_inflight_bytes, max_bytes or sys.maxsize)
+        self._inflight = inflight
+        self._slots = ConnectionSlots(limits.max_connections, limits.max_connections_per_client)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._stopped = False
@@ -230,48 +276,80 @@ class BulkServer:
     def _accept_loop(self) -> None:
         while True:
             try:
-                sock, _ = self._listener.accept()
+                sock, peer = self._listener.accept()
             except OSError:
                 return  # the listener was closed by stop()
+            address = peer[0]
             with self._lock:
-                if self._stopped or len(self._connections) >= MAX_CONNECTIONS:
-                    sock.close()
-                    continue
-                self._connections.add(sock)
+                refused = self._stopped or not self._slots.take(address)
+                if not refused:
+                    self._connections.add(sock)
+            if refused:
+                sock.close()
+                continue
             threading.Thread(
-                target=self._serve_connection, args=(sock,), name="tierkv-bulk", daemon=True
+                target=self._serve_connection,
+                args=(sock, address),
+                name="tierkv-bulk",
+                daemon=True,
             ).start()
 
-    def _serve_connection(self, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    def _serve_connection(self, sock: socket.socket, address: str) -> None:
+        limits = self._limits
         try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            wait_s = limits.handshake_timeout_s  # for the first frame, then idle_timeout_s
             while True:
-                sock.settimeout(None)  # an idle pooled connection may wait for its next frame
-                first = sock.recv(1, socket.MSG_PEEK)
-                if not first:
-                    return
-                sock.settimeout(FRAME_IDLE_S)
-                self._answer_frame(sock)
+                head = bytearray(HEADER.size)
+                sock.settimeout(wait_s)
+                if sock.recv_into(memoryview(head)[:1]) == 0:
+                    return  # the client closed its (idle) connection
+                stall = Deadline(time.monotonic() + limits.stall_timeout_s, limits.stall_timeout_s)
+                _recv_into(sock, memoryview(head)[1:], stall)
+                self._answer_frame(sock, _parse_header(bytes(head)))
+                wait_s = limits.idle_timeout_s
         except (OSError, ValueError, MemoryError):
-            return  # peer gone, stalled, malformed or too large: drop the connection
+            return  # peer gone, idle, stalled, malformed or too large: drop the connection
         finally:
             with self._lock:
                 self._connections.discard(sock)
+                self._slots.give_back(address)
             sock.close()
 
-    def _answer_frame(self, sock: socket.socket) -> None:
-        kind, index_len, data_len = _recv_header(sock)
-        raw_index = _recv_bytes(sock, index_len)
+    def _answer_frame(self, sock: socket.socket, header: tuple[int, int, int]) -> None:
+        kind, index_len, data_len = header
+        stall_s = self._limits.stall_timeout_s
+        deadline = Deadline(
+            time.monotonic() + stall_s + (index_len + data_len) / MIN_FRAME_BYTES_PER_S, stall_s
+        )
         if kind == PUT:
-            index = _parse(vault_pb2.PutIndex, raw_index)
+            if data_len > self._max_frame_bytes:
+                raise ValueError(f"PUT frame of {data_len} bytes exceeds {self._max_frame_bytes}")
+            index = _parse(vault_pb2.PutIndex, _recv_bytes(sock, index_len, deadline))
+            problem = request_problem(self._limits, len(index.lengths), 1)
+            if problem is not None:
+                raise ValueError(problem)
             _check_lengths(index.lengths, data_len)
-            payloads = _recv_put_payloads(sock, index.lengths)
-            _send_frame(sock, PUT_REPLY, self._handler.put_blocks(index, payloads))
+            if not self._inflight.acquire(data_len, stall_s):
+                raise ValueError("no room for the frame's payloads in time")
+            try:
+                payloads = _recv_put_payloads(sock, index.lengths, deadline)
+                summary = self._handler.put_blocks(index, payloads)
+            finally:
+                self._inflight.release(data_len)
+            _send_frame(sock, PUT_REPLY, summary, deadline)
         elif kind == PROMOTE and data_len == 0:
-            request = _parse(vault_pb2.PromoteRequest, raw_index)
+            request = _parse(vault_pb2.PromoteRequest, _recv_bytes(sock, index_len, deadline))
             promote_index, payloads = self._handler.promote_blocks(request)
-            _send_frame(sock, PROMOTE_REPLY, promote_index, payloads)
+            reply_bytes = sum(promote_index.lengths)
+            _send_frame(
+                sock,
+                PROMOTE_REPLY,
+                promote_index,
+                Deadline(deadline.at + reply_bytes / MIN_FRAME_BYTES_PER_S, stall_s),
+                payloads,
+            )
         else:
             raise ValueError(f"unexpected bulk frame kind {kind} with {data_len} data bytes")
 
@@ -282,8 +360,9 @@ class BulkServer:
 class BulkConnection:
     """One client connection to a vault's bulk port; one call at a time (not thread-safe).
 
-    Every call takes an absolute `deadline` (time.monotonic()); `timeout_s` also bounds each
-    wait for the vault, so a hung vault fails the call after that long without progress.
+    Every call takes an absolute `deadline` (time.monotonic()) that bounds every send and
+    receive of it, however slowly the vault trickles; `timeout_s` also bounds each wait for the
+    vault, so a hung vault fails the call after that long without progress.
     """
 
     def __init__(self, host: str, port: int, timeout_s: float) -> None:
@@ -303,48 +382,50 @@ class BulkConnection:
         each index lazily) and sent, so both ends work at once; at most MAX_UNANSWERED_PUTS
         frames await their summary, so unread summaries never fill the socket buffers.
         """
+        clock = Deadline(deadline, self.timeout_s)
+        send_clock = Deadline(deadline, math.inf)  # the vault may be storing the frame before
 
         def call() -> list[vault_pb2.PutSummary]:
             sent = 0
             summaries: list[vault_pb2.PutSummary] = []
             for index, payloads in frames:
-                self._sock.settimeout(self._remaining(deadline))  # sendall: the whole frame
-                _send_frame(self._sock, PUT, index, payloads)
+                _send_frame(self._sock, PUT, index, send_clock, payloads)
                 sent += 1
                 while sent - len(summaries) >= MAX_UNANSWERED_PUTS:
-                    summaries.append(self._put_summary(deadline))
+                    summaries.append(self._put_summary(clock))
             while len(summaries) < sent:
-                summaries.append(self._put_summary(deadline))
+                summaries.append(self._put_summary(clock))
             return summaries
 
         return self._guarded(call)
 
-    def _put_summary(self, deadline: float) -> vault_pb2.PutSummary:
-        self._sock.settimeout(self._wait_s(deadline))
-        _, index_len, data_len = _recv_header(self._sock, PUT_REPLY)
+    def _put_summary(self, clock: Deadline) -> vault_pb2.PutSummary:
+        _, index_len, data_len = _parse_header(
+            _recv_bytes(self._sock, HEADER.size, clock), PUT_REPLY
+        )
         if data_len:
             raise ValueError("a PUT_REPLY frame carries no payloads")
-        return _parse(vault_pb2.PutSummary, _recv_bytes(self._sock, index_len))
+        return _parse(vault_pb2.PutSummary, _recv_bytes(self._sock, index_len, clock))
 
     def promote(
         self, request: vault_pb2.PromoteRequest, deadline: float
     ) -> tuple[vault_pb2.PromoteIndex, list[memoryview]]:
         """(index, payloads) of every block the vault has; payloads are views of run buffers."""
+        clock = Deadline(deadline, self.timeout_s)
 
         def call() -> tuple[vault_pb2.PromoteIndex, list[memoryview]]:
-            self._sock.settimeout(self._remaining(deadline))
-            _send_frame(self._sock, PROMOTE, request)
-            self._sock.settimeout(self._wait_s(deadline))
-            _, index_len, data_len = _recv_header(self._sock, PROMOTE_REPLY)
-            index = _parse(vault_pb2.PromoteIndex, _recv_bytes(self._sock, index_len))
+            _send_frame(self._sock, PROMOTE, request, clock)
+            _, index_len, data_len = _parse_header(
+                _recv_bytes(self._sock, HEADER.size, clock), PROMOTE_REPLY
+            )
+            index = _parse(vault_pb2.PromoteIndex, _recv_bytes(self._sock, index_len, clock))
             _check_lengths(index.lengths, data_len)
             payloads: list[memoryview] = []
             for run in batched_by_size(list(index.lengths), int, CLIENT_RUN_BYTES):
-                self._sock.settimeout(self._wait_s(deadline))
                 size = sum(run)
                 buf = RECEIVE_BUFFERS.take().data if size <= CLIENT_RUN_BYTES else None
                 buf = buf[:size] if buf is not None else _empty_buffer(size)
-                _recv_into(self._sock, buf)
+                _recv_into(self._sock, buf, clock)
                 payloads.extend(split_payloads(buf.toreadonly(), run))
             return index, payloads
 
@@ -364,19 +445,13 @@ class BulkConnection:
     def close(self) -> None:
         self._sock.close()
 
-    def _wait_s(self, deadline: float) -> float:
-        return min(self.timeout_s, self._remaining(deadline))
-
-    def _remaining(self, deadline: float) -> float:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("the call's deadline passed")
-        return remaining
-
     def _guarded(self, call: Callable[[], T]) -> T:
-        """Run `call`; on any failure close the connection (its framing is lost) and raise."""
+        """Run `call`; on any failure close the connection (its framing is lost) and raise.
+
+        A reply too large to allocate (MemoryError) is a failure like any other."""
         try:
             return call()
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, MemoryError) as exc:
             self.close()
-            raise BulkError(f"bulk call failed: {exc}") from None
+            timed_out = isinstance(exc, TimeoutError)
+            raise BulkError(f"bulk call failed: {exc!r}", timed_out) from None

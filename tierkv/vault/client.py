@@ -9,7 +9,10 @@ closes the breaker when it answers again (gRPC reconnects by itself).
 
 Put and Promote payloads travel over the vault's bulk data path (bulk.py: plain TCP, a few
 pooled connections) when the vault offers one and its port answers, else over gRPC streams;
-lookups and management calls always use gRPC.
+lookups and management calls always use gRPC. A call that fails on the bulk path counts as a
+failure toward the breaker, and the bulk path is then left alone for a cooldown; when the vault
+refused it (a busy vault closing the connection, a malformed reply) rather than not answering in
+time, the call is tried again over gRPC in the time it has left.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import grpc.experimental
@@ -45,6 +48,8 @@ PUT_STREAM_BYTES = 128 * MIB
 """At most this many payload bytes per Put stream (each stream gets its own deadline)."""
 BULK_PUT_FRAME_BYTES = 16 * MIB
 """Payload bytes per PUT frame on the bulk path (the vault stores one while the next arrives)."""
+MAX_BLOCKS_PER_BATCH = 16384
+"""Blocks per PutBatch or PUT frame (a vault refuses more than limits.max_blocks_per_request)."""
 MIN_PUT_BYTES_PER_S = 50e6
 """A Put stream's deadline is deadline_s plus its bytes at this rate."""
 CLIENT_OPTIONS = [
@@ -57,6 +62,7 @@ CLIENT_OPTIONS = [
     (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
 ]
 MAX_IDLE_BULK_CONNECTIONS = 4
+T = TypeVar("T")
 _METHOD = "/" + vault_pb2.DESCRIPTOR.services_by_name["Vault"].full_name + "/"
 
 
@@ -350,10 +356,10 @@ class VaultClient:
                 timeout = deadline - time.monotonic()
                 summaries = [self._put_call(_put_batches(stream), timeout=timeout)]
                 transport = "grpc"
-        except (grpc.RpcError, BulkError):
-            self._breaker.record_failure()
+        except (grpc.RpcError, BulkError) as exc:
+            if not isinstance(exc, BulkError):  # a bulk failure was counted when it happened
+                self._record_failure()
             with self._cond:
-                self.failed_calls += 1
                 self.failed_puts += len(stream)
                 self._lost_since_flush = True
             return
@@ -367,19 +373,18 @@ class VaultClient:
     def _put_bulk(
         self, stream: list[_PendingPut], deadline: float
     ) -> list[vault_pb2.PutSummary] | None:
-        """Send `stream` over the bulk path; None: the vault has no bulk path, use gRPC."""
-        connection = self._bulk_connection()
-        if connection is None:
-            return None
+        """Send `stream` over the bulk path; None: use gRPC (no bulk path, or it failed)."""
         frames = (
             (_put_index(batch), [p.payload for p in batch])
             for batch in batched_by_size(
-                stream, lambda p: len(p.payload), BULK_PUT_FRAME_BYTES, lambda p: p.namespace
+                stream,
+                lambda p: len(p.payload),
+                BULK_PUT_FRAME_BYTES,
+                lambda p: p.namespace,
+                MAX_BLOCKS_PER_BATCH,
             )
         )
-        summaries = connection.put(frames, deadline)
-        self._release_bulk(connection)
-        return summaries
+        return self._on_bulk(deadline, lambda connection: connection.put(frames, deadline))
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -402,25 +407,24 @@ class VaultClient:
         """(key index, part) → verified payload for every block the vault returned in time.
 
         Payloads are zero-copy views of the received chunks. Missing, checksum-failed and
-        failed-call blocks are simply absent; this never raises. The whole call is bounded by
+        failed-call blocks are simply absent; this never raises (any failure, MemoryError
+        included, is a miss and a counted failure). The whole call is bounded by
         promote_deadline_s, and a vault that sends nothing for deadline_s is given up on.
         """
         found: dict[tuple[int, int], memoryview] = {}
         if not keys or not parts or not self._breaker.allow():
             return found
-        request = vault_pb2.PromoteRequest(namespace=namespace, keys=keys, parts=parts)
         deadline = time.monotonic() + self.promote_deadline_s
         wanted_parts = set(parts)
         bad_checksums = 0
         try:
-            connection = self._bulk_connection()
-            if connection is None:
-                chunks = self._promote_grpc(request, deadline)
-                transport = "grpc"
+            request = vault_pb2.PromoteRequest(namespace=namespace, keys=keys, parts=parts)
+            bulk_reply = self._promote_bulk(request, deadline)
+            chunks: Iterable[tuple[vault_pb2.PromoteIndex, list[memoryview]]]
+            if bulk_reply is None:
+                chunks, transport = self._promote_grpc(request, deadline), "grpc"
             else:
-                chunks = iter([connection.promote(request, deadline)])
-                self._release_bulk(connection)
-                transport = "bulk"
+                chunks, transport = [bulk_reply], "bulk"
             for index, payloads in chunks:
                 for key_index, part, payload, checksum in zip(
                     index.key_indices, index.parts, payloads, index.checksums, strict=False
@@ -431,7 +435,10 @@ class VaultClient:
                         bad_checksums += 1
                         continue
                     found[(key_index, part)] = payload
-        except (grpc.RpcError, BulkError, ValueError):
+        except BulkError:  # timed out on the bulk path: counted already
+            found = {}
+        except Exception:  # the promise: never raise, whatever the vault or the machine does
+            found = {}
             self._record_failure()
         else:
             self._breaker.record_success()
@@ -440,6 +447,25 @@ class VaultClient:
             with self._cond:
                 self.checksum_failures += bad_checksums
         return found
+
+    def _promote_bulk(
+        self, request: vault_pb2.PromoteRequest, deadline: float
+    ) -> tuple[vault_pb2.PromoteIndex, list[memoryview]] | None:
+        """The Promote over the bulk path (one chunk); None: use gRPC (none, or it failed)."""
+        return self._on_bulk(deadline, lambda connection: connection.promote(request, deadline))
+
+    def _on_bulk(self, deadline: float, call: Callable[[BulkConnection], T]) -> T | None:
+        """`call` on a bulk connection; None: use gRPC (no bulk path, or the vault refused)."""
+        connection = self._bulk_connection(deadline)
+        if connection is None:
+            return None
+        try:
+            result = call(connection)
+        except BulkError as exc:
+            self._bulk_failed(exc)
+            return None
+        self._release_bulk(connection)
+        return result
 
     def _promote_grpc(
         self, request: vault_pb2.PromoteRequest, deadline: float
@@ -456,10 +482,10 @@ class VaultClient:
 
     # ---- bulk data path ------------------------------------------------------------------------
 
-    def _bulk_connection(self) -> BulkConnection | None:
+    def _bulk_connection(self, deadline: float) -> BulkConnection | None:
         """An idle or new connection to the vault's bulk port; None when gRPC must carry the call
         (the vault has no bulk path, or its port did not answer lately). Raises grpc.RpcError
-        when the vault does not answer at all."""
+        when the vault does not answer at all by `deadline`."""
         with self._bulk_lock:
             while self._idle_bulk:
                 connection = self._idle_bulk.pop()
@@ -468,15 +494,26 @@ class VaultClient:
                 connection.close()  # the vault restarted or dropped it
             if time.monotonic() < self._bulk_retry_at:
                 return None
-        port = self._bulk_port(vault_pb2.HelloRequest(), timeout=self.deadline_s)
+        wait_s = min(self.deadline_s, deadline - time.monotonic())
+        port = self._bulk_port(vault_pb2.HelloRequest(), timeout=wait_s)
         if port:
             try:
-                return BulkConnection(self._host, port, self.deadline_s)
+                return BulkConnection(self._host, port, min(wait_s, self.deadline_s))
             except BulkError:
                 pass  # e.g. a firewall that lets only the gRPC port through
+        self._bulk_failed(None)
+        return None
+
+    def _bulk_failed(self, error: BulkError | None) -> None:
+        """Leave the bulk path alone for a cooldown. A failed call (`error`) also counts as a
+        failure, and is raised again when the vault did not answer in time (no point in trying
+        gRPC then); else the caller falls back to gRPC."""
         with self._bulk_lock:
             self._bulk_retry_at = time.monotonic() + self._bulk_retry_s
-        return None
+        if error is not None:
+            self._record_failure()
+            if error.timed_out:
+                raise error
 
     def _bulk_port(self, request: vault_pb2.HelloRequest, timeout: float) -> int:
         """The vault's bulk port (Hello); 0 when it has none or predates Hello (gRPC alone)."""
@@ -636,7 +673,11 @@ def _put_index(batch: Sequence[_PendingPut]) -> vault_pb2.PutIndex:
 def _put_batches(stream: list[_PendingPut]) -> Iterator[bytes]:
     """Serialised PutBatch messages of one namespace and about PUT_BATCH_BYTES each."""
     for batch in batched_by_size(
-        stream, lambda p: len(p.payload), PUT_BATCH_BYTES, lambda p: p.namespace
+        stream,
+        lambda p: len(p.payload),
+        PUT_BATCH_BYTES,
+        lambda p: p.namespace,
+        MAX_BLOCKS_PER_BATCH,
     ):
         yield encode_bulk(_put_index(batch), [p.payload for p in batch])
 

@@ -3,7 +3,9 @@
 `serve(listen, max_bytes)` starts a server in this process and returns a running `VaultServer`
 (its `.address` holds the bound port when `listen` asked for port 0); `tierkv vault` and the
 tests use it. The bulk methods (Put, Promote) use the fast codec of `wire.py` so payloads are
-never copied into per-block protobuf messages; the others use the generated classes.
+never copied into per-block protobuf messages; the others use the generated classes. Every
+request is held to the `[limits]` of limits.py: a request beyond them is answered
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED, a block beyond them is rejected with its reason.
 """
 
 from __future__ import annotations
@@ -18,13 +20,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import tierkv
-from tierkv.config import VAULT_ROLES, format_address, parse_address
+from tierkv.config import VAULT_ROLES, LimitsConfig, format_address, parse_address
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.bulk import BulkServer
 from tierkv.vault.disk import DiskTier
+from tierkv.vault.limits import ByteBudget, StreamGuard, block_problem, request_problem
 from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
-    CHANNEL_OPTIONS,
     MalformedMessage,
     already_encoded,
     batched_by_size,
@@ -38,10 +40,11 @@ CHUNK_BYTES = 8 * 1024 * 1024
 """Target payload bytes per Promote chunk (a larger single payload gets a chunk of its own)."""
 MAX_REPORTED_REJECTIONS = 100
 SERVER_OPTIONS = [
-    *CHANNEL_OPTIONS,
+    ("grpc.max_send_message_length", -1),  # Promote chunks are bounded by CHUNK_BYTES
     # Linux gRPC sets SO_REUSEPORT by default, which lets a second vault "bind" a taken port.
     ("grpc.so_reuseport", 0),
 ]
+"""gRPC options of the vault; it receives messages up to limits.max_message_bytes."""
 
 
 class VaultBindError(OSError):
@@ -95,9 +98,14 @@ def _reject_all(summary: vault_pb2.PutSummary, index: vault_pb2.PutIndex, reason
 class VaultServicer(vault_pb2_grpc.VaultServicer):
     """Implements the Vault service over a VaultStore."""
 
-    def __init__(self, store: VaultStore, role: str) -> None:
+    def __init__(
+        self, store: VaultStore, role: str, limits: LimitsConfig, inflight: ByteBudget
+    ) -> None:
         self.store = store
         self.role = role
+        self.limits = limits
+        self.inflight = inflight
+        """Bytes on their way in or out, shared with the bulk path (limits.max_inflight_bytes)."""
         self.bulk_port = 0
         """Set by serve() once the bulk data path listens; 0 = none."""
         self.started = time.monotonic()
@@ -109,6 +117,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     ) -> vault_pb2.PutSummary:
         summary = vault_pb2.PutSummary()
         for index, data in request_iterator:
+            _check_request(context, request_problem(self.limits, len(index.keys), 1))
             try:
                 payloads: list[bytes | memoryview] = list(split_payloads(data, index.lengths))
             except MalformedMessage as exc:
@@ -134,10 +143,13 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         if not len(index.keys) == len(index.parts) == len(index.checksums) == len(payloads):
             _reject_all(summary, index, "malformed batch: PutIndex arrays differ in length")
             return summary
+        namespace = index.namespace
         for key, part, payload, checksum in zip(
             index.keys, index.parts, payloads, index.checksums, strict=True
         ):
-            reason = self.store.put(index.namespace, key, part, payload, checksum)
+            reason = block_problem(self.limits, namespace, key, len(payload))
+            if reason is None:
+                reason = self.store.put(namespace, key, part, payload, checksum)
             if reason is None:
                 summary.stored += 1
             else:
@@ -147,19 +159,32 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     def Lookup(
         self, request: vault_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> vault_pb2.LookupReply:
+        _check_request(context, request_problem(self.limits, len(request.keys), len(request.parts)))
         present = self.store.lookup(request.namespace, list(request.keys), list(request.parts))
         return vault_pb2.LookupReply(present=present)
 
     def Promote(
         self, request: vault_pb2.PromoteRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
+        _check_request(context, request_problem(self.limits, len(request.keys), len(request.parts)))
         found = self.store.get_many(request.namespace, list(request.keys), list(request.parts))
-        return encode_promote_chunks(found)
+        for chunk in encode_promote_chunks(found):
+            # The stream waits while the reader does not read: count the chunk until it is sent.
+            if not self.inflight.acquire(len(chunk), self.limits.stall_timeout_s):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the vault is busy sending")
+            try:
+                yield chunk
+            finally:
+                self.inflight.release(len(chunk))
 
     def promote_blocks(
         self, request: vault_pb2.PromoteRequest
     ) -> tuple[vault_pb2.PromoteIndex, list[bytes | memoryview]]:
-        """Every stored block of `request`, as one index and its payloads (the bulk path)."""
+        """Every stored block of `request`, as one index and its payloads (the bulk path);
+        ValueError when the request is beyond the limits."""
+        problem = request_problem(self.limits, len(request.keys), len(request.parts))
+        if problem is not None:
+            raise ValueError(problem)
         found = self.store.get_many(request.namespace, list(request.keys), list(request.parts))
         return _promote_index(found), [block.payload for block in found]
 
@@ -210,6 +235,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     def Delete(
         self, request: vault_pb2.DeleteRequest, context: grpc.ServicerContext
     ) -> vault_pb2.DeleteReply:
+        _check_request(context, request_problem(self.limits, len(request.keys), 1))
         return vault_pb2.DeleteReply(
             deleted=self.store.delete(request.namespace, list(request.keys))
         )
@@ -220,8 +246,15 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         return vault_pb2.DeleteReply(deleted=self.store.clear(request.namespace))
 
 
-def _method_handlers(servicer: VaultServicer) -> grpc.GenericRpcHandler:
-    """The Vault service's handlers: the fast bulk codec for Put/Promote, protobuf elsewhere."""
+def _check_request(context: grpc.ServicerContext, problem: str | None) -> None:
+    """End the call INVALID_ARGUMENT when the request is beyond the limits."""
+    if problem is not None:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+
+def _method_handlers(servicer: VaultServicer, streams: StreamGuard) -> grpc.GenericRpcHandler:
+    """The Vault service's handlers: the fast bulk codec for Put/Promote, protobuf elsewhere;
+    the streaming ones are held to `streams`."""
 
     def unary(method: Callable[..., Any], request_type: Any, response_type: Any) -> Any:
         return grpc.unary_unary_rpc_method_handler(
@@ -234,12 +267,12 @@ def _method_handlers(servicer: VaultServicer) -> grpc.GenericRpcHandler:
         SERVICE_NAME,
         {
             "Put": grpc.stream_unary_rpc_method_handler(
-                servicer.Put,
+                streams.stream_unary(servicer.Put),
                 request_deserializer=_decode_put_batch,
                 response_serializer=vault_pb2.PutSummary.SerializeToString,
             ),
             "Promote": grpc.unary_stream_rpc_method_handler(
-                servicer.Promote,
+                streams.unary_stream(servicer.Promote),
                 request_deserializer=vault_pb2.PromoteRequest.FromString,
                 response_serializer=already_encoded,
             ),
@@ -291,25 +324,34 @@ def serve(
     *,
     role: str = "kv_cold",
     bulk_port: int | None = 0,
-    max_workers: int = 32,
     disk: DiskTier | None = None,
+    limits: LimitsConfig | None = None,
 ) -> VaultServer:
     """Start a vault in this process on `listen` (port 0: any free port); raise VaultBindError.
 
     `max_bytes` 0 means unlimited; callers resolve defaults with tierkv.config. The bulk data
     path listens on the same host at `bulk_port` (0: any free port; None: no bulk path, clients
     then use gRPC alone). With `disk`, the store spills to that disk tier (the caller closes it
-    after stopping the server, through `VaultServer.store.close`).
+    after stopping the server, through `VaultServer.store.close`). `limits` default to
+    LimitsConfig().
     """
     if role not in VAULT_ROLES:
         raise ValueError(f"vault role must be one of {', '.join(VAULT_ROLES)}, got {role!r}")
     host, port = parse_address(listen, allow_port_zero=True)
-    servicer = VaultServicer(VaultStore(max_bytes, disk), role)
+    limits = limits or LimitsConfig()
+    inflight = ByteBudget(limits.max_inflight_bytes)
+    servicer = VaultServicer(VaultStore(max_bytes, disk), role, limits, inflight)
+    calls = limits.max_concurrent_rpcs
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="tierkv-vault"),
-        options=SERVER_OPTIONS,
+        futures.ThreadPoolExecutor(max_workers=calls, thread_name_prefix="tierkv-vault"),
+        options=[
+            *SERVER_OPTIONS,
+            ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ],
+        maximum_concurrent_rpcs=calls,
     )
-    server.add_generic_rpc_handlers((_method_handlers(servicer),))
+    streams = StreamGuard(max(1, calls // 2), limits.stream_timeout_s)
+    server.add_generic_rpc_handlers((_method_handlers(servicer, streams),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -321,7 +363,7 @@ def serve(
     bulk = None
     if bulk_port is not None:
         try:
-            bulk = BulkServer(host, bulk_port, servicer)
+            bulk = BulkServer(host, bulk_port, servicer, limits, inflight, max_bytes)
         except OSError as exc:
             server.stop(None)
             where = format_address(host, bulk_port)

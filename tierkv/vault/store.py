@@ -3,7 +3,10 @@
 No gRPC here. Writers' checksums (`wire.block_checksum`, bound to the block's address) are
 verified on `put` (a mismatch is rejected, never stored); payloads are hashed outside the lock,
 which guards only the index and never a payload copy, so many clients can store and read at
-once. `bytes_used` is exactly the sum of stored payload sizes.
+once, and a big request takes the lock in slices of LOCK_SLICE (key, part) steps, so it never
+holds it long. `bytes_used` counts each entry's payload, key, namespace and bookkeeping
+(`entry_bytes`), so it bounds the memory the RAM tier's entries take, however small their
+payloads.
 
 With a `DiskTier` (disk.py) the store is its RAM tier: every stored block is also queued for the
 disk (written behind, so a put waits only when the write-behind queue is full), RAM evictions
@@ -17,7 +20,8 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import islice
 from typing import NamedTuple
 
 from tierkv.config import UNLIMITED
@@ -28,6 +32,17 @@ RATE_WINDOW_S = 10.0
 
 EntryKey = tuple[bytes, bytes, int]
 """(namespace, block key, part)"""
+ENTRY_OVERHEAD_BYTES = 1024
+"""Memory an entry takes besides its payload, key and namespace bytes: its index, dicts and
+objects (about 630 bytes by tracemalloc) and the allocator's slack after the store has churned
+(a vault of one-byte blocks grew by about 1 KiB per entry)."""
+LOCK_SLICE = 1024
+"""(key, part) steps of one request done per hold of the store lock."""
+
+
+def entry_bytes(namespace: bytes, key: bytes, size: int) -> int:
+    """What an entry of a `size`-byte payload counts against the cap."""
+    return size + len(key) + len(namespace) + ENTRY_OVERHEAD_BYTES
 
 
 class StoredBlock(NamedTuple):
@@ -37,6 +52,16 @@ class StoredBlock(NamedTuple):
     part: int
     payload: bytes | memoryview
     checksum: int
+
+
+@dataclass
+class _Namespace:
+    """The RAM tier's (key → parts) of one namespace, and what they count against the cap."""
+
+    parts: dict[bytes, set[int]] = field(default_factory=dict)
+    entries: int = 0
+    bytes_used: int = 0
+    evictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,7 +115,7 @@ class VaultStore:
         self._ram_rate, self._disk_rate = _Rate(), _Rate()
         self._lock = threading.Lock()
         self._entries: OrderedDict[EntryKey, tuple[bytes | memoryview, int]] = OrderedDict()
-        self._parts: dict[tuple[bytes, bytes], set[int]] = {}
+        self._namespaces: dict[bytes, _Namespace] = {}
         self._bytes_used = 0
         self._hits = self._misses = self._evictions = self._rejected = 0
 
@@ -102,10 +127,10 @@ class VaultStore:
         The store keeps a reference, not a copy: a memoryview must view an immutable buffer
         (the server passes views of received messages).
         """
-        size = len(payload)
+        size = entry_bytes(namespace, key, len(payload))
         reason = None
         if self.max_bytes != UNLIMITED and size > self.max_bytes:
-            reason = f"payload of {size} bytes exceeds the vault cap of {self.max_bytes} bytes"
+            reason = f"entry of {size} bytes exceeds the vault cap of {self.max_bytes} bytes"
         elif block_checksum(namespace, key, part, payload) != checksum:
             reason = "checksum mismatch: payload corrupted in transit or sent under another key"
         if reason is not None:
@@ -121,13 +146,20 @@ class VaultStore:
         return None
 
     def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
-        """How many leading keys have every one of `parts` stored (no LRU refresh)."""
-        with self._lock:
-            for count, key in enumerate(keys):
-                present = self._parts.get((namespace, key), ())
-                missing = [part for part in parts if part not in present]
-                if missing and not (self.disk and self.disk.has(namespace, key, missing)):
-                    return count
+        """How many leading keys have every one of `parts` stored (no LRU refresh); 0 when
+        `parts` is empty (a block of no parts is nothing stored)."""
+        if not parts:
+            return 0
+        step = max(1, LOCK_SLICE // len(parts))
+        for start in range(0, len(keys), step):
+            with self._lock:
+                space = self._namespaces.get(namespace)
+                stored = space.parts if space else {}
+                for count, key in enumerate(keys[start : start + step], start):
+                    present = stored.get(key, ())
+                    missing = [part for part in parts if part not in present]
+                    if missing and not (self.disk and self.disk.has(namespace, key, missing)):
+                        return count
         return len(keys)
 
     def get_many(
@@ -137,19 +169,22 @@ class VaultStore:
 
         Blocks absent from RAM are read from the disk tier (outside the lock) and kept in RAM.
         """
-        found = []
+        found: list[StoredBlock] = []
         absent: list[tuple[int, int]] = []
+        step = max(1, LOCK_SLICE // max(1, len(parts)))
+        for start in range(0, len(keys), step):
+            with self._lock:
+                for index, key in enumerate(keys[start : start + step], start):
+                    for part in parts:
+                        entry_key = (namespace, key, part)
+                        entry = self._entries.get(entry_key)
+                        if entry is None:
+                            absent.append((index, part))
+                            continue
+                        self._entries.move_to_end(entry_key)
+                        self._hits += 1
+                        found.append(StoredBlock(index, part, entry[0], entry[1]))
         with self._lock:
-            for index, key in enumerate(keys):
-                for part in parts:
-                    entry_key = (namespace, key, part)
-                    entry = self._entries.get(entry_key)
-                    if entry is None:
-                        absent.append((index, part))
-                        continue
-                    self._entries.move_to_end(entry_key)
-                    self._hits += 1
-                    found.append(StoredBlock(index, part, entry[0], entry[1]))
             self._ram_rate.add(len(found))
         if not absent or self.disk is None:
             with self._lock:
@@ -162,7 +197,8 @@ class VaultStore:
                     self._misses += 1
                     continue
                 entry_key = (namespace, keys[index], part)
-                fits = self.max_bytes == UNLIMITED or len(block[0]) <= self.max_bytes
+                size = entry_bytes(namespace, keys[index], len(block[0]))
+                fits = self.max_bytes == UNLIMITED or size <= self.max_bytes
                 if fits and entry_key not in self._entries:
                     self._insert(entry_key, *block)
                 found.append(StoredBlock(index, part, *block))
@@ -175,27 +211,37 @@ class VaultStore:
 
     def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
         """Remove every part of the given keys; returns how many (key, part) entries went."""
-        with self._lock:
-            removed = {
-                (namespace, key, part)
-                for key in keys
-                for part in self._parts.get((namespace, key), ())
-            }
-            for entry_key in removed:
-                self._remove(entry_key)
-            if self.disk:
-                removed |= self.disk.delete(namespace, keys)
-            return len(removed)
+        removed: set[EntryKey] = set()
+        for start in range(0, len(keys), LOCK_SLICE):
+            batch = keys[start : start + LOCK_SLICE]
+            with self._lock:
+                removed |= self._remove_keys(namespace, batch)
+                if self.disk:
+                    removed |= self.disk.delete(namespace, batch)
+        return len(removed)
 
     def clear(self, namespace: bytes) -> int:
         """Remove everything stored under `namespace`; returns how many entries went."""
+        doomed: set[EntryKey] = set()
+        while True:
+            with self._lock:
+                space = self._namespaces.get(namespace)
+                if space is None:
+                    if self.disk:
+                        doomed |= self.disk.clear(namespace)
+                    return len(doomed)
+                doomed |= self._remove_keys(namespace, list(islice(space.parts, LOCK_SLICE)))
+
+    def usage(self, prefix: bytes) -> tuple[int, int, int]:
+        """(entries, bytes_used, evictions) of the RAM tier's namespaces starting with `prefix`
+        (a tenant's); evictions count only namespaces that still hold blocks."""
         with self._lock:
-            doomed = {entry_key for entry_key in self._entries if entry_key[0] == namespace}
-            for entry_key in doomed:
-                self._remove(entry_key)
-            if self.disk:
-                doomed |= self.disk.clear(namespace)
-            return len(doomed)
+            spaces = [s for ns, s in self._namespaces.items() if ns.startswith(prefix)]
+            return (
+                sum(s.entries for s in spaces),
+                sum(s.bytes_used for s in spaces),
+                sum(s.evictions for s in spaces),
+            )
 
     def stats(self) -> StoreStats:
         """A consistent snapshot of the counters."""
@@ -231,24 +277,49 @@ class VaultStore:
         """Store one entry as the most recent, evicting (spilling) the least recent past the cap;
         the caller holds the lock."""
         self._remove(entry_key)
+        namespace, key, part = entry_key
+        size = entry_bytes(namespace, key, len(payload))
         self._entries[entry_key] = (payload, checksum)
-        self._parts.setdefault(entry_key[:2], set()).add(entry_key[2])
-        self._bytes_used += len(payload)
+        space = self._namespaces.setdefault(namespace, _Namespace())
+        space.parts.setdefault(key, set()).add(part)
+        space.entries += 1
+        space.bytes_used += size
+        self._bytes_used += size
         while self.max_bytes != UNLIMITED and self._bytes_used > self.max_bytes:
             victim = next(iter(self._entries))
             if self.disk:
                 self.disk.spill(*victim, *self._entries[victim])
             self._remove(victim)
             self._evictions += 1
+            if victim[0] in self._namespaces:
+                self._namespaces[victim[0]].evictions += 1
+
+    def _remove_keys(self, namespace: bytes, keys: Sequence[bytes]) -> set[EntryKey]:
+        """Drop every part of `keys` from RAM; the entries that went. The caller holds the lock."""
+        space = self._namespaces.get(namespace)
+        removed = {
+            (namespace, key, part)
+            for key in keys
+            for part in (space.parts.get(key, ()) if space else ())
+        }
+        for entry_key in removed:
+            self._remove(entry_key)
+        return removed
 
     def _remove(self, entry_key: EntryKey) -> None:
         """Drop one entry if present; the caller holds the lock."""
         entry = self._entries.pop(entry_key, None)
         if entry is None:
             return
-        self._bytes_used -= len(entry[0])
         namespace, key, part = entry_key
-        parts = self._parts[(namespace, key)]
+        size = entry_bytes(namespace, key, len(entry[0]))
+        self._bytes_used -= size
+        space = self._namespaces[namespace]
+        space.entries -= 1
+        space.bytes_used -= size
+        parts = space.parts[key]
         parts.discard(part)
         if not parts:
-            del self._parts[(namespace, key)]
+            del space.parts[key]
+        if not space.parts:
+            del self._namespaces[namespace]

@@ -11,6 +11,7 @@ checksum every payload travels with, on the gRPC and the bulk path alike.
 from __future__ import annotations
 
 import struct
+import sys
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -121,12 +122,18 @@ def batched_by_size(
     size_of: Callable[[ItemT], int],
     max_bytes: int,
     group_of: Callable[[ItemT], Hashable] = lambda item: None,
+    max_items: int = sys.maxsize,
 ) -> Iterator[list[ItemT]]:
-    """Consecutive runs of `items` of one group, each about `max_bytes` (an oversize item alone)."""
+    """Consecutive runs of `items` of one group, each about `max_bytes` (an oversize item alone)
+    and of at most `max_items`."""
     batch: list[ItemT] = []
     size = 0
     for item in items:
-        if batch and (size + size_of(item) > max_bytes or group_of(item) != group_of(batch[0])):
+        if batch and (
+            size + size_of(item) > max_bytes
+            or len(batch) >= max_items
+            or group_of(item) != group_of(batch[0])
+        ):
             yield batch
             batch, size = [], 0
         batch.append(item)

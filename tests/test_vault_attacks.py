@@ -1,0 +1,418 @@
+"""A hostile peer against a real `tierkv vault` process on loopback, one attack per test.
+
+Each attack is what issue 10 found taking the vault out of service. During every attack a normal
+client's Put + Lookup + Promote of a few blocks must still succeed within its deadline, the
+vault's resident memory stay under its cap + 256 MiB, and no acknowledged block of another
+client be lost. Limits are configured low so each attack runs in seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+from tierkv.vault.bulk import HEADER, MAGIC, PROMOTE_REPLY, PUT
+from tierkv.vault.client import VaultClient
+from tierkv.vault.wire import block_checksum, encode_bulk
+
+MIB = 1024 * 1024
+CAP = 256 * MIB
+DEADLINE_S = 2.0
+PROMOTE_DEADLINE_S = 5.0
+STALL_MARGIN_S = 1.5
+"""How far past its deadline a normal call may return on a loaded 2-core machine."""
+LOW_LIMITS = """
+[limits]
+handshake_timeout_s = 1.0
+idle_timeout_s = 5.0
+stall_timeout_s = 2.0
+max_connections_per_client = 32
+max_concurrent_rpcs = 16
+stream_timeout_s = 3.0
+max_inflight_bytes = "64MiB"
+max_message_bytes = "16MiB"
+"""
+VICTIM_NS = b"v" * 16
+ATTACKER_NS = b"a" * 16
+WORST_STALL: dict[str, float] = {}
+"""Attack → the slowest normal call during it, in seconds (printed for the closing note)."""
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture
+def vault(vault_factory: Callable[..., Any]) -> Any:
+    handle = vault_factory(max_bytes="256MiB", subprocess=True, config=LOW_LIMITS)
+    with VaultClient(handle.address) as client:
+        handle.bulk_port = client.bulk_path()[0]
+        for i in range(8):  # the victim's acknowledged blocks, checked after each attack
+            client.put(VICTIM_NS, key(i), 0, bytes([i + 1]) * 4096)
+        assert client.flush(timeout=10) and client.stored_puts == 8
+    return handle
+
+
+def normal_client_works(address: str, attack: str, tag: int) -> None:
+    """A normal client's Put + Lookup + Promote of four blocks, each within its deadline."""
+    ns = b"n" * 15 + bytes([tag])
+    blocks = {i: os.urandom(2048) for i in range(4)}
+    with VaultClient(
+        address, deadline_s=DEADLINE_S, promote_deadline_s=PROMOTE_DEADLINE_S
+    ) as client:
+        started = time.monotonic()
+        for i, payload in blocks.items():
+            client.put(ns, key(i), 0, payload)
+        assert client.flush(timeout=DEADLINE_S + 4 * STALL_MARGIN_S), client.counters()
+        put_s = time.monotonic() - started
+        started = time.monotonic()
+        assert client.lookup(ns, [key(i) for i in blocks], [0]) == len(blocks)
+        lookup_s = time.monotonic() - started
+        started = time.monotonic()
+        found = client.promote(ns, [key(i) for i in blocks], [0])
+        promote_s = time.monotonic() - started
+        assert {k: bytes(v) for k, v in found.items()} == {(i, 0): p for i, p in blocks.items()}
+    assert lookup_s < DEADLINE_S + STALL_MARGIN_S
+    assert promote_s < PROMOTE_DEADLINE_S + STALL_MARGIN_S
+    WORST_STALL[attack] = max(WORST_STALL.get(attack, 0.0), put_s, lookup_s, promote_s)
+
+
+def vault_is_whole(vault: Any) -> None:
+    """The vault process lives, stays under cap + 256 MiB, and kept the victim's blocks."""
+    assert vault.process.poll() is None, "the vault died"
+    assert rss_bytes(vault.process.pid) < CAP + 256 * MIB
+    with VaultClient(vault.address) as client:
+        found = client.promote(VICTIM_NS, [key(i) for i in range(8)], [0])
+        assert {k: bytes(v) for k, v in found.items()} == {
+            (i, 0): bytes([i + 1]) * 4096 for i in range(8)
+        }
+
+
+def closed_by_vault(sock: socket.socket, timeout: float) -> bool:
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_idle_bulk_connections_neither_block_clients_nor_stay(vault: Any) -> None:
+    idle = []
+    for _ in range(256):
+        with contextlib.suppress(OSError):  # the backlog is full: refused is fine too
+            idle.append(socket.create_connection(("127.0.0.1", vault.bulk_port), timeout=5))
+    try:
+        normal_client_works(vault.address, "256 idle bulk connections", 1)
+        # Past the handshake timeout every one of them is gone.
+        assert all(closed_by_vault(sock, 10) for sock in idle)
+    finally:
+        for sock in idle:
+            sock.close()
+    normal_client_works(vault.address, "256 idle bulk connections", 2)
+    vault_is_whole(vault)
+
+
+def _health_answers(channel: grpc.Channel) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S)
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _ended_by_vault(calls: list[Any], streamed: bool = False) -> list[grpc.StatusCode]:
+    """How each held-open call ended (the vault ends them all: limit or stream_timeout_s)."""
+    codes = []
+    for call in calls:
+        try:
+            list(call) if streamed else call.result(timeout=15)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+    return codes
+
+
+def test_put_streams_nobody_finishes_are_limited_and_cancelled(vault: Any) -> None:
+    stop = threading.Event()
+
+    def never_ending() -> Iterator[bytes]:
+        stop.wait(30)
+        yield from ()
+
+    with grpc.insecure_channel(vault.address) as channel:
+        put = channel.stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
+        puts = [put.future(never_ending()) for _ in range(32)]
+        try:
+            time.sleep(0.5)
+            normal_client_works(vault.address, "32 Put streams never finished", 3)
+            _health_answers(channel)
+            codes = _ended_by_vault(puts)
+        finally:
+            stop.set()
+    assert set(codes) == {grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+    vault_is_whole(vault)
+
+
+def test_promote_streams_nobody_reads_are_limited_and_cancelled(vault: Any) -> None:
+    big = os.urandom(4 * MIB)
+    with VaultClient(vault.address) as attacker:  # something worth promoting
+        for i in range(8):
+            attacker.put(ATTACKER_NS, key(i), 0, big)
+        assert attacker.flush(timeout=30)
+    request = vault_pb2.PromoteRequest(
+        namespace=ATTACKER_NS, keys=[key(i) for i in range(8)], parts=[0]
+    )
+    with grpc.insecure_channel(vault.address) as channel:
+        stub = vault_pb2_grpc.VaultStub(channel)
+        promotes = [stub.Promote(request, timeout=60) for _ in range(40)]  # nobody reads
+        time.sleep(0.5)
+        normal_client_works(vault.address, "40 Promote streams never read", 8)
+        _health_answers(channel)
+        time.sleep(4)  # past stream_timeout_s: the vault cancelled what it was still sending
+        codes = _ended_by_vault(promotes, streamed=True)
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    assert set(codes) <= {
+        grpc.StatusCode.OK,  # read after all, once the vault had sent everything
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+    vault_is_whole(vault)
+
+
+def test_a_huge_promote_or_lookup_is_refused_at_once(vault: Any) -> None:
+    keys = [os.urandom(16) for _ in range(10_000)]
+    request = vault_pb2.PromoteRequest(namespace=ATTACKER_NS, keys=keys, parts=range(10_000))
+    assert 150_000 < request.ByteSize() < 300_000  # one ~200 KB request
+    with grpc.insecure_channel(vault.address) as channel:
+        stub = vault_pb2_grpc.VaultStub(channel)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failure:
+            list(stub.Promote(request, timeout=10))
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max_blocks_per_request" in (failure.value.details() or "")
+        lookup = vault_pb2.LookupRequest(namespace=ATTACKER_NS, keys=keys, parts=range(10_000))
+        with pytest.raises(grpc.RpcError) as failure:
+            stub.Lookup(lookup, timeout=10)
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert time.monotonic() - started < 5
+        # Within the limit, a big request shares the store: 8 of them at once, while others run.
+        big = vault_pb2.LookupRequest(namespace=VICTIM_NS, keys=keys[:6000], parts=range(10))
+        calls = [stub.Lookup.future(big, timeout=30) for _ in range(8)]
+        normal_client_works(vault.address, "10,000 keys x 10,000 parts Promote/Lookup", 4)
+        assert all(call.result().present == 0 for call in calls)
+    vault_is_whole(vault)
+
+
+def test_an_empty_parts_lookup_finds_nothing(vault: Any) -> None:
+    with grpc.insecure_channel(vault.address) as channel:
+        stub = vault_pb2_grpc.VaultStub(channel)
+        request = vault_pb2.LookupRequest(namespace=VICTIM_NS, keys=[key(0), key(99)])
+        assert stub.Lookup(request, timeout=5).present == 0
+
+
+def _bulk_frame(index: vault_pb2.PutIndex, data: bytes = b"") -> bytes:
+    raw = index.SerializeToString()
+    return HEADER.pack(MAGIC, PUT, len(raw), len(data)) + raw + data
+
+
+def closed_or_refused(sock: socket.socket, timeout: float = 10) -> bool:
+    """The vault closed the connection, or answered a PUT summary storing nothing."""
+    sock.settimeout(timeout)
+    try:
+        head = sock.recv(HEADER.size, socket.MSG_WAITALL)
+    except ConnectionResetError:
+        return True
+    if not head:
+        return True
+    _, _, index_len, _ = HEADER.unpack(head)
+    summary = vault_pb2.PutSummary.FromString(sock.recv(index_len, socket.MSG_WAITALL))
+    return summary.stored == 0
+
+
+def test_frames_of_zero_length_payloads_cost_little_and_store_nothing(vault: Any) -> None:
+    millions = vault_pb2.PutIndex(namespace=ATTACKER_NS)
+    millions.keys.extend([b"k"] * 2_000_000)
+    millions.parts.extend([0] * 2_000_000)
+    millions.lengths.extend([0] * 2_000_000)
+    millions.checksums.extend([0] * 2_000_000)
+    within = vault_pb2.PutIndex(namespace=ATTACKER_NS)
+    for i in range(60_000):
+        within.keys.append(key(i))
+        within.parts.append(0)
+        within.lengths.append(0)
+        within.checksums.append(block_checksum(ATTACKER_NS, key(i), 0, b""))
+    frames = [_bulk_frame(millions), _bulk_frame(within)]
+    sockets = [socket.create_connection(("127.0.0.1", vault.bulk_port)) for _ in frames]
+
+    def send(sock: socket.socket, frame: bytes) -> None:
+        with contextlib.suppress(OSError):  # the vault may close before it is all sent
+            sock.sendall(frame)
+
+    for sock, frame in zip(sockets, frames, strict=True):
+        threading.Thread(target=send, args=(sock, frame), daemon=True).start()
+    normal_client_works(vault.address, "bulk frames of 2M / 60k zero-length payloads", 5)
+    assert all(closed_or_refused(sock) for sock in sockets)
+    for sock in sockets:
+        sock.close()
+    with VaultClient(vault.address) as client:
+        assert client.lookup(ATTACKER_NS, [key(0)], [0]) == 0
+    vault_is_whole(vault)
+
+
+def test_oversize_payloads_are_refused_before_they_are_received(vault: Any) -> None:
+    headers = [
+        HEADER.pack(MAGIC, PUT, 0, 12 * 1024**3),  # 12 GiB claimed
+        *[HEADER.pack(MAGIC, PUT, 0, 300 * MIB) for _ in range(4)],  # each over the cap
+    ]
+    sockets = [socket.create_connection(("127.0.0.1", vault.bulk_port)) for _ in headers]
+    for sock, header in zip(sockets, headers, strict=True):
+        sock.sendall(header)
+    sent_after = []
+
+    def stream_junk(sock: socket.socket) -> None:
+        sent = 0
+        try:
+            chunk = b"\0" * MIB
+            while sent < 300 * MIB:
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except OSError:
+            pass
+        sent_after.append(sent)
+
+    threads = [threading.Thread(target=stream_junk, args=(s,)) for s in sockets[1:]]
+    for thread in threads:
+        thread.start()
+    # Over gRPC: a message over limits.max_message_bytes.
+    with grpc.insecure_channel(vault.address, options=[("grpc.max_send_message_length", -1)]) as ch:
+        put = ch.stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
+        payload = b"\0" * (40 * MIB)
+        index = vault_pb2.PutIndex(
+            namespace=ATTACKER_NS, keys=[key(1)], parts=[0], lengths=[len(payload)], checksums=[0]
+        )
+        with pytest.raises(grpc.RpcError) as failure:
+            put(iter([encode_bulk(index, [payload])]), timeout=20)
+        assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    normal_client_works(vault.address, "12 GiB header + 4 frames over the cap", 6)
+    for thread in threads:
+        thread.join(timeout=30)
+    assert all(closed_by_vault(sock, 10) for sock in sockets)
+    assert max(sent_after) < 300 * MIB  # nobody received them whole
+    for sock in sockets:
+        sock.close()
+    vault_is_whole(vault)
+
+
+def test_tiny_blocks_and_long_keys_cannot_outgrow_the_cap(vault: Any) -> None:
+    with VaultClient(vault.address, max_pending_bytes=512 * MIB) as attacker:
+        for i in range(400_000):  # 400k entries of 1049 bytes: more than the cap
+            attacker.put(ATTACKER_NS, struct.pack("<Q", i), 0, b"x")
+            if i % 100_000 == 0:
+                attacker.flush(timeout=60)
+        long_key = b"k" * MIB
+        for i in range(50):
+            attacker.put(ATTACKER_NS, long_key + bytes([i]), 0, b"y")
+            attacker.put(b"n" * MIB + bytes([i]), key(i), 0, b"z")
+        attacker.flush(timeout=120)
+        assert attacker.lookup(ATTACKER_NS, [long_key + b"\0"], [0]) == 0  # refused
+        stats = attacker.stats()
+    assert stats.bytes_used <= CAP
+    assert stats.evictions > 0
+    normal_client_works(vault.address, "400k one-byte blocks, 1 MiB keys and namespaces", 7)
+    # The victim's blocks were evicted by the flood (a cache), but the vault stays bounded.
+    assert vault.process.poll() is None
+    assert rss_bytes(vault.process.pid) < CAP + 256 * MIB
+
+
+class _EvilVault(vault_pb2_grpc.VaultServicer):
+    """A gRPC face that points clients at a hostile bulk port."""
+
+    def __init__(self, bulk_port: int) -> None:
+        self.bulk_port = bulk_port
+
+    def Hello(self, request: Any, context: Any) -> vault_pb2.HelloReply:
+        return vault_pb2.HelloReply(bulk_port=self.bulk_port)
+
+
+def _hostile_bulk_peer(reply: Callable[[socket.socket], None]) -> tuple[socket.socket, int]:
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=reply, args=(sock,), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return listener, listener.getsockname()[1]
+
+
+def _trickle(sock: socket.socket) -> None:
+    try:
+        sock.recv(1 << 16)
+        for byte in HEADER.pack(MAGIC, PROMOTE_REPLY, 0, 1 << 20) * 100:
+            sock.sendall(bytes([byte]))
+            time.sleep(0.3)
+    except OSError:
+        pass
+
+
+def _claim_a_terabyte(sock: socket.socket) -> None:
+    try:
+        sock.recv(1 << 16)
+        index = vault_pb2.PromoteIndex(key_indices=[0], parts=[0], lengths=[1 << 40])
+        raw = index.SerializeToString()
+        sock.sendall(HEADER.pack(MAGIC, PROMOTE_REPLY, len(raw), 1 << 40) + raw)
+        time.sleep(30)
+    except OSError:
+        pass
+
+
+@pytest.mark.parametrize("peer", [_trickle, _claim_a_terabyte], ids=["trickle", "terabyte"])
+def test_a_hostile_bulk_peer_costs_a_promote_its_deadline_and_never_raises(
+    peer: Callable[[socket.socket], None], free_port: int
+) -> None:
+    listener, bulk_port = _hostile_bulk_peer(peer)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    vault_pb2_grpc.add_VaultServicer_to_server(_EvilVault(bulk_port), server)
+    server.add_insecure_port(f"127.0.0.1:{free_port}")
+    server.start()
+    try:
+        with VaultClient(f"127.0.0.1:{free_port}", deadline_s=1.0, promote_deadline_s=2.0) as c:
+            started = time.monotonic()
+            assert c.promote(VICTIM_NS, [key(0)], [0]) == {}
+            took = time.monotonic() - started
+            assert c.failed_calls >= 1
+        WORST_STALL[f"hostile bulk peer ({peer.__name__})"] = took
+        assert took < 2.0 + 0.1 + STALL_MARGIN_S
+    finally:
+        server.stop(grace=0)
+        listener.close()
+
+
+def test_print_worst_stalls() -> None:
+    """Not a check: the figures for the closing note (run with -s)."""
+    for attack, seconds in sorted(WORST_STALL.items()):
+        print(f"{attack}: worst normal call {seconds:.2f} s")

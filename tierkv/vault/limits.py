@@ -1,0 +1,169 @@
+"""The vault's limits on what one peer may ask (`[limits]` of tierkv.toml), enforced the same way
+on the gRPC and the bulk port, so that no request or connection takes the vault from the others.
+
+- `request_problem` / `block_problem`: a Lookup/Promote/Delete or a stored block beyond the
+  limits (keys x parts, key and namespace length, zero-length payloads), in words.
+- `ByteBudget`: payload bytes being received at once; a frame waits for room before its payload
+  is read, so many large frames at once cannot grow the vault past its cap.
+- `ConnectionSlots`: bulk connections at once, in all and per client address.
+- `StreamGuard`: gRPC Put and Promote streams at once (at most half of the calls, so unary calls
+  and health checks always find a thread) and a vault-side deadline that cancels a stream nobody
+  finishes or reads.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from tierkv.config import LimitsConfig
+
+Handler = Callable[[Any, grpc.ServicerContext], Any]
+
+
+def request_problem(limits: LimitsConfig, keys: int, parts: int) -> str | None:
+    """Why a request of `keys` x `parts` blocks is refused; None when it is within limits."""
+    if keys * parts > limits.max_blocks_per_request:
+        return (
+            f"{keys} keys x {parts} parts exceeds limits.max_blocks_per_request"
+            f" ({limits.max_blocks_per_request})"
+        )
+    return None
+
+
+def block_problem(limits: LimitsConfig, namespace: bytes, key: bytes, size: int) -> str | None:
+    """Why one block of a Put is refused before it is looked at; None when it may be stored."""
+    if size == 0:
+        return "zero-length payload"
+    if len(key) > limits.max_key_bytes:
+        return f"key of {len(key)} bytes exceeds limits.max_key_bytes ({limits.max_key_bytes})"
+    if len(namespace) > limits.max_namespace_bytes:
+        return (
+            f"namespace of {len(namespace)} bytes exceeds limits.max_namespace_bytes"
+            f" ({limits.max_namespace_bytes})"
+        )
+    return None
+
+
+class ByteBudget:
+    """At most `capacity` bytes held at once; `acquire` waits for room up to a deadline."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._held = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, size: int, timeout_s: float) -> bool:
+        """Hold `size` bytes; False when they never fit (larger than capacity) or time ran out."""
+        if size > self.capacity:
+            return False
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._held + size <= self.capacity, timeout_s):
+                return False
+            self._held += size
+            return True
+
+    def release(self, size: int) -> None:
+        with self._cond:
+            self._held -= size
+            self._cond.notify_all()
+
+
+class ConnectionSlots:
+    """Counts connections in all and per client address; `take` refuses beyond the limits."""
+
+    def __init__(self, total: int, per_address: int) -> None:
+        self._total = total
+        self._per_address = per_address
+        self._lock = threading.Lock()
+        self._by_address: dict[str, int] = {}
+
+    def take(self, address: str) -> bool:
+        with self._lock:
+            held = self._by_address.get(address, 0)
+            if sum(self._by_address.values()) >= self._total or held >= self._per_address:
+                return False
+            self._by_address[address] = held + 1
+            return True
+
+    def give_back(self, address: str) -> None:
+        with self._lock:
+            held = self._by_address.pop(address) - 1
+            if held:
+                self._by_address[address] = held
+
+
+class StreamGuard:
+    """Wraps the streaming gRPC handlers: at most `max_streams` at once (more: RESOURCE_EXHAUSTED)
+    and each cancelled `timeout_s` after it started (one watchdog thread for all of them)."""
+
+    def __init__(self, max_streams: int, timeout_s: float) -> None:
+        self._slots = threading.BoundedSemaphore(max_streams)
+        self._max_streams = max_streams
+        self._timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._deadlines: list[tuple[float, int]] = []  # (when, stream number), a heap
+        self._open: dict[int, grpc.ServicerContext] = {}  # stream number → its call
+        self._count = 0
+        threading.Thread(target=self._watch, name="tierkv-stream-deadlines", daemon=True).start()
+
+    def stream_unary(self, method: Handler) -> Handler:
+        def guarded(requests: Any, context: grpc.ServicerContext) -> Any:
+            number = self._enter(context)
+            try:
+                return method(requests, context)
+            finally:
+                self._leave(number)
+
+        return guarded
+
+    def unary_stream(
+        self, method: Callable[[Any, grpc.ServicerContext], Iterator[Any]]
+    ) -> Callable:
+        def guarded(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            number = self._enter(context)
+            try:
+                yield from method(request, context)
+            finally:
+                self._leave(number)
+
+        return guarded
+
+    def _enter(self, context: grpc.ServicerContext) -> int:
+        """A slot and a deadline for this stream (its number); aborts when none is free."""
+        if not self._slots.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the vault serves at most {self._max_streams} Put/Promote streams at once",
+            )
+        with self._cond:
+            self._count += 1
+            self._open[self._count] = context
+            heapq.heappush(self._deadlines, (time.monotonic() + self._timeout_s, self._count))
+            self._cond.notify()
+            return self._count
+
+    def _leave(self, number: int) -> None:
+        with self._cond:
+            del self._open[number]
+        self._slots.release()
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                while not self._deadlines:
+                    self._cond.wait()
+                deadline, number = self._deadlines[0]
+                wait = deadline - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                heapq.heappop(self._deadlines)
+                context = self._open.get(number)
+            if context is not None:
+                context.cancel()
