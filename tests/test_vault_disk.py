@@ -9,7 +9,7 @@ import pytest
 
 from tierkv.config import MIB
 from tierkv.vault.disk import DiskLockedError, DiskTier
-from tierkv.vault.store import VaultStore
+from tierkv.vault.store import VaultStore, entry_bytes
 from tierkv.vault.wire import block_checksum
 
 NS = b"n" * 16
@@ -165,7 +165,7 @@ def test_a_store_with_a_disk_tier_spills_reads_through_and_keeps_request_order(
     tmp_path: Path,
 ) -> None:
     disk = DiskTier(tmp_path / "disk", 64 * MIB)
-    store = VaultStore(max_bytes=3000, disk=disk)
+    store = VaultStore(max_bytes=3 * entry_bytes(NS, key(0), 1000), disk=disk)  # 3 entries
     for i in range(10):
         data = payload(i)
         assert store.put(NS, key(i), 0, data, block_checksum(NS, key(i), 0, data)) is None
