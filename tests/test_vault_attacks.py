@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+from conftest import SLOW_BOX_MARGIN_S
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
@@ -31,7 +32,7 @@ MIB = 1024 * 1024
 CAP = 256 * MIB
 DEADLINE_S = 2.0
 PROMOTE_DEADLINE_S = 5.0
-STALL_MARGIN_S = 1.5
+STALL_MARGIN_S = SLOW_BOX_MARGIN_S
 """How far past its deadline a normal call may return on a loaded 2-core machine."""
 LOW_LIMITS = """
 [limits]
@@ -406,7 +407,7 @@ def test_a_hostile_bulk_peer_costs_a_promote_its_deadline_and_never_raises(
             took = time.monotonic() - started
             assert c.failed_calls >= 1
         WORST_STALL[f"hostile bulk peer ({peer.__name__})"] = took
-        assert took < 2.0 + 0.1 + STALL_MARGIN_S
+        assert took < 2.0 + STALL_MARGIN_S  # ~2.0 s measured; the margin is for a loaded box
     finally:
         server.stop(grace=0)
         listener.close()
