@@ -6,7 +6,7 @@
 
 `vault_factory` (fixture, callable)
     ``vault_factory(max_bytes="1GiB", *, role="kv_cold", subprocess=False, bulk=True,
-    args=(), config="") -> VaultHandle``
+    args=(), config="", token=None) -> VaultHandle``
     (max_bytes: bytes, a size string, or "unlimited") starts a REAL vault on 127.0.0.1 on a
     free port and returns a handle with:
       ``.address``  "127.0.0.1:PORT", ready to pass to VaultClient / tierkv.toml
@@ -18,7 +18,8 @@
     ``.log_path``) and
     ``.kill()`` SIGKILLs it, e.g. to test what clients do when a vault dies; ``args`` are more
     ``tierkv vault`` options (e.g. ``["--disk-dir", str(path)]``) and ``config`` the text of its
-    tierkv.toml (e.g. low ``[limits]``). ``bulk=False``
+    tierkv.toml (e.g. low ``[limits]``, ``[security]``) and ``token`` one it accepts (to see it
+    ready). ``bulk=False``
     starts an in-process vault without its bulk data path (clients then use gRPC alone). The
     handle is ready
     (health SERVING) when returned; no process is left behind after the test.
@@ -111,8 +112,10 @@ class VaultHandle:
         self.process.wait()
 
 
-def _wait_serving(address: str, process: subprocess.Popen[bytes] | None = None) -> None:
-    client = VaultClient(address, deadline_s=1.0)
+def _wait_serving(
+    address: str, process: subprocess.Popen[bytes] | None = None, token: str | None = None
+) -> None:
+    client = VaultClient(address, deadline_s=1.0, token=token)
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
@@ -162,6 +165,7 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
         bulk: bool = True,
         args: Sequence[str] = (),
         config: str = "",
+        token: str | None = None,
     ) -> VaultHandle:
         if subprocess:
             port = pick_free_port()
@@ -172,7 +176,7 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
                 address=f"{LOOPBACK}:{port}", port=port, process=process, log_path=log_path
             )
             handles.append(handle)
-            _wait_serving(handle.address, process)
+            _wait_serving(handle.address, process, token)
         else:
             bulk_port = 0 if bulk else None
             server = serve(

@@ -206,7 +206,8 @@ def test_example_toml_documents_every_key_and_loads() -> None:
     cfg = load_config(example)
     document = tomlkit.parse(example.read_text()).unwrap()
     defaults = TierKVConfig()
-    for section in ("cluster", "vault", "limits", "client", "turbo_quant", "connector", "exo"):
+    sections = ("cluster", "vault", "security", "limits", "client", "turbo_quant", "connector")
+    for section in (*sections, "exo"):
         names = {f.name for f in fields(getattr(defaults, section))}
         written = set(document.get(section, {}))
         commented = set(re.findall(rf"^#\s*({'|'.join(names)})\s*=", example.read_text(), re.M))

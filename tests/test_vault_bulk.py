@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.bulk import HEADER, MAGIC, PUT, ReceiveBuffers
+from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PUT, WELCOME, ReceiveBuffers
 from tierkv.vault.client import VaultClient
 from tierkv.vault.memory import HUGE_PAGE_TUNABLE, with_huge_pages
 from tierkv.vault.server import VaultBindError, serve
@@ -81,7 +81,14 @@ def test_a_restarted_vault_is_reached_again_without_a_failed_call(free_port: int
 
 
 def _bulk_socket(port: int) -> socket.socket:
-    return socket.create_connection(("127.0.0.1", port), timeout=10)
+    """A raw connection to the bulk port, past the vault's challenge (a vault without tokens)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    _, kind, index_len, _ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+    assert kind == CHALLENGE and sock.recv(index_len, socket.MSG_WAITALL) is not None
+    sock.sendall(HEADER.pack(MAGIC, AUTH, 0, 0))
+    _, kind, index_len, _ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+    assert kind == WELCOME and (index_len == 0 or sock.recv(index_len, socket.MSG_WAITALL))
+    return sock
 
 
 def _closed_by_vault(sock: socket.socket) -> bool:

@@ -215,6 +215,23 @@ class VaultConfig:
 
 
 @dataclass(frozen=True)
+class SecurityConfig:
+    """Tokens and TLS (tierkv/vault/auth.py); paths of files, never secrets themselves.
+
+    A vault uses token_file (its tokens, tenants), tls_cert/tls_key (its certificate) and
+    client_ca (require client certificates signed by it); a client uses token_file (its token,
+    unless $TIERKV_TOKEN is set), tls_ca (verify the vault's certificate: TLS on) and
+    tls_cert/tls_key (its own certificate, for a vault with client_ca).
+    """
+
+    token_file: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    client_ca: str | None = None
+    tls_ca: str | None = None
+
+
+@dataclass(frozen=True)
 class LimitsConfig:
     """What one peer may ask of a vault; beyond it a request is refused, the vault serves on."""
 
@@ -299,6 +316,7 @@ class TierKVConfig:
     vault: VaultConfig = field(default_factory=VaultConfig)
     client: ClientConfig = field(default_factory=ClientConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     turbo_quant: TurboQuantConfig = field(default_factory=TurboQuantConfig)
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     exo: ExoConfig = field(default_factory=ExoConfig)
@@ -392,6 +410,12 @@ def _cold_endpoints(value: Any) -> tuple[Endpoint, ...]:
     return endpoints
 
 
+def _path(value: Any) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"expected a file path, got {value!r}")
+    return str(Path(value).expanduser())
+
+
 def _listen_address(value: Any) -> str:
     parse_address(value, allow_port_zero=True)
     return str(value)
@@ -411,6 +435,16 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "disk_dir": _string,
             "disk_max_bytes": _positive_size,
             "fsync": _one_of(FSYNC_MODES),
+        },
+    ),
+    "security": (
+        SecurityConfig,
+        {
+            "token_file": _path,
+            "tls_cert": _path,
+            "tls_key": _path,
+            "client_ca": _path,
+            "tls_ca": _path,
         },
     ),
     "limits": (

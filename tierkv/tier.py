@@ -88,7 +88,9 @@ class ColdTier:
         """A tier with the configured codec and a backend for each configured vault role."""
         endpoints = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
         vaults = {
-            name: open_backend(found, cfg.client) for name, found in endpoints.items() if found
+            name: open_backend(found, cfg.client, cfg.security)
+            for name, found in endpoints.items()
+            if found
         }
         warmup_codecs()
         codec = get_codec(cfg.turbo_quant.codec_name, group_size=cfg.turbo_quant.kv_dim)

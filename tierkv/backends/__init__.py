@@ -8,15 +8,18 @@ from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from tierkv.backends.base import Backend
-from tierkv.config import ClientConfig, Endpoint, is_redis_url
+from tierkv.config import ClientConfig, Endpoint, SecurityConfig, is_redis_url
 
 
-def open_one(address: str, client_cfg: ClientConfig) -> Backend:
-    """The backend of one address: a vault "host:port" or a redis[s][+cluster]:// URL."""
+def open_one(
+    address: str, client_cfg: ClientConfig, security: SecurityConfig | None = None
+) -> Backend:
+    """The backend of one address: a vault "host:port" (with the token and TLS of `security`)
+    or a redis[s][+cluster]:// URL."""
     if not is_redis_url(address):
         from tierkv.backends.vault import VaultBackend
 
-        return VaultBackend.from_config(address, client_cfg)
+        return VaultBackend.from_config(address, client_cfg, security)
     from tierkv.backends.redis import RedisBackend, RedisClusterBackend, connection_options
 
     if "+cluster" in address.partition("://")[0]:
@@ -26,10 +29,16 @@ def open_one(address: str, client_cfg: ClientConfig) -> Backend:
     return RedisBackend.connect(url.hostname or "", url.port or 6379, options, client_cfg, address)
 
 
-def open_backend(endpoints: Sequence[Endpoint], client_cfg: ClientConfig) -> Backend:
+def open_backend(
+    endpoints: Sequence[Endpoint],
+    client_cfg: ClientConfig,
+    security: SecurityConfig | None = None,
+) -> Backend:
     """One endpoint's backend, or several spread by weighted rendezvous hashing."""
     if len(endpoints) == 1:
-        return open_one(endpoints[0].address, client_cfg)
+        return open_one(endpoints[0].address, client_cfg, security)
     from tierkv.backends.sharded import WeightedShards
 
-    return WeightedShards([(open_one(e.address, client_cfg), e.weight) for e in endpoints])
+    return WeightedShards(
+        [(open_one(e.address, client_cfg, security), e.weight) for e in endpoints]
+    )

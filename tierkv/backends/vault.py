@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tierkv.config import ClientConfig
+from tierkv.config import ClientConfig, SecurityConfig
 from tierkv.vault.client import VaultClient, VaultStats
 
 
@@ -16,8 +16,10 @@ class VaultBackend:
         self.address = client.address
 
     @classmethod
-    def from_config(cls, address: str, client_cfg: ClientConfig) -> VaultBackend:
-        return cls(VaultClient.from_config(address, client_cfg))
+    def from_config(
+        cls, address: str, client_cfg: ClientConfig, security: SecurityConfig | None = None
+    ) -> VaultBackend:
+        return cls(VaultClient.from_config(address, client_cfg, security))
 
     def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
         self.client.put(namespace, key, part, payload)

@@ -32,7 +32,7 @@ from tierkv.config import (
     redact,
 )
 from tierkv.patches.exo import hook_state
-from tierkv.vault.client import TierStats
+from tierkv.vault.client import TierStats, VaultRefused, VaultStats
 
 VAULT_COLUMNS = {
     "address": "address",
@@ -40,6 +40,7 @@ VAULT_COLUMNS = {
     "rtt_ms": "rtt ms",
     "bulk": "bulk port",
     "role": "role",
+    "auth": "auth",
     "entries": "entries",
     "used": "used / cap",
     "share": "share (entries / bytes)",
@@ -86,7 +87,7 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
 
     A Redis Cluster's nodes are summed into its row; `bulk_port` is None for Valkey / Redis.
     """
-    backend = open_one(address, cfg.client)
+    backend = open_one(address, cfg.client, cfg.security)
     bulk_port: int | None = None
     bulk_reachable = False
     try:
@@ -94,6 +95,9 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
         nodes = backend.stats()
         if isinstance(backend, VaultBackend):
             bulk_port, bulk_reachable = backend.client.bulk_path()
+    except VaultRefused as exc:  # up, but not for us: unusable all the same
+        row = {"name": name, "address": redact(address), "up": False, "error": str(exc)}
+        return {**row, "auth": "required, refused"}
     except VaultUnavailable as exc:
         return {"name": name, "address": redact(address), "up": False, "error": str(exc)}
     finally:
@@ -116,9 +120,20 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
         "rejected": sum(s.rejected for s in nodes),
         "uptime_s": round(min(s.uptime_s for s in nodes), 1),
         "version": nodes[0].version,
+        "auth": _auth(backend, nodes[0]),
+        "insecure": nodes[0].insecure,  # --insecure beyond loopback: anyone may call
+        "tls": nodes[0].tls,
+        "tenant": nodes[0].tenant,
         "ram": _tier_sum([s.ram for s in nodes]),
         "disk": _tier_sum([s.disk for s in nodes]),  # None: RAM only
     }
+
+
+def _auth(backend: object, stats: VaultStats) -> str:
+    """Whether the vault wants a token (ours was accepted, or stats would have failed)."""
+    if not isinstance(backend, VaultBackend):
+        return "n/a (redis)"
+    return "required, accepted" if stats.auth_required else "none"
 
 
 def check_vaults(cfg: TierKVConfig, addresses: list[str]) -> CheckResult:
@@ -174,7 +189,11 @@ def _cell(row: dict[str, Any], key: str) -> str:
     if key == "up":
         return "[green]up[/green]" if row["up"] else "[red]down[/red]"
     if not row["up"]:
-        return str(row.get(key, "")) if key in ("name", "address") else ""
+        return str(row.get(key, "")) if key in ("name", "address", "auth") else ""
+    if key == "auth":
+        text = row["auth"] + (", TLS" if row["tls"] else "")
+        text += f", tenant {row['tenant']}" if row["tenant"] else ""
+        return "[red]none: --insecure, open to the LAN[/red]" if row["insecure"] else text
     if key == "used":
         return _used(row["bytes_used"], row["max_bytes"])
     if key == "share":

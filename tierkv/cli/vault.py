@@ -28,6 +28,7 @@ from tierkv.config import (
     parse_size,
     physical_ram_bytes,
 )
+from tierkv.vault.auth import Tokens, configured_tokens, is_loopback
 from tierkv.vault.disk import DiskLockedError, DiskTier, default_max_bytes
 from tierkv.vault.memory import reuse_freed_memory
 from tierkv.vault.server import VaultBindError, serve
@@ -79,6 +80,14 @@ def vault(
             "space)."
         ),
     ] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="Listen beyond loopback without authentication: anyone who reaches the vault "
+            "may read, overwrite and delete every block (said at start-up and in tierkv status).",
+        ),
+    ] = False,
 ) -> None:
     """Run a vault: a byte-capped store of KV blocks for engines on the LAN, in RAM (and on disk
     with --disk-dir)."""
@@ -91,9 +100,22 @@ def vault(
         raise _fail(f"--role: expected one of {', '.join(VAULT_ROLES)}, got {role!r}", 2)
     listen = listen or cfg.vault.listen
     try:
-        parse_address(listen, allow_port_zero=True)
+        host, _ = parse_address(listen, allow_port_zero=True)
     except ValueError as exc:
         raise _fail(f"--listen: {exc}", 2) from None
+    try:
+        entries = configured_tokens(cfg.security)
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from None
+    tokens = Tokens(entries) if entries else None
+    authenticated = tokens is not None or cfg.security.client_ca is not None
+    open_to_lan = not is_loopback(host)
+    if open_to_lan and not authenticated and not insecure:
+        raise _fail(
+            f"refusing to listen on {listen}, beyond loopback, without authentication: set "
+            "[security] token_file (or $TIERKV_TOKEN, or client_ca), or pass --insecure",
+            2,
+        )
     if max_bytes is not None:
         try:
             cap = parse_max_bytes(max_bytes)
@@ -111,11 +133,21 @@ def vault(
     disk = _open_disk(cfg, disk_dir, disk_max_bytes)
     try:
         bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
-        server = serve(listen, cap, role=role, bulk_port=bulk, disk=disk, limits=cfg.limits)
-    except VaultBindError as exc:
+        server = serve(
+            listen,
+            cap,
+            role=role,
+            bulk_port=bulk,
+            disk=disk,
+            limits=cfg.limits,
+            tokens=tokens,
+            security=cfg.security,
+            insecure=open_to_lan and not authenticated,
+        )
+    except (VaultBindError, ConfigError) as exc:
         if disk:
             disk.close()
-        raise _fail(str(exc), 1) from None
+        raise _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1) from None
 
     stop = threading.Event()
 
@@ -127,8 +159,13 @@ def vault(
     cap_text = "unlimited" if cap == 0 else format_size(cap)
     typer.echo(
         f"tierkv vault: {role} listening on {server.address} (bulk data on port "
-        f"{server.bulk_port}), cap {cap_text} ({origin})"
+        f"{server.bulk_port}), cap {cap_text} ({origin}); {_access_text(tokens, cfg)}"
     )
+    if open_to_lan and not authenticated:
+        typer.echo(
+            f"tierkv vault: WARNING --insecure: no authentication on {listen}; anyone who "
+            "reaches it can read, overwrite and delete every block"
+        )
     stop.wait()
     typer.echo("tierkv vault: stopping")
     server.stop(grace=STOP_GRACE_S)
@@ -140,6 +177,14 @@ def vault(
             + (f"; {left} blocks did not reach the disk in {FLUSH_TIMEOUT_S:.0f} s" if left else "")
         )
     typer.echo("tierkv vault: stopped")
+
+
+def _access_text(tokens: Tokens | None, cfg: TierKVConfig) -> str:
+    """How callers are admitted, for the start-up line (never a token)."""
+    parts = [f"auth: {tokens.describe()}" if tokens else "auth: none"]
+    if cfg.security.tls_cert:
+        parts.append("mutual TLS" if cfg.security.client_ca else "TLS")
+    return ", ".join(parts)
 
 
 def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -> DiskTier | None:

@@ -6,9 +6,11 @@ travel here: the sender writes them straight from their buffers and the receiver
 straight into the buffers it keeps (the vault: one per stored payload; the client: one per run
 of payloads). The frame format is documented at the top of proto/tierkv/v1/vault.proto.
 
-Vault side: `BulkServer(host, port, handler)` listens and answers frames on a thread per
+Vault side: `BulkServer(host, port, handler, ...)` listens and answers frames on a thread per
 connection, calling `handler.put_blocks` / `handler.promote_blocks`; `stop()` closes everything.
-Client side: `BulkConnection(host, port, timeout_s)` sends one request at a time (`put`,
+Each connection starts with the vault's challenge (auth.py: the client proves its token, and so
+its tenant, before any frame), over TLS when the vault has a certificate.
+Client side: `BulkConnection(host, port, timeout_s, ...)` sends one request at a time (`put`,
 `promote`) and raises `BulkError` on any failure, after which the connection is unusable.
 """
 
@@ -16,7 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import select
 import socket
+import ssl
 import struct
 import sys
 import threading
@@ -29,13 +34,17 @@ from google.protobuf.message import DecodeError, Message
 
 from tierkv.config import KIB, MIB, LimitsConfig
 from tierkv.vault._pb import vault_pb2
+from tierkv.vault.auth import NONCE_BYTES, OPEN, Access, Tenant, proof
 from tierkv.vault.limits import ByteBudget, ConnectionSlots, request_problem
 from tierkv.vault.wire import batched_by_size, split_payloads
 
 MAGIC = b"TKVB"
 HEADER = struct.Struct("<4sBIQ")
 """magic, kind, index length, data length"""
-PUT, PUT_REPLY, PROMOTE, PROMOTE_REPLY = 1, 2, 3, 4
+PUT, PUT_REPLY, PROMOTE, PROMOTE_REPLY, CHALLENGE, AUTH, WELCOME = 1, 2, 3, 4, 5, 6, 7
+TLS_SEND_BYTES = 1 * MIB
+"""A TLS socket has no sendmsg: payloads are sent in slices of this, the deadline checked
+between them."""
 MAX_INDEX_BYTES = 16 * MIB
 """Larger index lengths are protocol errors (an index holds about 40 bytes per block, and a
 request at most limits.max_blocks_per_request blocks)."""
@@ -49,6 +58,8 @@ CLIENT_RUN_BYTES = 8 * MIB
 MAX_POOLED_BYTES = 1024 * MIB
 """The client keeps at most this many bytes of receive buffers for reuse (per process)."""
 HUGE_PAGE_BYTES = 2 * MIB
+MAX_AUTH_BYTES = 1024
+"""Larger AUTH frames are protocol errors (a proof is 32 bytes)."""
 MIN_FRAME_BYTES_PER_S = 1e6
 """The vault gives a frame limits.stall_timeout_s plus its bytes at this rate to arrive or leave
 (a peer trickling bytes is dropped then, however steady the trickle)."""
@@ -75,11 +86,11 @@ class BulkHandler(Protocol):
     """What the vault does with the frames (server.VaultServicer implements it)."""
 
     def put_blocks(
-        self, index: vault_pb2.PutIndex, payloads: Sequence[Payload]
+        self, index: vault_pb2.PutIndex, payloads: Sequence[Payload], tenant: Tenant
     ) -> vault_pb2.PutSummary: ...
 
     def promote_blocks(
-        self, request: vault_pb2.PromoteRequest
+        self, request: vault_pb2.PromoteRequest, tenant: Tenant
     ) -> tuple[vault_pb2.PromoteIndex, list[Payload]]: ...
 
 
@@ -114,6 +125,12 @@ def _send_frame(
     data_len = sum(len(p) for p in payloads)
     head = HEADER.pack(MAGIC, kind, len(index_bytes), data_len) + index_bytes
     buffers = [memoryview(head), *(memoryview(p) for p in payloads if len(p))]
+    if isinstance(sock, ssl.SSLSocket):
+        for buf in buffers:
+            for start in range(0, len(buf), TLS_SEND_BYTES):
+                deadline.arm(sock)
+                sock.sendall(buf[start : start + TLS_SEND_BYTES])
+        return
     first = 0  # buffers[first:] are still to send
     while first < len(buffers):
         deadline.arm(sock)
@@ -240,6 +257,8 @@ class BulkServer:
         limits: LimitsConfig,
         inflight: ByteBudget,
         max_bytes: int = 0,
+        access: Access | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -255,6 +274,8 @@ class BulkServer:
         self.port: int = self._listener.getsockname()[1]
         self._handler = handler
         self._limits = limits
+        self._tokens = access.tokens if access else None
+        self._tls = tls
         self._max_frame_bytes = min(limits.max_inflight_bytes, max_bytes or sys.maxsize)
         self._inflight = inflight
         self._slots = ConnectionSlots(limits.max_connections, limits.max_connections_per_client)
@@ -299,25 +320,51 @@ class BulkServer:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-            wait_s = limits.handshake_timeout_s  # for the first frame, then idle_timeout_s
+            if self._tls is not None:
+                sock.settimeout(limits.handshake_timeout_s)
+                wrapped = self._tls.wrap_socket(sock, server_side=True)  # detaches `sock`
+                with self._lock:
+                    self._connections.discard(sock)
+                    self._connections.add(wrapped)
+                sock = wrapped
+            tenant = self._handshake(sock)
             while True:
                 head = bytearray(HEADER.size)
-                sock.settimeout(wait_s)
+                sock.settimeout(limits.idle_timeout_s)
                 if sock.recv_into(memoryview(head)[:1]) == 0:
                     return  # the client closed its (idle) connection
                 stall = Deadline(time.monotonic() + limits.stall_timeout_s, limits.stall_timeout_s)
                 _recv_into(sock, memoryview(head)[1:], stall)
-                self._answer_frame(sock, _parse_header(bytes(head)))
-                wait_s = limits.idle_timeout_s
+                self._answer_frame(sock, _parse_header(bytes(head)), tenant)
         except (OSError, ValueError, MemoryError):
-            return  # peer gone, idle, stalled, malformed or too large: drop the connection
+            return  # peer gone, idle, stalled, malformed, too large or refused: drop it
         finally:
             with self._lock:
                 self._connections.discard(sock)
                 self._slots.give_back(address)
             sock.close()
 
-    def _answer_frame(self, sock: socket.socket, header: tuple[int, int, int]) -> None:
+    def _handshake(self, sock: socket.socket) -> Tenant:
+        """Challenge and proof within handshake_timeout_s: the peer's tenant; ValueError when
+        its proof matches no token."""
+        timeout_s = self._limits.handshake_timeout_s
+        clock = Deadline(time.monotonic() + timeout_s, timeout_s)
+        nonce = os.urandom(NONCE_BYTES)
+        challenge = vault_pb2.BulkChallenge(nonce=nonce, auth_required=self._tokens is not None)
+        _send_frame(sock, CHALLENGE, challenge, clock)
+        _, index_len, data_len = _parse_header(_recv_bytes(sock, HEADER.size, clock), AUTH)
+        if data_len or index_len > MAX_AUTH_BYTES:
+            raise ValueError("malformed AUTH frame")
+        answer = _parse(vault_pb2.BulkAuth, _recv_bytes(sock, index_len, clock)).proof
+        tenant = OPEN if self._tokens is None else self._tokens.tenant_of_proof(nonce, answer)
+        if tenant is None:
+            raise ValueError("wrong token")
+        _send_frame(sock, WELCOME, vault_pb2.BulkChallenge(), clock)
+        return tenant
+
+    def _answer_frame(
+        self, sock: socket.socket, header: tuple[int, int, int], tenant: Tenant
+    ) -> None:
         kind, index_len, data_len = header
         stall_s = self._limits.stall_timeout_s
         deadline = Deadline(
@@ -335,13 +382,13 @@ class BulkServer:
                 raise ValueError("no room for the frame's payloads in time")
             try:
                 payloads = _recv_put_payloads(sock, index.lengths, deadline)
-                summary = self._handler.put_blocks(index, payloads)
+                summary = self._handler.put_blocks(index, payloads, tenant)
             finally:
                 self._inflight.release(data_len)
             _send_frame(sock, PUT_REPLY, summary, deadline)
         elif kind == PROMOTE and data_len == 0:
             request = _parse(vault_pb2.PromoteRequest, _recv_bytes(sock, index_len, deadline))
-            promote_index, payloads = self._handler.promote_blocks(request)
+            promote_index, payloads = self._handler.promote_blocks(request, tenant)
             reply_bytes = sum(promote_index.lengths)
             _send_frame(
                 sock,
@@ -365,13 +412,33 @@ class BulkConnection:
     vault, so a hung vault fails the call after that long without progress.
     """
 
-    def __init__(self, host: str, port: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        timeout_s: float,
+        token: str | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         try:
             self._sock = socket.create_connection((host, port), timeout=timeout_s)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as exc:
+            if tls is not None:
+                self._sock = tls.wrap_socket(self._sock, server_hostname=host)
+        except (OSError, ValueError) as exc:
             raise BulkError(f"cannot connect to the bulk port {host}:{port}: {exc}") from None
+        self._guarded(lambda: self._authenticate(token))
+
+    def _authenticate(self, token: str | None) -> None:
+        """Answer the vault's challenge; a vault that refuses closes the connection."""
+        clock = Deadline(time.monotonic() + self.timeout_s, self.timeout_s)
+        _, index_len, _ = _parse_header(_recv_bytes(self._sock, HEADER.size, clock), CHALLENGE)
+        challenge = _parse(vault_pb2.BulkChallenge, _recv_bytes(self._sock, index_len, clock))
+        answer = proof(token, challenge.nonce) if token and challenge.auth_required else b""
+        _send_frame(self._sock, AUTH, vault_pb2.BulkAuth(proof=answer), clock)
+        _, index_len, _ = _parse_header(_recv_bytes(self._sock, HEADER.size, clock), WELCOME)
+        _recv_bytes(self._sock, index_len, clock)
 
     def put(
         self, frames: Iterable[tuple[vault_pb2.PutIndex, Sequence[Payload]]], deadline: float
@@ -433,6 +500,12 @@ class BulkConnection:
 
     def is_open(self) -> bool:
         """False when the vault has closed this (idle) connection, e.g. by restarting."""
+        if isinstance(self._sock, ssl.SSLSocket):  # no MSG_PEEK: anything to read means closed
+            try:
+                readable, _, _ = select.select([self._sock], [], [], 0)
+            except (OSError, ValueError):
+                return False
+            return not readable and not self._sock.pending()
         self._sock.settimeout(0.0)  # non-blocking (a timeout would make recv wait)
         try:
             self._sock.recv(1, socket.MSG_PEEK)

@@ -28,8 +28,9 @@ import grpc
 import grpc.experimental
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tierkv.config import KIB, MIB, ClientConfig, parse_address
+from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+from tierkv.vault.auth import call_metadata, channel_credentials, client_token, ssl_context
 from tierkv.vault.bulk import BulkConnection, BulkError
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
@@ -70,6 +71,10 @@ class VaultUnavailable(RuntimeError):
     """The vault did not answer a management call (stats, delete, clear)."""
 
 
+class VaultRefused(VaultUnavailable):
+    """The vault requires a token and refused ours (or we have none)."""
+
+
 class TierStats(NamedTuple):
     """One storage tier of a vault (see TierStats in vault.proto)."""
 
@@ -101,6 +106,10 @@ class VaultStats:
     rtt_s: float
     ram: TierStats | None = None
     disk: TierStats | None = None  # None: the vault has no disk tier
+    auth_required: bool = False  # the vault needs a token (and accepted ours)
+    insecure: bool = False  # started --insecure beyond loopback: anyone on the LAN may call
+    tls: bool = False
+    tenant: str = ""  # ours, on a vault of several tenants (the counters are its own)
 
 
 class _PendingPut(NamedTuple):
@@ -202,13 +211,23 @@ class VaultClient:
         max_pending_bytes: int = 256 * MIB,
         breaker_failures: int = 3,
         breaker_cooldown_s: float = 5.0,
+        token: str | None = None,
+        security: SecurityConfig | None = None,
     ) -> None:
         self._host = parse_address(address)[0]  # a clear ValueError for a malformed address
         self.address = address
         self.deadline_s = deadline_s
         self.promote_deadline_s = promote_deadline_s
         self.max_pending_bytes = max_pending_bytes
-        self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        self._token = token
+        self._metadata = call_metadata(token)
+        security = security or SecurityConfig()
+        self._tls = ssl_context(security, server=False)
+        credentials = channel_credentials(security)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=CLIENT_OPTIONS)
         self._stub = vault_pb2_grpc.VaultStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         # The bulk methods bypass per-message protobuf copies (see wire.py).
@@ -254,8 +273,12 @@ class VaultClient:
         self._sender.start()
 
     @classmethod
-    def from_config(cls, address: str, client_cfg: ClientConfig) -> VaultClient:
-        """A client using the `[client]` section of tierkv.toml."""
+    def from_config(
+        cls, address: str, client_cfg: ClientConfig, security: SecurityConfig | None = None
+    ) -> VaultClient:
+        """A client using the `[client]` and `[security]` sections of tierkv.toml (its token:
+        $TIERKV_TOKEN, else security.token_file)."""
+        security = security or SecurityConfig()
         return cls(
             address,
             deadline_s=client_cfg.deadline_ms / 1000,
@@ -263,6 +286,8 @@ class VaultClient:
             max_pending_bytes=client_cfg.max_pending_bytes,
             breaker_failures=client_cfg.breaker_failures,
             breaker_cooldown_s=client_cfg.breaker_cooldown_s,
+            token=client_token(security),
+            security=security,
         )
 
     @property
@@ -354,7 +379,9 @@ class VaultClient:
             transport = "bulk"
             if summaries is None:
                 timeout = deadline - time.monotonic()
-                summaries = [self._put_call(_put_batches(stream), timeout=timeout)]
+                summaries = [
+                    self._put_call(_put_batches(stream), timeout=timeout, metadata=self._metadata)
+                ]
                 transport = "grpc"
         except (grpc.RpcError, BulkError) as exc:
             if not isinstance(exc, BulkError):  # a bulk failure was counted when it happened
@@ -394,7 +421,7 @@ class VaultClient:
             return 0
         request = vault_pb2.LookupRequest(namespace=namespace, keys=keys, parts=parts)
         try:
-            reply = self._stub.Lookup(request, timeout=self.deadline_s)
+            reply = self._stub.Lookup(request, timeout=self.deadline_s, metadata=self._metadata)
         except grpc.RpcError:
             self._record_failure()
             return 0
@@ -471,7 +498,9 @@ class VaultClient:
         self, request: vault_pb2.PromoteRequest, deadline: float
     ) -> Iterator[tuple[vault_pb2.PromoteIndex, list[memoryview]]]:
         """The gRPC Promote stream as (index, payloads) chunks; a stalled stream is cancelled."""
-        call = self._promote_call(request, timeout=deadline - time.monotonic())
+        call = self._promote_call(
+            request, timeout=deadline - time.monotonic(), metadata=self._metadata
+        )
         guard = _StallGuard(call, self.deadline_s)
         try:
             for index, data in call:
@@ -495,14 +524,18 @@ class VaultClient:
             if time.monotonic() < self._bulk_retry_at:
                 return None
         wait_s = min(self.deadline_s, deadline - time.monotonic())
-        port = self._bulk_port(vault_pb2.HelloRequest(), timeout=wait_s)
+        port = self._bulk_port(vault_pb2.HelloRequest(), timeout=wait_s, metadata=self._metadata)
         if port:
             try:
-                return BulkConnection(self._host, port, min(wait_s, self.deadline_s))
+                return self._connect_bulk(port, min(wait_s, self.deadline_s))
             except BulkError:
                 pass  # e.g. a firewall that lets only the gRPC port through
         self._bulk_failed(None)
         return None
+
+    def _connect_bulk(self, port: int, timeout_s: float) -> BulkConnection:
+        """A new authenticated bulk connection; BulkError when refused or unreachable."""
+        return BulkConnection(self._host, port, timeout_s, self._token, self._tls)
 
     def _bulk_failed(self, error: BulkError | None) -> None:
         """Leave the bulk path alone for a cooldown. A failed call (`error`) also counts as a
@@ -515,10 +548,11 @@ class VaultClient:
             if error.timed_out:
                 raise error
 
-    def _bulk_port(self, request: vault_pb2.HelloRequest, timeout: float) -> int:
-        """The vault's bulk port (Hello); 0 when it has none or predates Hello (gRPC alone)."""
+    def _bulk_port(self, request: vault_pb2.HelloRequest, **options: Any) -> int:
+        """The vault's bulk port (Hello, called with `options`); 0 when it has none or predates
+        Hello (gRPC alone)."""
         try:
-            return int(self._stub.Hello(request, timeout=timeout).bulk_port)
+            return int(self._stub.Hello(request, **options).bulk_port)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 return 0
@@ -553,6 +587,10 @@ class VaultClient:
             rtt_s=time.monotonic() - started,
             ram=_tier_stats(reply.ram) if reply.HasField("ram") else None,
             disk=_tier_stats(reply.disk) if reply.HasField("disk") else None,
+            auth_required=reply.auth_required,
+            insecure=reply.insecure,
+            tls=reply.tls,
+            tenant=reply.tenant,
         )
 
     def delete(self, namespace: bytes, keys: Sequence[bytes]) -> int:
@@ -574,7 +612,7 @@ class VaultClient:
         if not port:
             return 0, False
         try:
-            BulkConnection(self._host, port, self.deadline_s).close()
+            self._connect_bulk(port, self.deadline_s).close()
         except BulkError:
             return port, False
         return port, True
@@ -637,8 +675,13 @@ class VaultClient:
 
     def _management_call(self, method: Callable[..., Any], request: object) -> Any:
         try:
-            return method(request, timeout=self.deadline_s)
+            return method(request, timeout=self.deadline_s, metadata=self._metadata)
         except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                given = "ours was refused" if self._token else "we have none ($TIERKV_TOKEN)"
+                raise VaultRefused(
+                    f"vault at {self.address} requires a token and {given}"
+                ) from None
             raise VaultUnavailable(
                 f"vault at {self.address} did not answer: {exc.code().name} {exc.details()}"
             ) from None
@@ -648,7 +691,10 @@ class VaultClient:
         request = health_pb2.HealthCheckRequest(service="")
         try:
             reply = self._health.Check(
-                request, timeout=timeout or self.deadline_s, wait_for_ready=True
+                request,
+                timeout=timeout or self.deadline_s,
+                wait_for_ready=True,
+                metadata=self._metadata,
             )
         except grpc.RpcError:
             return False

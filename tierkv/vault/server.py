@@ -11,6 +11,7 @@ INVALID_ARGUMENT or RESOURCE_EXHAUSTED, a block beyond them is rejected with its
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
@@ -20,8 +21,22 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import tierkv
-from tierkv.config import VAULT_ROLES, LimitsConfig, format_address, parse_address
+from tierkv.config import (
+    VAULT_ROLES,
+    LimitsConfig,
+    SecurityConfig,
+    format_address,
+    parse_address,
+)
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+from tierkv.vault.auth import (
+    Access,
+    AuthInterceptor,
+    Tenant,
+    Tokens,
+    server_credentials,
+    ssl_context,
+)
 from tierkv.vault.bulk import BulkServer
 from tierkv.vault.disk import DiskTier
 from tierkv.vault.limits import ByteBudget, StreamGuard, block_problem, request_problem
@@ -99,13 +114,22 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     """Implements the Vault service over a VaultStore."""
 
     def __init__(
-        self, store: VaultStore, role: str, limits: LimitsConfig, inflight: ByteBudget
+        self,
+        store: VaultStore,
+        role: str,
+        limits: LimitsConfig,
+        inflight: ByteBudget,
+        access: Access,
     ) -> None:
         self.store = store
         self.role = role
         self.limits = limits
         self.inflight = inflight
         """Bytes on their way in or out, shared with the bulk path (limits.max_inflight_bytes)."""
+        self.access = access
+        self._lock = threading.Lock()
+        self._tenant_counts: dict[str, list[int]] = {}
+        """tenant → [hits, misses, rejected] on a vault of several tenants."""
         self.bulk_port = 0
         """Set by serve() once the bulk data path listens; 0 = none."""
         self.started = time.monotonic()
@@ -116,6 +140,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         context: grpc.ServicerContext,
     ) -> vault_pb2.PutSummary:
         summary = vault_pb2.PutSummary()
+        tenant = self.access.tenant(context)
         for index, data in request_iterator:
             _check_request(context, request_problem(self.limits, len(index.keys), 1))
             try:
@@ -127,47 +152,54 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 # Batched payloads get their own copies (made outside the store's lock) so
                 # evicting one frees its memory; a lone payload keeps its message buffer.
                 payloads = [bytes(payload) for payload in payloads]
-            self.put_blocks(index, payloads, summary)
+            self.put_blocks(index, payloads, tenant, summary)
         return summary
 
     def put_blocks(
         self,
         index: vault_pb2.PutIndex,
         payloads: Sequence[bytes | memoryview],
+        tenant: Tenant,
         summary: vault_pb2.PutSummary | None = None,
     ) -> vault_pb2.PutSummary:
-        """Store one batch (payloads kept as given), counted into `summary` (a new one when not
-        given), which is returned; the bulk path calls this directly, one summary per frame."""
+        """Store one batch of `tenant` (payloads kept as given), counted into `summary` (a new one
+        when not given), which is returned; the bulk path calls this, one summary per frame."""
         if summary is None:
             summary = vault_pb2.PutSummary()
         if not len(index.keys) == len(index.parts) == len(index.checksums) == len(payloads):
             _reject_all(summary, index, "malformed batch: PutIndex arrays differ in length")
             return summary
         namespace = index.namespace
+        rejected = summary.rejected
         for key, part, payload, checksum in zip(
             index.keys, index.parts, payloads, index.checksums, strict=True
         ):
             reason = block_problem(self.limits, namespace, key, len(payload))
-            if reason is None:
-                reason = self.store.put(namespace, key, part, payload, checksum)
+            stored = tenant.stored_checksum(namespace, key, part, payload, checksum)
+            if reason is None and stored is None:
+                reason = "checksum mismatch: payload corrupted in transit or sent under another key"
+            if reason is None and stored is not None:
+                reason = self.store.put(tenant.prefix + namespace, key, part, payload, stored)
             if reason is None:
                 summary.stored += 1
             else:
                 _add_rejection(summary, key, part, reason)
+        self._count(tenant, rejected=summary.rejected - rejected)
         return summary
 
     def Lookup(
         self, request: vault_pb2.LookupRequest, context: grpc.ServicerContext
     ) -> vault_pb2.LookupReply:
         _check_request(context, request_problem(self.limits, len(request.keys), len(request.parts)))
-        present = self.store.lookup(request.namespace, list(request.keys), list(request.parts))
+        namespace = self.access.tenant(context).prefix + request.namespace
+        present = self.store.lookup(namespace, list(request.keys), list(request.parts))
         return vault_pb2.LookupReply(present=present)
 
     def Promote(
         self, request: vault_pb2.PromoteRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         _check_request(context, request_problem(self.limits, len(request.keys), len(request.parts)))
-        found = self.store.get_many(request.namespace, list(request.keys), list(request.parts))
+        found = self._get_many(request, self.access.tenant(context))
         for chunk in encode_promote_chunks(found):
             # The stream waits while the reader does not read: count the chunk until it is sent.
             if not self.inflight.acquire(len(chunk), self.limits.stall_timeout_s):
@@ -178,15 +210,39 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 self.inflight.release(len(chunk))
 
     def promote_blocks(
-        self, request: vault_pb2.PromoteRequest
+        self, request: vault_pb2.PromoteRequest, tenant: Tenant
     ) -> tuple[vault_pb2.PromoteIndex, list[bytes | memoryview]]:
-        """Every stored block of `request`, as one index and its payloads (the bulk path);
-        ValueError when the request is beyond the limits."""
+        """Every stored block of `request` of `tenant`, as one index and its payloads (the bulk
+        path); ValueError when the request is beyond the limits."""
         problem = request_problem(self.limits, len(request.keys), len(request.parts))
         if problem is not None:
             raise ValueError(problem)
-        found = self.store.get_many(request.namespace, list(request.keys), list(request.parts))
+        found = self._get_many(request, tenant)
         return _promote_index(found), [block.payload for block in found]
+
+    def _get_many(self, request: vault_pb2.PromoteRequest, tenant: Tenant) -> list[StoredBlock]:
+        keys, parts = list(request.keys), list(request.parts)
+        found = self.store.get_many(tenant.prefix + request.namespace, keys, parts)
+        self._count(tenant, hits=len(found), misses=len(keys) * len(parts) - len(found))
+        if not tenant.prefix:
+            return found
+        return [
+            block._replace(
+                checksum=tenant.returned_checksum(
+                    request.namespace, keys[block.key_index], block.part, *block[2:]
+                )
+            )
+            for block in found
+        ]
+
+    def _count(self, tenant: Tenant, hits: int = 0, misses: int = 0, rejected: int = 0) -> None:
+        """Per-tenant counters (a vault of several tenants shows each only its own)."""
+        if tenant.prefix:
+            with self._lock:
+                counts = self._tenant_counts.setdefault(tenant.name, [0, 0, 0])
+                counts[0] += hits
+                counts[1] += misses
+                counts[2] += rejected
 
     def Hello(
         self, request: vault_pb2.HelloRequest, context: grpc.ServicerContext
@@ -196,6 +252,25 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     def Stats(
         self, request: vault_pb2.StatsRequest, context: grpc.ServicerContext
     ) -> vault_pb2.StatsReply:
+        access = self.access
+        reply = vault_pb2.StatsReply(
+            role=self.role,
+            max_bytes=self.store.max_bytes,
+            uptime_s=time.monotonic() - self.started,
+            version=tierkv.__version__,
+            auth_required=access.tokens is not None,
+            insecure=access.insecure,
+            tls=access.tls,
+        )
+        tenant = access.tenant(context)
+        if tenant.prefix:  # one of several tenants: its own blocks and calls, nothing else
+            reply.tenant = tenant.name
+            reply.entries, reply.bytes_used, reply.evictions = self.store.usage(tenant.prefix)
+            with self._lock:
+                reply.hits, reply.misses, reply.rejected = self._tenant_counts.get(
+                    tenant.name, (0, 0, 0)
+                )
+            return reply
         stats = self.store.stats()
         ram = vault_pb2.TierStats(
             entries=stats.entries,
@@ -217,33 +292,32 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 corrupt=stats.disk.corrupt,
                 queued_bytes=stats.disk.queued_bytes,
             )
-        return vault_pb2.StatsReply(
-            role=self.role,
-            entries=stats.entries,
-            bytes_used=stats.bytes_used,
-            max_bytes=stats.max_bytes,
-            hits=stats.hits,
-            misses=stats.misses,
-            evictions=stats.evictions,
-            rejected=stats.rejected,
-            uptime_s=time.monotonic() - self.started,
-            version=tierkv.__version__,
-            ram=ram,
-            disk=disk,
+        reply.MergeFrom(
+            vault_pb2.StatsReply(
+                entries=stats.entries,
+                bytes_used=stats.bytes_used,
+                hits=stats.hits,
+                misses=stats.misses,
+                evictions=stats.evictions,
+                rejected=stats.rejected,
+                ram=ram,
+                disk=disk,
+            )
         )
+        return reply
 
     def Delete(
         self, request: vault_pb2.DeleteRequest, context: grpc.ServicerContext
     ) -> vault_pb2.DeleteReply:
         _check_request(context, request_problem(self.limits, len(request.keys), 1))
-        return vault_pb2.DeleteReply(
-            deleted=self.store.delete(request.namespace, list(request.keys))
-        )
+        namespace = self.access.tenant(context).prefix + request.namespace
+        return vault_pb2.DeleteReply(deleted=self.store.delete(namespace, list(request.keys)))
 
     def Clear(
         self, request: vault_pb2.ClearRequest, context: grpc.ServicerContext
     ) -> vault_pb2.DeleteReply:
-        return vault_pb2.DeleteReply(deleted=self.store.clear(request.namespace))
+        namespace = self.access.tenant(context).prefix + request.namespace
+        return vault_pb2.DeleteReply(deleted=self.store.clear(namespace))
 
 
 def _check_request(context: grpc.ServicerContext, problem: str | None) -> None:
@@ -326,6 +400,9 @@ def serve(
     bulk_port: int | None = 0,
     disk: DiskTier | None = None,
     limits: LimitsConfig | None = None,
+    tokens: Tokens | None = None,
+    security: SecurityConfig | None = None,
+    insecure: bool = False,
 ) -> VaultServer:
     """Start a vault in this process on `listen` (port 0: any free port); raise VaultBindError.
 
@@ -333,17 +410,25 @@ def serve(
     path listens on the same host at `bulk_port` (0: any free port; None: no bulk path, clients
     then use gRPC alone). With `disk`, the store spills to that disk tier (the caller closes it
     after stopping the server, through `VaultServer.store.close`). `limits` default to
-    LimitsConfig().
+    LimitsConfig(). With `tokens` every call on both ports needs one of them (auth.py); with
+    `security.tls_cert` both ports speak TLS (mutual with `security.client_ca`); `insecure` only
+    tells clients (Stats) that the vault was started --insecure. Raises ConfigError for
+    unreadable TLS files.
     """
     if role not in VAULT_ROLES:
         raise ValueError(f"vault role must be one of {', '.join(VAULT_ROLES)}, got {role!r}")
     host, port = parse_address(listen, allow_port_zero=True)
     limits = limits or LimitsConfig()
+    security = security or SecurityConfig()
+    credentials = server_credentials(security)
+    tls = ssl_context(security, server=True)
+    access = Access(tokens, credentials is not None, insecure)
     inflight = ByteBudget(limits.max_inflight_bytes)
-    servicer = VaultServicer(VaultStore(max_bytes, disk), role, limits, inflight)
+    servicer = VaultServicer(VaultStore(max_bytes, disk), role, limits, inflight, access)
     calls = limits.max_concurrent_rpcs
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=calls, thread_name_prefix="tierkv-vault"),
+        interceptors=[AuthInterceptor(tokens)] if tokens else None,
         options=[
             *SERVER_OPTIONS,
             ("grpc.max_receive_message_length", limits.max_message_bytes),
@@ -355,7 +440,10 @@ def serve(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        bound = server.add_insecure_port(format_address(host, port))
+        if credentials is None:
+            bound = server.add_insecure_port(format_address(host, port))
+        else:
+            bound = server.add_secure_port(format_address(host, port), credentials)
     except RuntimeError:
         bound = 0
     if bound == 0:
@@ -363,7 +451,9 @@ def serve(
     bulk = None
     if bulk_port is not None:
         try:
-            bulk = BulkServer(host, bulk_port, servicer, limits, inflight, max_bytes)
+            bulk = BulkServer(
+                host, bulk_port, servicer, limits, inflight, max_bytes, access=access, tls=tls
+            )
         except OSError as exc:
             server.stop(None)
             where = format_address(host, bulk_port)

@@ -99,7 +99,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("role", "entries", "bytes_used", "max_bytes", "hits", "misses", "evictions", "rejected", "uptime_s", "version", "ram", "disk")
+    __slots__ = ("role", "entries", "bytes_used", "max_bytes", "hits", "misses", "evictions", "rejected", "uptime_s", "version", "ram", "disk", "auth_required", "insecure", "tls", "tenant")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,10 @@ class StatsReply(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     RAM_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    INSECURE_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     role: str
     entries: int
     bytes_used: int
@@ -124,7 +128,11 @@ class StatsReply(_message.Message):
     version: str
     ram: TierStats
     disk: TierStats
-    def __init__(self, role: _Optional[str] = ..., entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., ram: _Optional[_Union[TierStats, _Mapping]] = ..., disk: _Optional[_Union[TierStats, _Mapping]] = ...) -> None: ...
+    auth_required: bool
+    insecure: bool
+    tls: bool
+    tenant: str
+    def __init__(self, role: _Optional[str] = ..., entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., ram: _Optional[_Union[TierStats, _Mapping]] = ..., disk: _Optional[_Union[TierStats, _Mapping]] = ..., auth_required: _Optional[bool] = ..., insecure: _Optional[bool] = ..., tls: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
     __slots__ = ("entries", "bytes_used", "max_bytes", "hits", "reads_per_s", "evictions", "corrupt", "queued_bytes")
@@ -165,6 +173,20 @@ class DeleteReply(_message.Message):
     DELETED_FIELD_NUMBER: _ClassVar[int]
     deleted: int
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class BulkChallenge(_message.Message):
+    __slots__ = ("nonce", "auth_required")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    auth_required: bool
+    def __init__(self, nonce: _Optional[bytes] = ..., auth_required: _Optional[bool] = ...) -> None: ...
+
+class BulkAuth(_message.Message):
+    __slots__ = ("proof",)
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    proof: bytes
+    def __init__(self, proof: _Optional[bytes] = ...) -> None: ...
 
 class HelloRequest(_message.Message):
     __slots__ = ()

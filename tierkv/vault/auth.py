@@ -1,0 +1,289 @@
+"""Who may use a vault: tokens, tenants and TLS, applied the same way to the gRPC and the bulk port.
+
+Tokens come from `[security] token_file` (one per line: `TOKEN`, or `TENANT TOKEN`; `#` starts a
+comment) or, when no file is configured, the `TIERKV_TOKEN` environment variable; never from a
+command line. A vault with tokens requires one on every call: gRPC calls carry it as
+`authorization: Bearer TOKEN` metadata (checked by `AuthInterceptor` before the request is
+read), and a bulk connection proves it before its first frame by answering the vault's random
+nonce with HMAC-SHA256(token, nonce) (`proof`), so the token never crosses the wire. Every
+comparison is constant-time.
+
+Tenants: when the tokens name more than one tenant, the vault files each tenant's namespaces
+under `TENANT/` (`Tenant.prefix`), so a tenant can neither read, overwrite, delete, clear nor
+count another's blocks; with one tenant (or none) namespaces are used as given.
+`server_credentials` / `channel_credentials` / `ssl_context` build TLS (mutual with a client CA)
+from `[security]` for both ports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import re
+import socket
+import ssl
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tierkv.config import ConfigError, SecurityConfig
+from tierkv.vault.wire import block_checksum
+
+Payload = bytes | memoryview
+
+TOKEN_ENV = "TIERKV_TOKEN"
+METADATA_KEY = "authorization"
+NONCE_BYTES = 32
+MIN_TOKEN_CHARS = 16
+_TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """Whose blocks a call reaches: `prefix` is put before every namespace (b"": none).
+
+    A payload's checksum is bound to its address, so a tenant's blocks are stored with the
+    checksum of their prefixed address (`stored_checksum`) and returned with the one of the
+    address the tenant knows (`returned_checksum`), each after verifying the other.
+    """
+
+    name: str
+    prefix: bytes
+
+    def stored_checksum(
+        self, namespace: bytes, key: bytes, part: int, payload: Payload, checksum: int
+    ) -> int | None:
+        """The checksum to store a block the tenant sent with `checksum` under; None when
+        `checksum` does not match (corrupted in transit)."""
+        if not self.prefix:
+            return checksum
+        if block_checksum(namespace, key, part, payload) != checksum:
+            return None
+        return block_checksum(self.prefix + namespace, key, part, payload)
+
+    def returned_checksum(
+        self, namespace: bytes, key: bytes, part: int, payload: Payload, checksum: int
+    ) -> int:
+        """The checksum the tenant gets with a block stored under `checksum`; a wrong one when
+        the stored payload no longer matches it (so the reader counts a miss, as it would)."""
+        if not self.prefix:
+            return checksum
+        if block_checksum(self.prefix + namespace, key, part, payload) != checksum:
+            return checksum ^ 1
+        return block_checksum(namespace, key, part, payload)
+
+
+OPEN = Tenant("", b"")
+"""The only tenant of a vault without tokens, or with tokens of a single tenant."""
+
+
+def read_token_file(path: str | Path) -> list[tuple[str, str]]:
+    """(tenant, token) of each line of a token file; ConfigError naming the file and line."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"security.token_file {path}: cannot read: {exc}") from None
+    entries = []
+    for number, line in enumerate(lines, 1):
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) > 2 or (len(fields) == 2 and not _TENANT_RE.match(fields[0])):
+            raise ConfigError(
+                f"{path}:{number}: expected TOKEN or TENANT TOKEN (tenant: letters, digits, _.-)"
+            )
+        tenant, token = (fields[0], fields[1]) if len(fields) == 2 else ("default", fields[0])
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"{path}:{number}: a token needs at least {MIN_TOKEN_CHARS} chars")
+        entries.append((tenant, token))
+    if not entries:
+        raise ConfigError(f"security.token_file {path}: no token in it")
+    return entries
+
+
+def configured_tokens(security: SecurityConfig) -> list[tuple[str, str]]:
+    """(tenant, token) pairs from `security.token_file`, else $TIERKV_TOKEN, else none."""
+    if security.token_file:
+        return read_token_file(security.token_file)
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token and len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(f"${TOKEN_ENV}: a token needs at least {MIN_TOKEN_CHARS} characters")
+    return [("default", token)] if token else []
+
+
+def client_token(security: SecurityConfig) -> str | None:
+    """The token a client presents: $TIERKV_TOKEN, else the first of `security.token_file`."""
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if token:
+        return token
+    if security.token_file:
+        return read_token_file(security.token_file)[0][1]
+    return None
+
+
+def proof(token: str, nonce: bytes) -> bytes:
+    """What a bulk client answers the vault's nonce with."""
+    return hmac.new(token.encode(), b"tierkv-bulk-v1" + nonce, hashlib.sha256).digest()
+
+
+class Tokens:
+    """The tokens a vault accepts, each naming its tenant."""
+
+    def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
+        multi = len({tenant for tenant, _ in entries}) > 1
+        self._entries = [
+            (
+                hashlib.sha256(token.encode()).digest(),
+                token,
+                Tenant(tenant, f"{tenant}/".encode()) if multi else OPEN,
+            )
+            for tenant, token in entries
+        ]
+
+    def describe(self) -> str:
+        """E.g. "3 tokens, 2 tenants" (never a token)."""
+        tenants = {tenant.name for _, _, tenant in self._entries} - {""}
+        count = f"{len(self._entries)} token{'s' if len(self._entries) > 1 else ''}"
+        return f"{count}, {len(tenants)} tenants" if tenants else count
+
+    def tenant_of_token(self, token: str) -> Tenant | None:
+        """The tenant of `token`; None when it is not one of ours (constant time per token)."""
+        digest = hashlib.sha256(token.encode()).digest()
+        found = None
+        for known, _, tenant in self._entries:
+            if hmac.compare_digest(known, digest):
+                found = tenant
+        return found
+
+    def tenant_of_metadata(self, metadata: Sequence[tuple[str, Any]] | None) -> Tenant | None:
+        """The tenant of a gRPC call's `authorization: Bearer TOKEN`; None when absent/wrong."""
+        for name, value in metadata or ():
+            if name == METADATA_KEY and isinstance(value, str) and value.startswith("Bearer "):
+                return self.tenant_of_token(value[len("Bearer ") :])
+        return None
+
+    def tenant_of_proof(self, nonce: bytes, answer: bytes) -> Tenant | None:
+        """The tenant whose token made `answer` to `nonce`; None when no token did."""
+        found = None
+        for _, token, tenant in self._entries:
+            if hmac.compare_digest(proof(token, nonce), answer):
+                found = tenant
+        return found
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` stands for is a loopback address (127.0.0.0/8, ::1)."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(found) and all(
+        ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_loopback for *_, sockaddr in found
+    )
+
+
+def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata a client sends with every gRPC call."""
+    return ((METADATA_KEY, f"Bearer {token}"),) if token else ()
+
+
+class AuthInterceptor(grpc.ServerInterceptor):
+    """Refuses a gRPC call without a valid token (UNAUTHENTICATED) before reading its request."""
+
+    def __init__(self, tokens: Tokens) -> None:
+        self._tokens = tokens
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        metadata = handler_call_details.invocation_metadata
+        if self._tokens.tenant_of_metadata(metadata) is not None:
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+
+        def refuse(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong tierkv token")
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(refuse)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(refuse)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(refuse)
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def server_credentials(security: SecurityConfig) -> grpc.ServerCredentials | None:
+    """TLS for the vault's gRPC port (client certificates required with client_ca); None: none."""
+    if not security.tls_cert:
+        return None
+    key_and_cert = [(_read(security.tls_key or ""), _read(security.tls_cert))]
+    client_ca = _read(security.client_ca) if security.client_ca else None
+    return grpc.ssl_server_credentials(
+        key_and_cert, root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+def channel_credentials(security: SecurityConfig) -> grpc.ChannelCredentials | None:
+    """TLS for a client's gRPC channel (its own certificate when configured); None: plain."""
+    if not security.tls_ca:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(security.tls_ca),
+        private_key=_read(security.tls_key) if security.tls_key else None,
+        certificate_chain=_read(security.tls_cert) if security.tls_cert else None,
+    )
+
+
+def ssl_context(security: SecurityConfig, server: bool) -> ssl.SSLContext | None:
+    """TLS for the bulk port, the vault's (`server`) or a client's end; None: plain TCP."""
+    try:
+        if server:
+            if not security.tls_cert:
+                return None
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(security.tls_cert, security.tls_key)
+            if security.client_ca:
+                context.load_verify_locations(security.client_ca)
+                context.verify_mode = ssl.CERT_REQUIRED
+            return context
+        if not security.tls_ca:
+            return None
+        context = ssl.create_default_context(cafile=security.tls_ca)
+        if security.tls_cert:
+            context.load_cert_chain(security.tls_cert, security.tls_key)
+        return context
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"[security] TLS files: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Access:
+    """How a vault admits callers: its tokens (None: anyone), whether it speaks TLS, and whether
+    it was started --insecure beyond loopback (told to clients in Stats)."""
+
+    tokens: Tokens | None = None
+    tls: bool = False
+    insecure: bool = False
+
+    def tenant(self, context: grpc.ServicerContext) -> Tenant:
+        """The tenant of a gRPC call that AuthInterceptor let through."""
+        if self.tokens is None:
+            return OPEN
+        return self.tokens.tenant_of_metadata(context.invocation_metadata()) or OPEN
