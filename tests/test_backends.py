@@ -216,6 +216,8 @@ def test_redis_cluster_round_trip_over_every_node(redis_cluster: list[RedisServe
         found = backend.promote(NS, keys, PARTS)
         assert len(found) == len(keys) * len(PARTS)
         assert_payloads(found, size=4096)
+        assert backend.clear(NS) == len(keys) * len(PARTS)
+        assert backend.lookup(NS, keys, PARTS) == 0
     finally:
         backend.close()
 

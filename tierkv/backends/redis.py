@@ -203,16 +203,12 @@ class RedisBackend:
 
     def clear(self, namespace: bytes) -> int:
         pattern = b"tierkv:%s:*" % namespace.hex().encode()
-        removed = 0
         try:
-            batch: list[bytes] = []
+            # One key per UNLINK: a cluster node refuses several keys of different slots.
+            pipe = self._client.pipeline(transaction=False)
             for key in self._client.scan_iter(match=pattern, count=1000):
-                batch.append(key)
-                if len(batch) == 1000:
-                    removed += int(self._client.unlink(*batch))
-                    batch.clear()
-            if batch:
-                removed += int(self._client.unlink(*batch))
+                pipe.unlink(key)
+            removed = sum(int(count) for count in pipe.execute())
         except _FAILURES as exc:
             raise VaultUnavailable(f"redis at {self.address} did not answer: {exc}") from None
         return removed
