@@ -4,6 +4,7 @@
     python benchmarks/bench_vault.py --block 512KiB --block 4MiB --rounds 7
     python benchmarks/bench_vault.py --in-process         # vault embedded in this process
     python benchmarks/bench_vault.py --reuse-memory       # engine side keeps freed memory too
+    python benchmarks/bench_vault.py --no-tls             # skip the rows over TLS
 
 The vault runs as a real `tierkv vault` process on 127.0.0.1 (as on a LAN machine, but without
 the network) unless --in-process. Put = queue every block with VaultClient.put and wait for
@@ -17,6 +18,9 @@ a huge-page malloc heap (tierkv.vault.memory); this client process gets the huge
 as `tierkv serve` gives vLLM (--plain-malloc: not), and with --reuse-memory it reuses freed
 memory as well. Each round re-stores the same keys, so round 1 shows a fresh vault (whose first
 touch of memory can be slow in a VM) and later rounds the steady state of a full vault.
+Every block size runs twice, plain and over TLS on both ports (a second vault with a
+certificate made for the run, tests/tls_certs.py; the `cryptography` package of the dev extra),
+so the cost of TLS shows beside the same memcpy.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.config import format_size, parse_size
+from tierkv.config import SecurityConfig, format_size, parse_size
 from tierkv.vault.client import VaultClient
 from tierkv.vault.memory import restart_with_huge_pages, reuse_freed_memory
 from tierkv.vault.server import CHUNK_BYTES, serve
@@ -119,34 +123,49 @@ def _free_port() -> int:
 
 
 @contextmanager
-def running_vault(in_process: bool) -> Iterator[str]:
-    """The address of an unlimited vault on 127.0.0.1, stopped on exit."""
-    if in_process:
-        server = serve("127.0.0.1:0", 0)
-        try:
-            yield server.address
-        finally:
-            server.stop(grace=0)
-        return
-    address = f"127.0.0.1:{_free_port()}"
+def running_vault(in_process: bool, tls: bool) -> Iterator[tuple[str, SecurityConfig]]:
+    """(address, a client's [security]) of an unlimited vault on 127.0.0.1 (with `tls`: over
+    TLS, with certificates made for it), stopped on exit."""
     with tempfile.TemporaryDirectory() as tmp:
+        vault_side = client_side = SecurityConfig()
+        if tls:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+            from tests.tls_certs import make_certs
+
+            certs = make_certs(Path(tmp) / "certs")
+            vault_side = SecurityConfig(
+                tls_cert=str(certs.server_cert), tls_key=str(certs.server_key)
+            )
+            client_side = SecurityConfig(tls_ca=str(certs.ca))
+        if in_process:
+            server = serve("127.0.0.1:0", 0, security=vault_side)
+            try:
+                yield server.address, client_side
+            finally:
+                server.stop(grace=0)
+            return
+        address = f"127.0.0.1:{_free_port()}"
         config = Path(tmp) / "tierkv.toml"
-        config.write_text("")
+        config.write_text(
+            f'[security]\ntls_cert = "{vault_side.tls_cert}"\ntls_key = "{vault_side.tls_key}"\n'
+            if tls
+            else ""
+        )
         command = [sys.executable, "-m", "tierkv", "vault", "--config", str(config)]
         command += ["--listen", address, "--max-bytes", "unlimited"]
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
         try:
-            with VaultClient(address) as probe:
+            with VaultClient(address, security=client_side) as probe:
                 if not probe.wait_ready(60):
                     raise RuntimeError(f"tierkv vault did not start on {address}")
-            yield address
+            yield address, client_side
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
 
 
 def bench_block_size(
-    address: str, data: np.ndarray, block: int, rounds: int
+    address: str, security: SecurityConfig, data: np.ndarray, block: int, rounds: int
 ) -> list[tuple[float, float]]:
     """(put GB/s, promote GB/s) per round for `data` cut into blocks of `block` bytes."""
     count = len(data) // block
@@ -155,7 +174,7 @@ def bench_block_size(
     keys = [i.to_bytes(16, "little") for i in range(count)]
     figures = []
     with VaultClient(
-        address, deadline_s=30, promote_deadline_s=300, max_pending_bytes=total
+        address, deadline_s=30, promote_deadline_s=300, max_pending_bytes=total, security=security
     ) as client:
 
         def put_all() -> None:
@@ -179,12 +198,38 @@ def bench_block_size(
     return figures
 
 
+def add_rows(
+    table: Table, path: str, block: str, figures: list[tuple[float, float]], warm: float
+) -> None:
+    """One row per round and a median row, each figure beside its ratio to warm memcpy."""
+    rows = [(str(number), put, promote) for number, (put, promote) in enumerate(figures, 1)]
+    rows.append(
+        (
+            "median",
+            statistics.median(f[0] for f in figures),
+            statistics.median(f[1] for f in figures),
+        )
+    )
+    for label, put, promote in rows:
+        table.add_row(
+            path,
+            block,
+            label,
+            f"{put:.2f}",
+            f"{put / warm:.3f}x",
+            f"{promote:.2f}",
+            f"{promote / warm:.3f}x",
+            style="bold" if label == "median" else None,
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--total", default="1GiB", help="bytes moved per round (default 1GiB)")
     parser.add_argument("--block", action="append", help="block size, repeatable (default 1MiB)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--in-process", action="store_true", help="embed the vault")
+    parser.add_argument("--no-tls", action="store_true", help="skip the rows over TLS")
     parser.add_argument(
         "--reuse-memory",
         action="store_true",
@@ -219,31 +264,13 @@ def main() -> int:
     warm = statistics.median(warm_rounds)
     data = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
     table = Table(title="vault throughput (GB/s; ratio = / warm memcpy)")
-    for column in ("block", "round", "Put", "Put ratio", "Promote", "Promote ratio"):
+    for column in ("path", "block", "round", "Put", "Put ratio", "Promote", "Promote ratio"):
         table.add_column(column, justify="right")
-    with running_vault(args.in_process) as address:
-        for block in blocks:
-            figures = bench_block_size(address, data, block, args.rounds)
-            for number, (put, promote) in enumerate(figures, 1):
-                table.add_row(
-                    format_size(block),
-                    str(number),
-                    f"{put:.2f}",
-                    f"{put / warm:.3f}x",
-                    f"{promote:.2f}",
-                    f"{promote / warm:.3f}x",
-                )
-            put_median = statistics.median(f[0] for f in figures)
-            promote_median = statistics.median(f[1] for f in figures)
-            table.add_row(
-                format_size(block),
-                "median",
-                f"{put_median:.2f}",
-                f"{put_median / warm:.3f}x",
-                f"{promote_median:.2f}",
-                f"{promote_median / warm:.3f}x",
-                style="bold",
-            )
+    for tls in (False,) if args.no_tls else (False, True):
+        with running_vault(args.in_process, tls) as (address, security):
+            for block in blocks:
+                figures = bench_block_size(address, security, data, block, args.rounds)
+                add_rows(table, "TLS" if tls else "plain", format_size(block), figures, warm)
     console.print(table)
     console.print(
         f"numpy memcpy: warm median {warm:.2f} GB/s (best {max(warm_rounds):.2f}), "
