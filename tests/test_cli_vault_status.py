@@ -12,9 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import pick_free_port
 from typer.testing import CliRunner
 
 from tierkv.cli import app
+from tierkv.vault.client import VaultClient
 
 runner = CliRunner(env={"COLUMNS": "200"})
 
@@ -48,21 +50,23 @@ def read_line(process: subprocess.Popen[str], timeout: float = 30) -> str:
 def test_vault_starts_with_one_line_and_stops_gracefully(
     free_port: int, empty_config: Path, stop_signal: signal.Signals
 ) -> None:
-    address = f"127.0.0.1:{free_port}"
+    address, bulk_port = f"127.0.0.1:{free_port}", pick_free_port()
+    args = ["--listen", address, "--role", "ssm_cold", "--bulk-port", str(bulk_port)]
     process = subprocess.Popen(
-        tierkv("vault", "--listen", address, "--role", "ssm_cold", config=empty_config),
+        tierkv("vault", *args, config=empty_config),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
         line = read_line(process)
-        assert f"ssm_cold listening on {address} (bulk data on port " in line
+        assert f"ssm_cold listening on {address} (bulk data on port {bulk_port})" in line
         assert "cap " in line and "default: 50% of" in line and "RAM" in line
         result = runner.invoke(app, ["status", "--vault", address, "--json"])
         assert result.exit_code == 0, result.output
         [row] = json.loads(result.stdout)["vaults"]
         assert row["up"] and row["role"] == "ssm_cold"
+        assert (row["bulk_port"], row["bulk_reachable"]) == (bulk_port, True)
         process.send_signal(stop_signal)
         assert process.wait(timeout=15) == 0
         assert "stopped" in process.stdout.read()  # type: ignore[union-attr]
@@ -86,6 +90,19 @@ def test_vault_on_a_taken_port_exits_non_zero_without_claiming_to_listen(
     assert "listening" not in result.stdout
     assert f"cannot listen on {taken.address}" in result.stderr
     assert "in use" in result.stderr
+
+
+def test_vault_on_an_address_not_on_this_machine_exits_1(empty_config: Path) -> None:
+    # 192.0.2.1 (TEST-NET-1) is no address of this machine: the bind fails, nothing is sent.
+    result = subprocess.run(
+        tierkv("vault", "--listen", "192.0.2.1:50051", config=empty_config),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "listening" not in result.stdout
+    assert "cannot listen on 192.0.2.1:50051" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -140,6 +157,23 @@ def test_status_tells_a_vault_without_bulk_path(vault_factory: Callable[..., Any
     result = runner.invoke(app, ["status", "--vault", grpc_only.address])
     assert result.exit_code == 0, result.output
     assert "none (gRPC)" in result.stdout
+
+
+def test_unreachable_bulk_port_is_shown_and_clients_fall_back_to_grpc(
+    vault_factory: Callable[..., Any],
+) -> None:
+    vault = vault_factory()
+    vault.server._bulk.stop()  # a firewall in front of the bulk port: Hello still names it
+    result = runner.invoke(app, ["status", "--vault", vault.address])
+    assert result.exit_code == 0, result.output
+    assert f"{vault.server.bulk_port} unreachable (gRPC, slower)" in result.stdout
+    namespace, key = b"n" * 16, b"k" * 16
+    with VaultClient(vault.address) as client:
+        client.put(namespace, key, 0, b"payload")
+        assert client.flush(timeout=10)
+        found = client.promote(namespace, [key], [0])
+        assert bytes(found[0, 0]) == b"payload"
+        assert client.transport == "grpc"
 
 
 def test_status_down_vault_table_exits_1(free_port: int, empty_config: Path) -> None:
