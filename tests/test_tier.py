@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import SLOW_BOX_MARGIN_S, VaultHandle
+from tierkv.config import config_from_mapping
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import get_codec
 from tierkv.tier import ColdTier
@@ -174,3 +175,53 @@ def test_a_block_missing_a_part_is_not_decoded_at_all(
     assert tier.load(NS, KEYS, {"kv": KV_PARTS}, out_for) == {1}
     assert sorted(written) == [(i, p) for i in (0, 2, 3) for p in KV_PARTS]
     tier.close()
+
+
+@pytest.mark.parametrize(("min_cosine", "lossless"), [(0.0, False), (0.999, True)])
+def test_min_cosine_from_the_config_stores_a_poor_block_lossless(
+    vault_factory: Callable[..., VaultHandle], min_cosine: float, lossless: bool
+) -> None:
+    """`[turbo_quant] min_cosine` reaches ColdTier.from_config: tq2 (cosine ~0.94) falls back."""
+    vault = vault_factory()
+    cfg = config_from_mapping(
+        {
+            "cluster.kv_cold": vault.address,
+            "turbo_quant.enabled": True,
+            "turbo_quant.codec": "tq2",
+            "turbo_quant.kv_dim": 64,
+            "turbo_quant.min_cosine": min_cosine,
+        },
+        source="test",
+    )
+    tier = ColdTier.from_config(cfg)
+    try:
+        block = np.random.default_rng(0).standard_normal((2, 32, 2, 64)).astype(np.float16)
+        tier.store(NS, KEYS[0], 0, block.copy())
+        assert tier.flush(timeout=30)
+        out = np.zeros_like(block)
+        assert tier.load(NS, KEYS[:1], {"kv": [0]}, lambda index, part: out) == set()
+        assert np.array_equal(out, block) is lossless
+        ratio = tier.stats()["sent_raw_bytes"] / tier.stats()["sent_payload_bytes"]
+        assert (ratio < 1.01) is lossless
+    finally:
+        tier.close()
+
+
+def test_a_block_over_the_pending_encode_budget_is_dropped_and_counted(
+    vault_factory: Callable[..., VaultHandle],
+) -> None:
+    vault = vault_factory()
+    block = np.ones((2, 32, 2, 64), np.float16)
+    tier = ColdTier(
+        get_codec("none"), {"kv": VaultClient(vault.address)}, max_pending_encode_bytes=block.nbytes
+    )
+    try:
+        tier.store(NS, KEYS[0], 0, np.ones(block.size + 1, np.float16))  # over the budget alone
+        tier.store(NS, KEYS[1], 0, block)
+        assert tier.flush(timeout=30)
+        stats = tier.stats()
+        assert (stats["dropped_backpressure"], stats["sent_blocks"]) == (1, 1)
+        assert tier.lookup(NS, KEYS[1:2], {"kv": [0]}) == 1
+        assert tier.lookup(NS, KEYS[:1], {"kv": [0]}) == 0
+    finally:
+        tier.close()
