@@ -67,6 +67,12 @@ def test_vault_starts_with_one_line_and_stops_gracefully(
         [row] = json.loads(result.stdout)["vaults"]
         assert row["up"] and row["role"] == "ssm_cold"
         assert (row["bulk_port"], row["bulk_reachable"]) == (bulk_port, True)
+        # It restarted itself (exec, same pid) with glibc's huge-page heap asked for.
+        environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
+        assert any(
+            line.startswith(b"GLIBC_TUNABLES=") and b"glibc.malloc.hugetlb=1" in line
+            for line in environ
+        ), environ
         process.send_signal(stop_signal)
         assert process.wait(timeout=15) == 0
         assert "stopped" in process.stdout.read()  # type: ignore[union-attr]
