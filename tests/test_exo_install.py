@@ -3,6 +3,7 @@ byte-identical uninstall, clear refusals."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import site
@@ -254,3 +255,35 @@ def test_status_shows_whether_the_hook_is_installed(tmp_path: Path, vault: Vault
     code, row = status()
     assert (code, row["up"]) == (0, True)
     assert row["detail"] == "installed for EXO v1.0.70 or newer"
+
+
+REAL_EXO_SRC = os.environ.get("TIERKV_EXO_SRC")
+
+
+@pytest.mark.skipif(not REAL_EXO_SRC, reason="TIERKV_EXO_SRC (an EXO checkout) is not set")
+def test_the_hook_fits_the_prefix_cache_of_a_real_exo_checkout() -> None:
+    """What the hook relies on, read from a real EXO's cache.py (EXO itself needs Python 3.13
+    and its Rust bindings, so it is parsed, not imported): a supported release, the hooked
+    methods, the parallel `prompts` / `caches` lists that eviction pops and adds append to, the
+    distributed group, and from v1.0.70 on the media regions that keep image prompts out."""
+    from tierkv.connectors.exo.hook import HOOKED_METHODS
+
+    assert REAL_EXO_SRC is not None
+    cache_py = Path(REAL_EXO_SRC) / CACHE_PY
+    source = cache_py.read_text(encoding="utf-8")
+    version = detect_version(source, str(cache_py))
+    (cls,) = [n for n in ast.parse(source).body if getattr(n, "name", "") == "KVPrefixCache"]
+    assert isinstance(cls, ast.ClassDef)
+    methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    assert set(HOOKED_METHODS) <= methods.keys()
+    code = {name: ast.unparse(node) for name, node in methods.items()}
+    for attribute in ("self.prompts", "self.caches", "self._group"):
+        assert attribute in code["__init__"], attribute
+    assert "self.prompts.append(" in code["add_kv_cache"]
+    assert "self.caches.append(" in code["add_kv_cache"]
+    assert "self._evict_if_needed()" in code["add_kv_cache"]
+    assert "self.prompts.pop(" in code["_evict_if_needed"]
+    assert "self.caches.pop(" in code["_evict_if_needed"]
+    if version == "v1.0.70 or newer":
+        assert "self._media_regions" in code["__init__"]
+        assert "media_regions" in [arg.arg for arg in methods["get_kv_cache"].args.args]
