@@ -24,7 +24,7 @@ from conftest import SLOW_BOX_MARGIN_S
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.bulk import HEADER, MAGIC, PROMOTE_REPLY, PUT
+from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE_REPLY, PUT, WELCOME
 from tierkv.vault.client import VaultClient
 from tierkv.vault.wire import block_checksum, encode_bulk
 
@@ -49,6 +49,8 @@ VICTIM_NS = b"v" * 16
 ATTACKER_NS = b"a" * 16
 WORST_STALL: dict[str, float] = {}
 """Attack → the slowest normal call during it, in seconds (printed for the closing note)."""
+PEAK_RSS: dict[str, int] = {}
+"""Attack → the vault's resident memory after it, in bytes (printed for the closing note)."""
 
 
 def key(i: int) -> bytes:
@@ -98,10 +100,11 @@ def normal_client_works(address: str, attack: str, tag: int) -> None:
     WORST_STALL[attack] = max(WORST_STALL.get(attack, 0.0), put_s, lookup_s, promote_s)
 
 
-def vault_is_whole(vault: Any) -> None:
+def vault_is_whole(vault: Any, attack: str) -> None:
     """The vault process lives, stays under cap + 256 MiB, and kept the victim's blocks."""
     assert vault.process.poll() is None, "the vault died"
-    assert rss_bytes(vault.process.pid) < CAP + 256 * MIB
+    PEAK_RSS[attack] = rss_bytes(vault.process.pid)
+    assert PEAK_RSS[attack] < CAP + 256 * MIB
     with VaultClient(vault.address) as client:
         found = client.promote(VICTIM_NS, [key(i) for i in range(8)], [0])
         assert {k: bytes(v) for k, v in found.items()} == {
@@ -110,13 +113,30 @@ def vault_is_whole(vault: Any) -> None:
 
 
 def closed_by_vault(sock: socket.socket, timeout: float) -> bool:
-    sock.settimeout(timeout)
+    """Whether the vault closes `sock` within `timeout` (whatever it sent before)."""
+    deadline = time.monotonic() + timeout
     try:
-        return sock.recv(1) == b""
+        while time.monotonic() < deadline:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            if sock.recv(1 << 16) == b"":
+                return True
     except ConnectionResetError:
         return True
     except TimeoutError:
-        return False
+        pass
+    return False
+
+
+def bulk_socket(port: int) -> socket.socket:
+    """A raw bulk connection past the handshake (the vault of these tests has no tokens)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    _, kind, index_len, _ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+    assert kind == CHALLENGE
+    sock.recv(index_len, socket.MSG_WAITALL)
+    sock.sendall(HEADER.pack(MAGIC, AUTH, 0, 0))
+    _, kind, index_len, _ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+    assert kind == WELCOME and index_len == 0
+    return sock
 
 
 def test_idle_bulk_connections_neither_block_clients_nor_stay(vault: Any) -> None:
@@ -132,7 +152,7 @@ def test_idle_bulk_connections_neither_block_clients_nor_stay(vault: Any) -> Non
         for sock in idle:
             sock.close()
     normal_client_works(vault.address, "256 idle bulk connections", 2)
-    vault_is_whole(vault)
+    vault_is_whole(vault, "256 idle bulk connections")
 
 
 def _health_answers(channel: grpc.Channel) -> None:
@@ -171,7 +191,7 @@ def test_put_streams_nobody_finishes_are_limited_and_cancelled(vault: Any) -> No
         finally:
             stop.set()
     assert set(codes) == {grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-    vault_is_whole(vault)
+    vault_is_whole(vault, "32 Put streams never finished")
 
 
 def test_promote_streams_nobody_reads_are_limited_and_cancelled(vault: Any) -> None:
@@ -197,7 +217,7 @@ def test_promote_streams_nobody_reads_are_limited_and_cancelled(vault: Any) -> N
         grpc.StatusCode.CANCELLED,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
     }
-    vault_is_whole(vault)
+    vault_is_whole(vault, "40 Promote streams never read")
 
 
 def test_a_huge_promote_or_lookup_is_refused_at_once(vault: Any) -> None:
@@ -221,7 +241,7 @@ def test_a_huge_promote_or_lookup_is_refused_at_once(vault: Any) -> None:
         calls = [stub.Lookup.future(big, timeout=30) for _ in range(8)]
         normal_client_works(vault.address, "10,000 keys x 10,000 parts Promote/Lookup", 4)
         assert all(call.result().present == 0 for call in calls)
-    vault_is_whole(vault)
+    vault_is_whole(vault, "10,000 keys x 10,000 parts Promote/Lookup")
 
 
 def test_an_empty_parts_lookup_finds_nothing(vault: Any) -> None:
@@ -263,7 +283,7 @@ def test_frames_of_zero_length_payloads_cost_little_and_store_nothing(vault: Any
         within.lengths.append(0)
         within.checksums.append(block_checksum(ATTACKER_NS, key(i), 0, b""))
     frames = [_bulk_frame(millions), _bulk_frame(within)]
-    sockets = [socket.create_connection(("127.0.0.1", vault.bulk_port)) for _ in frames]
+    sockets = [bulk_socket(vault.bulk_port) for _ in frames]
 
     def send(sock: socket.socket, frame: bytes) -> None:
         with contextlib.suppress(OSError):  # the vault may close before it is all sent
@@ -277,7 +297,7 @@ def test_frames_of_zero_length_payloads_cost_little_and_store_nothing(vault: Any
         sock.close()
     with VaultClient(vault.address) as client:
         assert client.lookup(ATTACKER_NS, [key(0)], [0]) == 0
-    vault_is_whole(vault)
+    vault_is_whole(vault, "bulk frames of 2M / 60k zero-length payloads")
 
 
 def test_oversize_payloads_are_refused_before_they_are_received(vault: Any) -> None:
@@ -285,7 +305,7 @@ def test_oversize_payloads_are_refused_before_they_are_received(vault: Any) -> N
         HEADER.pack(MAGIC, PUT, 0, 12 * 1024**3),  # 12 GiB claimed
         *[HEADER.pack(MAGIC, PUT, 0, 300 * MIB) for _ in range(4)],  # each over the cap
     ]
-    sockets = [socket.create_connection(("127.0.0.1", vault.bulk_port)) for _ in headers]
+    sockets = [bulk_socket(vault.bulk_port) for _ in headers]
     for sock, header in zip(sockets, headers, strict=True):
         sock.sendall(header)
     sent_after = []
@@ -321,7 +341,7 @@ def test_oversize_payloads_are_refused_before_they_are_received(vault: Any) -> N
     assert max(sent_after) < 300 * MIB  # nobody received them whole
     for sock in sockets:
         sock.close()
-    vault_is_whole(vault)
+    vault_is_whole(vault, "12 GiB header + 4 frames over the cap")
 
 
 def test_tiny_blocks_and_long_keys_cannot_outgrow_the_cap(vault: Any) -> None:
@@ -342,6 +362,7 @@ def test_tiny_blocks_and_long_keys_cannot_outgrow_the_cap(vault: Any) -> None:
     normal_client_works(vault.address, "400k one-byte blocks, 1 MiB keys and namespaces", 7)
     # The victim's blocks were evicted by the flood (a cache), but the vault stays bounded.
     assert vault.process.poll() is None
+    PEAK_RSS["400k one-byte blocks, 1 MiB keys and namespaces"] = rss_bytes(vault.process.pid)
     assert rss_bytes(vault.process.pid) < CAP + 256 * MIB
 
 
@@ -356,7 +377,16 @@ class _EvilVault(vault_pb2_grpc.VaultServicer):
 
 
 def _hostile_bulk_peer(reply: Callable[[socket.socket], None]) -> tuple[socket.socket, int]:
+    """A bulk port that welcomes a client as a vault would, then answers with `reply`."""
     listener = socket.create_server(("127.0.0.1", 0))
+
+    def welcome_then_reply(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.sendall(HEADER.pack(MAGIC, CHALLENGE, 0, 0))
+            _, _, index_len, _ = HEADER.unpack(sock.recv(HEADER.size, socket.MSG_WAITALL))
+            sock.recv(index_len, socket.MSG_WAITALL)
+            sock.sendall(HEADER.pack(MAGIC, WELCOME, 0, 0))
+            reply(sock)
 
     def serve() -> None:
         while True:
@@ -364,7 +394,7 @@ def _hostile_bulk_peer(reply: Callable[[socket.socket], None]) -> tuple[socket.s
                 sock, _ = listener.accept()
             except OSError:
                 return
-            threading.Thread(target=reply, args=(sock,), daemon=True).start()
+            threading.Thread(target=welcome_then_reply, args=(sock,), daemon=True).start()
 
     threading.Thread(target=serve, daemon=True).start()
     return listener, listener.getsockname()[1]
@@ -416,4 +446,6 @@ def test_a_hostile_bulk_peer_costs_a_promote_its_deadline_and_never_raises(
 def test_print_worst_stalls() -> None:
     """Not a check: the figures for the closing note (run with -s)."""
     for attack, seconds in sorted(WORST_STALL.items()):
-        print(f"{attack}: worst normal call {seconds:.2f} s")
+        rss = PEAK_RSS.get(attack)
+        memory = f", vault RSS {rss / MIB:.0f} MiB" if rss else ""
+        print(f"{attack}: worst normal call {seconds:.2f} s{memory}")

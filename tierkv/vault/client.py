@@ -527,7 +527,7 @@ class VaultClient:
         port = self._bulk_port(vault_pb2.HelloRequest(), timeout=wait_s, metadata=self._metadata)
         if port:
             try:
-                return self._connect_bulk(port, min(wait_s, self.deadline_s))
+                return self._connect_bulk(port, min(self.deadline_s, deadline - time.monotonic()))
             except BulkError:
                 pass  # e.g. a firewall that lets only the gRPC port through
         self._bulk_failed(None)
