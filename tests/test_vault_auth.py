@@ -26,10 +26,11 @@ from typer.testing import CliRunner
 from tierkv.cli import app
 from tierkv.config import SecurityConfig
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import TOKEN_ENV, Tokens, proof, read_token_file
+from tierkv.vault.auth import TOKEN_ENV, Tokens, call_metadata, proof, read_token_file
 from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE, PROMOTE_REPLY, WELCOME
 from tierkv.vault.client import VaultClient, VaultRefused
 from tierkv.vault.server import serve
+from tierkv.vault.wire import block_checksum, encode_bulk
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef00"
@@ -306,5 +307,35 @@ def test_tls_round_trip_on_both_ports(tmp_path: Path, mutual: bool) -> None:
             with VaultClient(server.address, token=ALICE, security=security, deadline_s=2) as c:
                 assert c.promote(NS, [key(0)], [0]) == {}
                 assert c.lookup(NS, [key(0)], [0]) == 0
+    finally:
+        server.stop(grace=0)
+
+
+def test_a_tenants_corrupted_block_is_a_miss_never_laundered() -> None:
+    """A tenant's blocks are stored under the checksum of their prefixed address and returned
+    with the one of the tenant's own: bit rot in between must still fail the reader's check."""
+    server = serve("127.0.0.1:0", 0, tokens=Tokens([("alice", ALICE), ("bob", BOB)]))
+    try:
+        rotting = bytearray(b"r" * 4096)
+        prefixed = b"alice/" + NS
+        stored = server.store.put(
+            prefixed, key(1), 0, memoryview(rotting), block_checksum(prefixed, key(1), 0, rotting)
+        )
+        assert stored is None
+        with VaultClient(server.address, token=ALICE) as alice:
+            assert bytes(alice.promote(NS, [key(1)], [0])[(0, 0)]) == bytes(rotting)
+            rotting[100] ^= 0xFF  # bit rot in the vault's RAM after the checksum was verified
+            assert alice.promote(NS, [key(1)], [0]) == {}
+            assert alice.checksum_failures == 1
+        with grpc.insecure_channel(server.address) as channel:  # sent with a wrong checksum
+            put = channel.stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
+            index = vault_pb2.PutIndex(
+                namespace=NS, keys=[key(2)], parts=[0], lengths=[3], checksums=[12345]
+            )
+            summary = vault_pb2.PutSummary.FromString(
+                put(iter([encode_bulk(index, [b"abc"])]), metadata=call_metadata(ALICE))
+            )
+            assert (summary.stored, summary.rejected) == (0, 1)
+            assert "checksum" in summary.rejections[0].reason
     finally:
         server.stop(grace=0)
