@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from tests.conftest import LOOPBACK, pick_free_port
+from tests.tls_certs import Certs
 
 START_TIMEOUT_S = 30.0
 
@@ -45,13 +46,16 @@ def require_redis() -> str:
 class RedisServer:
     port: int
     process: subprocess.Popen[bytes]
+    certs: Certs | None = None
+    """Set: the server speaks TLS only, with these certificates (clients need none)."""
 
     @property
     def address(self) -> str:
         return f"{LOOPBACK}:{self.port}"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=5)
+        tls = {"ssl": True, "ssl_ca_certs": str(self.certs.ca)} if self.certs else {}
+        return redis.Redis(host=LOOPBACK, port=self.port, socket_timeout=5, **tls)
 
     def kill(self) -> None:
         self.process.kill()
@@ -66,16 +70,23 @@ class RedisServer:
                 self.kill()
 
 
-def start_redis(work_dir: Path, *extra: str) -> RedisServer:
-    """A server on a free loopback port, answering PING when returned."""
+def start_redis(work_dir: Path, *extra: str, certs: Certs | None = None) -> RedisServer:
+    """A server on a free loopback port (TLS only with `certs`), answering PING when returned."""
     binary = require_redis()
     port = pick_free_port()
     node_dir = work_dir / f"redis-{port}"
     node_dir.mkdir(parents=True)
-    command = [binary, "--port", str(port), "--bind", LOOPBACK, "--dir", str(node_dir)]
-    command += ["--save", "", "--appendonly", "no", "--maxmemory-policy", "allkeys-lru", *extra]
+    command = [binary, "--bind", LOOPBACK, "--dir", str(node_dir)]
+    command += ["--save", "", "--appendonly", "no", "--maxmemory-policy", "allkeys-lru"]
+    if certs is None:
+        command += ["--port", str(port)]
+    else:
+        command += ["--port", "0", "--tls-port", str(port), "--tls-auth-clients", "no"]
+        command += ["--tls-cert-file", str(certs.server_cert), "--tls-key-file"]
+        command += [str(certs.server_key), "--tls-ca-cert-file", str(certs.ca)]
     log = (node_dir / "server.log").open("wb")
-    server = RedisServer(port, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+    process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT)
+    server = RedisServer(port, process, certs)
     deadline = time.monotonic() + START_TIMEOUT_S
     client = server.client()
     while True:

@@ -14,12 +14,13 @@ import xxhash
 
 from tests.conftest import VaultHandle
 from tests.redis_servers import RedisServer, start_cluster, start_redis
+from tests.tls_certs import make_certs
 from tierkv.backends import open_backend, open_one
 from tierkv.backends.base import Backend
 from tierkv.backends.redis import RedisBackend, RedisClusterBackend, redis_key
 from tierkv.backends.sharded import WeightedShards
 from tierkv.backends.vault import VaultBackend
-from tierkv.config import ClientConfig, Endpoint
+from tierkv.config import ClientConfig, Endpoint, SecurityConfig
 from tierkv.vault.client import VaultClient
 
 NS = b"test-namespace!!"
@@ -244,3 +245,23 @@ def test_a_killed_cluster_node_means_misses_never_errors(redis_cluster: list[Red
         backend.put(NS, b"new-key", 0, b"payload")  # never raises, even for the dead node's slot
     finally:
         backend.close()
+
+
+def test_rediss_verifies_the_server_against_the_configured_ca(tmp_path: Path) -> None:
+    certs = make_certs(tmp_path / "certs")
+    server = start_redis(tmp_path, certs=certs)
+    keys = block_keys(20)
+    try:
+        trusted = open_one(f"rediss://{server.address}", FAST, SecurityConfig(tls_ca=str(certs.ca)))
+        put_all(trusted, keys)
+        assert trusted.lookup(NS, keys, PARTS) == len(keys)
+        assert_payloads(trusted.promote(NS, keys, PARTS))
+        trusted.close()
+        unknown_ca = open_one(f"rediss://{server.address}", FAST)  # the system's CAs only
+        assert unknown_ca.lookup(NS, keys, PARTS) == 0
+        unknown_ca.close()
+        plain = open_one(f"redis://{server.address}", FAST)
+        assert plain.lookup(NS, keys, PARTS) == 0
+        plain.close()
+    finally:
+        server.stop()

@@ -14,8 +14,8 @@ from tierkv.config import ClientConfig, Endpoint, SecurityConfig, is_redis_url
 def open_one(
     address: str, client_cfg: ClientConfig, security: SecurityConfig | None = None
 ) -> Backend:
-    """The backend of one address: a vault "host:port" (with the token and TLS of `security`)
-    or a redis[s][+cluster]:// URL."""
+    """The backend of one address: a vault "host:port" or a redis[s][+cluster]:// URL (with
+    the token / TLS files of `security`)."""
     if not is_redis_url(address):
         from tierkv.backends.vault import VaultBackend
 
@@ -23,9 +23,9 @@ def open_one(
     from tierkv.backends.redis import RedisBackend, RedisClusterBackend, connection_options
 
     if "+cluster" in address.partition("://")[0]:
-        return RedisClusterBackend(address, client_cfg)
+        return RedisClusterBackend(address, client_cfg, security)
     url = urlsplit(address)
-    options = connection_options(address, client_cfg)
+    options = connection_options(address, client_cfg, security)
     return RedisBackend.connect(url.hostname or "", url.port or 6379, options, client_cfg, address)
 
 

@@ -37,7 +37,7 @@ from tierkv.backends.base import (
     VaultUnavailable,
 )
 from tierkv.backends.sharded import ShardedBackend
-from tierkv.config import ClientConfig, format_address, redact
+from tierkv.config import ClientConfig, SecurityConfig, format_address, redact
 from tierkv.vault.wire import block_checksum
 
 log = logging.getLogger(__name__)
@@ -55,8 +55,12 @@ def redis_key(namespace: bytes, key: bytes, part: int) -> bytes:
     return b"tierkv:%s:{%s}:%d" % (namespace.hex().encode(), key.hex().encode(), part)
 
 
-def connection_options(url: str, client_cfg: ClientConfig) -> dict[str, Any]:
-    """redis-py keyword arguments for `url`: TLS, db, credentials (config, else env, else URL)."""
+def connection_options(
+    url: str, client_cfg: ClientConfig, security: SecurityConfig | None = None
+) -> dict[str, Any]:
+    """redis-py keyword arguments for `url`: db, credentials (config, else env, else URL) and,
+    for rediss://, TLS verified against security.tls_ca (else the system's CAs), with
+    security.tls_cert / tls_key as the client certificate when set."""
     parts = urlsplit(url)
     options: dict[str, Any] = {
         "socket_timeout": client_cfg.deadline_ms / 1000,
@@ -66,7 +70,11 @@ def connection_options(url: str, client_cfg: ClientConfig) -> dict[str, Any]:
         "password": client_cfg.redis_password or os.environ.get(PASSWORD_ENV) or parts.password,
     }
     if parts.scheme.startswith("rediss"):
+        security = security or SecurityConfig()
         options["ssl"] = True
+        options["ssl_ca_certs"] = security.tls_ca
+        options["ssl_certfile"] = security.tls_cert
+        options["ssl_keyfile"] = security.tls_key
     if parts.path.strip("/"):
         options["db"] = int(parts.path.strip("/"))
     return options
@@ -249,10 +257,12 @@ class RedisBackend:
 class RedisClusterBackend(ShardedBackend):
     """A Redis Cluster: each block on the primary serving its hash slot, nodes in parallel."""
 
-    def __init__(self, url: str, client_cfg: ClientConfig) -> None:
+    def __init__(
+        self, url: str, client_cfg: ClientConfig, security: SecurityConfig | None = None
+    ) -> None:
         super().__init__(redact(url), threads=16)
         parts = urlsplit(url)
-        self._options = connection_options(url, client_cfg)
+        self._options = connection_options(url, client_cfg, security)
         self._options.pop("db", None)  # a cluster has database 0 only
         self._client_cfg = client_cfg
         self._seeds = [(parts.hostname or "", parts.port or 6379)]
