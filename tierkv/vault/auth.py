@@ -24,6 +24,7 @@ import os
 import re
 import socket
 import ssl
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,25 @@ class Tenant:
 
 OPEN = Tenant("", b"")
 """The only tenant of a vault without tokens, or with tokens of a single tenant."""
+
+
+class TenantCounters:
+    """hits, misses and rejected blocks per tenant of a vault of several tenants (each sees only
+    its own in Stats); a single tenant's are the store's own counters."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, tuple[int, int, int]] = {}
+
+    def add(self, tenant: Tenant, hits: int = 0, misses: int = 0, rejected: int = 0) -> None:
+        if tenant.prefix:
+            with self._lock:
+                old = self._counts.get(tenant.name, (0, 0, 0))
+                self._counts[tenant.name] = (old[0] + hits, old[1] + misses, old[2] + rejected)
+
+    def get(self, tenant: Tenant) -> tuple[int, int, int]:
+        with self._lock:
+            return self._counts.get(tenant.name, (0, 0, 0))
 
 
 def read_token_file(path: str | Path) -> list[tuple[str, str]]:

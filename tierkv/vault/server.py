@@ -11,7 +11,6 @@ INVALID_ARGUMENT or RESOURCE_EXHAUSTED, a block beyond them is rejected with its
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
@@ -33,6 +32,7 @@ from tierkv.vault.auth import (
     Access,
     AuthInterceptor,
     Tenant,
+    TenantCounters,
     Tokens,
     server_credentials,
     ssl_context,
@@ -127,8 +127,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self.inflight = inflight
         """Bytes on their way in or out, shared with the bulk path (limits.max_inflight_bytes)."""
         self.access = access
-        self._lock = threading.Lock()
-        self._tenant_counts: dict[str, list[int]] = {}
+        self._tenant_counts = TenantCounters()
         """tenant → [hits, misses, rejected] on a vault of several tenants."""
         self.bulk_port = 0
         """Set by serve() once the bulk data path listens; 0 = none."""
@@ -184,7 +183,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 summary.stored += 1
             else:
                 _add_rejection(summary, key, part, reason)
-        self._count(tenant, rejected=summary.rejected - rejected)
+        self._tenant_counts.add(tenant, rejected=summary.rejected - rejected)
         return summary
 
     def Lookup(
@@ -223,7 +222,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     def _get_many(self, request: vault_pb2.PromoteRequest, tenant: Tenant) -> list[StoredBlock]:
         keys, parts = list(request.keys), list(request.parts)
         found = self.store.get_many(tenant.prefix + request.namespace, keys, parts)
-        self._count(tenant, hits=len(found), misses=len(keys) * len(parts) - len(found))
+        self._tenant_counts.add(tenant, len(found), len(keys) * len(parts) - len(found))
         if not tenant.prefix:
             return found
         return [
@@ -234,15 +233,6 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
             )
             for block in found
         ]
-
-    def _count(self, tenant: Tenant, hits: int = 0, misses: int = 0, rejected: int = 0) -> None:
-        """Per-tenant counters (a vault of several tenants shows each only its own)."""
-        if tenant.prefix:
-            with self._lock:
-                counts = self._tenant_counts.setdefault(tenant.name, [0, 0, 0])
-                counts[0] += hits
-                counts[1] += misses
-                counts[2] += rejected
 
     def Hello(
         self, request: vault_pb2.HelloRequest, context: grpc.ServicerContext
@@ -266,10 +256,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         if tenant.prefix:  # one of several tenants: its own blocks and calls, nothing else
             reply.tenant = tenant.name
             reply.entries, reply.bytes_used, reply.evictions = self.store.usage(tenant.prefix)
-            with self._lock:
-                reply.hits, reply.misses, reply.rejected = self._tenant_counts.get(
-                    tenant.name, (0, 0, 0)
-                )
+            reply.hits, reply.misses, reply.rejected = self._tenant_counts.get(tenant)
             return reply
         stats = self.store.stats()
         ram = vault_pb2.TierStats(
