@@ -237,7 +237,7 @@ class LimitsConfig:
 
     max_connections: int = 256
     """Bulk connections served at once (all clients)."""
-    max_connections_per_client: int = 32
+    max_connections_per_client: int = 64
     """Bulk connections served at once per client IP address."""
     handshake_timeout_s: float = 5.0
     """A new bulk connection that has not authenticated (or sent a frame) by then is closed."""
