@@ -5,6 +5,8 @@
     python benchmarks/bench_vault.py --in-process         # vault embedded in this process
     python benchmarks/bench_vault.py --reuse-memory       # engine side keeps freed memory too
     python benchmarks/bench_vault.py --no-tls             # skip the rows over TLS
+    python benchmarks/bench_vault.py --disk               # + disk tier rows and restart times
+    python benchmarks/bench_vault.py --disk --disk-dir /mnt/nvme/tmp --restart 1GiB --restart 10GiB
 
 The vault runs as a real `tierkv vault` process on 127.0.0.1 (as on a LAN machine, but without
 the network) unless --in-process. Put = queue every block with VaultClient.put and wait for
@@ -21,11 +23,23 @@ touch of memory can be slow in a VM) and later rounds the steady state of a full
 Every block size runs twice, plain and over TLS on both ports (a second vault with a
 certificate made for the run, tests/tls_certs.py; the `cryptography` package of the dev extra),
 so the cost of TLS shows beside the same memcpy.
+
+--disk adds, in the same run, a vault with a disk tier (in a temporary directory under
+--disk-dir) and a RAM tier of one block, so every block Promote returns comes from disk: before
+each round the segment files are synced and dropped from the page cache with
+posix_fadvise(POSIX_FADV_DONTNEED) (the files of this benchmark only; /proc/sys/vm/drop_caches
+would empty the cache of every process on the machine), and one more round reads them from a warm
+page cache. Then the restart time: segments of 1 GiB and 10 GiB (--restart) of blocks are written
+with DiskTier, dropped from the page cache, and a `tierkv vault` is started on them; the figures
+are the vault's own recovery time (index rebuilt from record headers) and the time until it
+answers. Last, buffered reads against O_DIRECT reads of the same segment file, cache dropped, as
+the measurement behind reading without O_DIRECT. Everything written is deleted at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import signal
 import socket
@@ -44,10 +58,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.config import SecurityConfig, format_size, parse_size
+from tierkv.config import MIB, SecurityConfig, format_size, parse_size
 from tierkv.vault.client import VaultClient
+from tierkv.vault.disk import DiskTier
 from tierkv.vault.memory import restart_with_huge_pages, reuse_freed_memory
 from tierkv.vault.server import CHUNK_BYTES, serve
+from tierkv.vault.wire import block_checksum
 
 NAMESPACE = b"bench-vault-0000"
 
@@ -123,9 +139,12 @@ def _free_port() -> int:
 
 
 @contextmanager
-def running_vault(in_process: bool, tls: bool) -> Iterator[tuple[str, SecurityConfig]]:
+def running_vault(
+    in_process: bool, tls: bool, *options: str, log: Path | None = None
+) -> Iterator[tuple[str, SecurityConfig]]:
     """(address, a client's [security]) of an unlimited vault on 127.0.0.1 (with `tls`: over
-    TLS, with certificates made for it), stopped on exit."""
+    TLS, with certificates made for it; more `tierkv vault` options, its output to `log`),
+    stopped on exit."""
     with tempfile.TemporaryDirectory() as tmp:
         vault_side = client_side = SecurityConfig()
         if tls:
@@ -152,16 +171,110 @@ def running_vault(in_process: bool, tls: bool) -> Iterator[tuple[str, SecurityCo
             else ""
         )
         command = [sys.executable, "-m", "tierkv", "vault", "--config", str(config)]
-        command += ["--listen", address, "--max-bytes", "unlimited"]
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+        command += ["--listen", address, "--max-bytes", "unlimited", *options]
+        with open(log or os.devnull, "wb") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         try:
             with VaultClient(address, security=client_side) as probe:
-                if not probe.wait_ready(60):
-                    raise RuntimeError(f"tierkv vault did not start on {address}")
+                while not probe.wait_ready(1):
+                    if process.poll() is not None:
+                        raise RuntimeError(f"tierkv vault on {address} exited")
             yield address, client_side
         finally:
             process.send_signal(signal.SIGTERM)
-            process.wait(timeout=30)
+            process.wait(timeout=120)
+
+
+def drop_page_cache(directory: Path) -> None:
+    """Sync the segment files under `directory` and drop them from the page cache."""
+    for path in directory.glob("*.seg"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def bench_disk_promote(
+    data: np.ndarray, block: int, rounds: int, parent: Path
+) -> tuple[list[float], float]:
+    """(cold-cache GB/s per round, warm-cache GB/s) of promoting blocks that are only on disk."""
+    count = len(data) // block
+    keys = [i.to_bytes(16, "little") for i in range(count)]
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        disk_dir = Path(tmp) / "disk"
+        options = ["--max-bytes", str(block), "--disk-dir", str(disk_dir)]
+        with (
+            running_vault(False, False, *options) as (address, _),
+            VaultClient(address, deadline_s=60, promote_deadline_s=600) as client,
+        ):
+            for i, key in enumerate(keys):
+                client.put(NAMESPACE, key, 0, data[i * block : (i + 1) * block].tobytes())
+            if not client.flush(timeout=600):
+                raise RuntimeError(f"puts were lost: {client.counters()}")
+            while (disk := client.stats().disk) is not None and disk.queued_bytes:
+                time.sleep(0.1)
+
+            def promote_gbps() -> float:
+                started = time.perf_counter()
+                found = client.promote(NAMESPACE, keys, [0])
+                seconds = time.perf_counter() - started
+                if len(found) != count or client.checksum_failures:
+                    raise RuntimeError(f"promote returned {len(found)} of {count} blocks")
+                return count * block / seconds / 1e9
+
+            cold = []
+            for _ in range(rounds):
+                drop_page_cache(disk_dir)
+                cold.append(promote_gbps())
+            return cold, promote_gbps()
+
+
+def restart_seconds(size: int, block: int, parent: Path) -> tuple[float, float, int]:
+    """(recovery s reported by the vault, s until it answers, blocks) for `size` bytes on disk."""
+    payload = os.urandom(block)
+    count = size // block
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        disk_dir = Path(tmp) / "disk"
+        disk = DiskTier(disk_dir, 2 * size, "never")
+        for i in range(count):
+            key = i.to_bytes(16, "little")
+            disk.write(NAMESPACE, key, 0, payload, block_checksum(NAMESPACE, key, 0, payload))
+            disk.wait_for_room()
+        disk.close()
+        drop_page_cache(disk_dir)
+        log = Path(tmp) / "vault.log"
+        options = ["--max-bytes", "1GiB", "--disk-dir", str(disk_dir)]
+        started = time.perf_counter()
+        with running_vault(False, False, *options, log=log):
+            ready = time.perf_counter() - started
+        line = next(line for line in log.read_text().splitlines() if "recovered" in line)
+        recovered = int(line.split("recovered ")[1].split()[0])
+        recovery = float(line.split(" in ")[-1].split(" s;")[0])
+        return recovery, ready, recovered
+
+
+def direct_vs_buffered_gbps(parent: Path, size: int = 512 * MIB) -> tuple[float, float]:
+    """(buffered, O_DIRECT) GB/s of reading one `size`-byte file in 8 MiB reads, cache dropped."""
+    chunk = 8 * MIB
+    with tempfile.TemporaryDirectory(dir=parent) as tmp:
+        path = Path(tmp) / "0000000001.seg"
+        path.write_bytes(os.urandom(chunk) * (size // chunk))
+        figures = []
+        for flags in (0, os.O_DIRECT):
+            drop_page_cache(Path(tmp))
+            buffer = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+            fd = os.open(path, os.O_RDONLY | flags)
+            try:
+                started = time.perf_counter()
+                for offset in range(0, size, chunk):
+                    os.preadv(fd, [buffer], offset)
+                figures.append(size / (time.perf_counter() - started) / 1e9)
+            finally:
+                os.close(fd)
+                buffer.close()
+        return figures[0], figures[1]
 
 
 def bench_block_size(
@@ -240,6 +353,13 @@ def main() -> int:
         action="store_true",
         help="keep glibc's default 4 KiB-page heap in this (the engine's) process",
     )
+    parser.add_argument("--disk", action="store_true", help="add the disk tier's figures")
+    parser.add_argument(
+        "--disk-dir", type=Path, default=Path(tempfile.gettempdir()), help="--disk: where to write"
+    )
+    parser.add_argument(
+        "--restart", action="append", help="--disk: restart sizes (default 1GiB and 10GiB)"
+    )
     parser.add_argument("--serve-raw", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--raw-chunk", type=int, default=CHUNK_BYTES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -271,11 +391,37 @@ def main() -> int:
             for block in blocks:
                 figures = bench_block_size(address, security, data, block, args.rounds)
                 add_rows(table, "TLS" if tls else "plain", format_size(block), figures, warm)
+    for block in blocks if args.disk else []:
+        disk_rounds, disk_warm = bench_disk_promote(data, block, args.rounds, args.disk_dir)
+        rows = [(str(number), gbps) for number, gbps in enumerate(disk_rounds, 1)]
+        rows += [("median", statistics.median(disk_rounds)), ("cache warm", disk_warm)]
+        for label, gbps in rows:
+            cells = ["", "", f"{gbps:.2f}", f"{gbps / warm:.3f}x"]
+            style = "bold" if label == "median" else None
+            table.add_row("disk", format_size(block), label, *cells, style=style)
     console.print(table)
     console.print(
         f"numpy memcpy: warm median {warm:.2f} GB/s (best {max(warm_rounds):.2f}), "
         f"cold (fresh pages) {cold:.2f} GB/s"
     )
+    if args.disk:
+        console.print(
+            f"disk rows: Promote of blocks only on disk under {args.disk_dir} (RAM tier of one "
+            "block); page cache of the segment files dropped with posix_fadvise(DONTNEED) before "
+            "each round, except 'cache warm'"
+        )
+        for size in [parse_size(s) for s in args.restart or ["1GiB", "10GiB"]]:
+            recovery, ready, recovered = restart_seconds(size, blocks[0], args.disk_dir)
+            console.print(
+                f"restart with {format_size(size)} on disk ({recovered} blocks of "
+                f"{format_size(blocks[0])}, page cache dropped): index rebuilt in {recovery:.2f} s,"
+                f" vault answering after {ready:.2f} s"
+            )
+        buffered, direct = direct_vs_buffered_gbps(args.disk_dir)
+        console.print(
+            f"one 512 MiB segment read in 8 MiB preadv calls, cache dropped: buffered "
+            f"{buffered:.2f} GB/s, O_DIRECT {direct:.2f} GB/s"
+        )
     raw = raw_stream_gbps(total, CHUNK_BYTES, args.rounds)
     raw_median = statistics.median(raw)
     console.print(

@@ -6,6 +6,7 @@ carry distinct bytes; every block read back is compared byte for byte with what 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -79,6 +80,9 @@ def test_blocks_spill_past_the_ram_cap_and_read_back(
     assert after.disk.entries == 40 and after.disk.hits >= 32
     with VaultClient(vault.address) as client:
         assert client.lookup(NS, [key(i) for i in range(41)], [0]) == 40
+    status = [sys.executable, "-m", "tierkv", "status", "--vault", vault.address, "--json"]
+    [row] = json.loads(subprocess.run(status, capture_output=True, check=True).stdout)["vaults"]
+    assert row["ram"]["entries"] == after.ram.entries and row["disk"]["entries"] == 40
 
 
 def test_sigterm_and_restart_lose_no_acknowledged_block(
