@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,22 @@ def test_a_store_with_a_disk_tier_spills_reads_through_and_keeps_request_order(
     disk = DiskTier(tmp_path / "disk", 64 * MIB)
     assert disk.recovery.blocks == 8
     disk.close()
+
+
+def test_a_failing_disk_write_is_logged_and_the_writer_keeps_going(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    [segment] = (tmp_path / "disk").glob("*.seg")
+    read_only = os.open(segment, os.O_RDONLY)
+    os.dup2(read_only, disk._fds[disk._active])  # writes now fail (EBADF), as on a dead disk
+    os.close(read_only)
+    write(disk, 1)
+    deadline = time.monotonic() + 60
+    while disk.stats().queued_bytes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "cannot write" in caplog.text
+    assert read(disk, [1]) == [None]  # never written: a miss, not a stall
+    write(disk, 2)
+    assert disk.wait_for_room(timeout=30)
+    assert disk.close(timeout=30) == 0

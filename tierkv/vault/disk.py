@@ -47,6 +47,9 @@ SEGMENT_BYTES = 256 * MIB
 """Largest segment file (smaller when the cap is small: at most an eighth of it)."""
 WRITE_BEHIND_BYTES = 256 * MIB
 """Queued-but-unwritten payload bytes past which `wait_for_room` makes writers wait."""
+WRITE_BEHIND_WAIT_S = 5.0
+"""Longest a writer waits for room: a stalled disk (a hung NFS server) slows Puts, never stops
+them; the queue then grows past WRITE_BEHIND_BYTES until the disk catches up."""
 MAX_READ_BYTES = 64 * MIB
 """Largest single coalesced read."""
 IOV_MAX = 1024
@@ -208,7 +211,7 @@ class DiskTier:
                 return
         self.write(namespace, key, part, payload, checksum)
 
-    def wait_for_room(self, timeout: float | None = None) -> bool:
+    def wait_for_room(self, timeout: float | None = WRITE_BEHIND_WAIT_S) -> bool:
         """Wait while more than the write-behind bound is queued; False on timeout."""
         with self._changed:
             return self._changed.wait_for(
@@ -280,7 +283,7 @@ class DiskTier:
         """A consistent snapshot of the counters."""
         with self._lock:
             return DiskStats(
-                entries=len(self._index.keys() | self._queued.keys()),
+                entries=len(self._index) + sum(ek not in self._index for ek in self._queued),
                 bytes_used=sum(self._sizes.values()),
                 max_bytes=self.max_bytes,
                 live_bytes=self._live_bytes,
@@ -448,8 +451,8 @@ class DiskTier:
             if batch:
                 try:
                     self._append(batch)
-                except OSError as exc:
-                    log.error("tierkv vault: disk tier cannot write to %s: %s", self.directory, exc)
+                except Exception:  # the writer must outlive any failure, or Puts would stall
+                    log.exception("tierkv vault: disk tier cannot write to %s", self.directory)
                     self._forget(batch)
             elif self.fsync == "interval" and time.monotonic() - self._last_sync >= 1.0:
                 self._sync()
