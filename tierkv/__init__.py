@@ -1,3 +1,3 @@
 """tierkv: a cold KV-cache tier for LLM inference engines on ordinary LAN machines."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
