@@ -1,12 +1,18 @@
 """`tierkv bench` in its default mode: an embedded vault, synthetic KV, every phase."""
 
+import io
 import json
 import socket
+from collections.abc import Callable
+from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from rich.console import Console
+from typer.testing import CliRunner, Result
 
+from tierkv.bench import BenchResult
 from tierkv.cli import app
+from tierkv.cli.bench import results_table
 from tierkv.config import parse_address
 
 # Fidelity floors per codec on the bench's KV-like data (outlier channels, drifting scales).
@@ -105,3 +111,77 @@ def test_bad_input_is_named(args: list[str], named: str) -> None:
     result = CliRunner().invoke(app, ["bench", *args])
     assert result.exit_code == 2
     assert named in result.output
+
+
+def _no_constants(name: str) -> object:
+    raise AssertionError(f"{name} is not JSON")
+
+
+def test_json_is_strict_json(all_codecs: list[dict[str, object]]) -> None:
+    result = CliRunner().invoke(app, ["bench", "--tokens", "256", "--codec", "none", "--json"])
+    assert result.exit_code == 0, result.output
+    lossless = json.loads(result.stdout, parse_constant=_no_constants)
+    assert isinstance(lossless, dict) and lossless["snr_db"] is None
+    assert all(obj["snr_db"] is not None for obj in all_codecs[1:])
+
+
+def test_table_fits_80_columns_with_every_codec(all_codecs: list[dict[str, object]]) -> None:
+    console = Console(width=80, record=True, file=io.StringIO())
+    console.print(results_table([BenchResult(**obj) for obj in all_codecs]))  # type: ignore[arg-type]
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "…" not in text
+    for codec in MIN_COSINE:
+        assert codec in text
+    assert "lossless" in text  # the SNR of "none", not "inf"
+
+
+def test_progress_is_reported_when_output_is_not_a_terminal() -> None:
+    result = CliRunner().invoke(app, ["bench", "--tokens", "256", "--codec", "int8"])
+    assert result.exit_code == 0, result.output
+    assert "tierkv bench: preparing the codec kernels" in result.stderr
+    assert "tierkv bench: kernels ready in " in result.stderr
+
+
+def test_tokens_not_a_multiple_of_the_block_says_what_is_measured() -> None:
+    result = CliRunner().invoke(app, ["bench", "--tokens", "300", "--codec", "none", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "measuring 256 of the 300 tokens: whole blocks of 256" in result.stderr
+    assert json.loads(result.stdout)["blocks"] == 1
+
+
+def test_too_many_tokens_are_refused_up_front_with_the_memory_needed() -> None:
+    result = CliRunner().invoke(app, ["bench", "--tokens", "10000000"])
+    assert result.exit_code == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith("tierkv bench: --tokens 10000000 needs about ")
+    assert "GB of memory" in line and "kernels" not in result.stderr
+
+
+def _one_error_line(result: Result, code: int) -> str:
+    """The line the bench ended with (after its progress notes), checking there is no more."""
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    line = result.stderr.splitlines()[-1]
+    assert line.startswith("tierkv bench: ")
+    return line
+
+
+def test_a_vault_that_is_down_is_one_line_before_any_work(free_port: int) -> None:
+    result = CliRunner().invoke(app, ["bench", "--vault", f"127.0.0.1:{free_port}"])
+    line = _one_error_line(result, 1)
+    assert f"127.0.0.1:{free_port}" in line
+    assert result.stderr.strip() == line  # nothing compiled or generated first
+
+
+def test_a_bad_vault_address_is_a_usage_error() -> None:
+    result = CliRunner().invoke(app, ["bench", "--vault", "nohost"])
+    line = _one_error_line(result, 2)
+    assert "--vault" in line and result.stderr.strip() == line
+
+
+def test_a_full_vault_is_one_line(vault_factory: Callable[..., Any]) -> None:
+    small = vault_factory(max_bytes="1MiB")
+    args = ["bench", "--vault", small.address, "--tokens", "512", "--codec", "none"]
+    line = _one_error_line(CliRunner().invoke(app, args), 1)
+    assert "full" in line

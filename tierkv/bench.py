@@ -10,7 +10,9 @@ with its own connections, and their GB/s are reported per worker and in aggregat
 
 from __future__ import annotations
 
+import math
 import multiprocessing
+import os
 import resource
 import time
 import uuid
@@ -25,43 +27,13 @@ from tierkv.backends import open_backend
 from tierkv.backends.base import Backend
 from tierkv.config import ClientConfig, Endpoint
 from tierkv.keys import chain_block_keys, namespace_fingerprint
+from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES, ModelShape
 from tierkv.quant import Codec, decode_into, fidelity, get_codec
 from tierkv.quant import warmup as warmup_codecs
 from tierkv.vault.server import serve as serve_vault
 
 PHASES = ("generate", "encode", "put", "lookup", "promote", "decode")
 LINK_GBITS = (1, 10, 25)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """A model's per-token KV shape, plus the fixed-size state of its linear-attention layers."""
-
-    attention_layers: int
-    kv_heads: int
-    head_dim: int
-    state_layers: int = 0
-    state_elements: int = 0
-    """Elements of one linear-attention layer's state (recurrent state + conv state)."""
-
-    def kv_bytes_per_token(self, itemsize: int) -> int:
-        return self.attention_layers * 2 * self.kv_heads * self.head_dim * itemsize
-
-
-def _gated_delta_net_state(k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv: int) -> int:
-    """Elements of one gated delta-net layer's state: v_heads × k_dim × v_dim + conv window."""
-    conv_channels = 2 * k_heads * k_dim + v_heads * v_dim
-    return v_heads * k_dim * v_dim + conv_channels * (conv - 1)
-
-
-MODEL_SHAPES: dict[str, ModelShape] = {
-    # 40 layers: every 4th is full attention, the rest gated delta-net (16 K / 32 V heads of 128).
-    "qwen3.6-35b-a3b": ModelShape(10, 2, 256, 30, _gated_delta_net_state(16, 32, 128, 128, 4)),
-    "qwen3-30b-a3b": ModelShape(48, 4, 128),
-    "qwen2.5-7b": ModelShape(28, 4, 128),
-    "llama-3.1-8b": ModelShape(32, 8, 128),
-}
-DEFAULT_MODEL_SHAPE = "qwen3.6-35b-a3b"
 
 
 @dataclass
@@ -104,7 +76,11 @@ class BenchResult:
     """Bytes all workers promoted ÷ the time from the first start to the last finish."""
 
     def as_json(self) -> dict[str, object]:
-        return asdict(self)
+        """The fields as JSON values: a non-finite figure (the SNR of a lossless codec) is null."""
+        return {
+            name: None if isinstance(value, float) and not math.isfinite(value) else value
+            for name, value in asdict(self).items()
+        }
 
 
 @dataclass
@@ -129,14 +105,10 @@ def synthetic_kv(
 ) -> SyntheticKV:
     """KV that looks like KV: per-channel scales with a few 10–20× outlier channels, per-token
     scales that vary and drift (bounded) along the sequence, per-layer variation. Full blocks
-    only."""
-    if dtype not in ("fp16", "fp32"):
-        raise ValueError(f"bench dtype must be fp16 or fp32, got {dtype!r}")
+    only (`dtype` fp16 or fp32)."""
     np_dtype = np.float16 if dtype == "fp16" else np.float32
     rng = np.random.default_rng(seed)
     n_blocks = tokens // block_tokens
-    if n_blocks == 0:
-        raise ValueError(f"--tokens {tokens} is less than one block of {block_tokens} tokens")
     used = n_blocks * block_tokens
     block_shape = (shape.attention_layers, 2, block_tokens, shape.kv_heads, shape.head_dim)
     blocks = [np.empty(block_shape, np_dtype) for _ in range(n_blocks)]
@@ -155,6 +127,35 @@ def synthetic_kv(
         for _ in range(shape.state_layers)
     ]
     return SyntheticKV(blocks, states, dtype)
+
+
+def raw_kv_bytes(shape: ModelShape, tokens: int, block_tokens: int, dtype: str) -> int:
+    """Bytes of the KV and state `synthetic_kv` makes: full blocks only."""
+    itemsize = 2 if dtype == "fp16" else 4
+    used = tokens // block_tokens * block_tokens
+    return (used * shape.kv_bytes_per_token(itemsize)) + (
+        shape.state_layers * shape.state_elements * itemsize
+    )
+
+
+def bench_memory_bytes(shape: ModelShape, tokens: int, block_tokens: int, dtype: str) -> int:
+    """About what a run holds at its peak: the KV, its payloads, the embedded vault's copy, the
+    restored KV, and one layer in float32 while generating, plus the process itself."""
+    used = tokens // block_tokens * block_tokens
+    layer_f32 = 2 * used * shape.kv_heads * shape.head_dim * 4
+    return 4 * raw_kv_bytes(shape, tokens, block_tokens, dtype) + layer_f32 + 500_000_000
+
+
+def available_memory_bytes() -> int:
+    """Memory available to a new allocation: /proc/meminfo's MemAvailable, else physical RAM."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def memcpy_gbps(nbytes: int, repeats: int = 3) -> float:
@@ -257,25 +258,47 @@ def run_bench(
     workers: int = 1,
     on_phase: Callable[[str, str, int, int], None] = lambda codec, phase, done, total: None,
 ) -> list[BenchResult]:
-    """Run every phase for each codec; `on_phase(codec, phase, done, total)` reports progress."""
+    """Run every phase for each codec; `on_phase(codec, phase, done, total)` reports progress
+    ("compile" first, with what is being compiled in place of the codec).
+
+    ValueError: bad arguments, or more memory needed than this machine has available (checked
+    before anything is generated). VaultUnavailable: a vault does not answer (checked first too).
+    RuntimeError: a vault lost or refused blocks (full?).
+    """
     try:
         shape = MODEL_SHAPES[model_shape]
     except KeyError:
         raise ValueError(
             f"unknown model shape {model_shape!r}; known: {', '.join(MODEL_SHAPES)}"
         ) from None
+    if dtype not in ("fp16", "fp32"):
+        raise ValueError(f"bench dtype must be fp16 or fp32, got {dtype!r}")
+    if tokens < block_tokens:
+        raise ValueError(f"--tokens {tokens} is less than one block of {block_tokens} tokens")
+    needed = bench_memory_bytes(shape, tokens, block_tokens, dtype)
+    available = available_memory_bytes()
+    if needed > available:
+        raise ValueError(
+            f"--tokens {tokens} needs about {needed / 1e9:,.1f} GB of memory, "
+            f"{available / 1e9:,.1f} GB is available"
+        )
     coded = [get_codec(name, group_size=shape.head_dim) for name in codecs]
-    warmup_codecs()
-    on_phase(codecs[0], "generate", 0, 1)
-    kv = synthetic_kv(shape, tokens, block_tokens, dtype)
-    on_phase(codecs[0], "generate", 1, 1)
-    reference_gbps = memcpy_gbps(kv.raw_bytes)
     results = []
     with vault_addresses(vaults) as addresses:
         # Every payload is already in memory: let the put queue hold them all, so none is dropped.
-        client_cfg = bench_client_config(2 * kv.raw_bytes)
+        client_cfg = bench_client_config(2 * raw_kv_bytes(shape, tokens, block_tokens, dtype))
         backend = open_backend([Endpoint(address) for address in addresses], client_cfg)
         try:
+            backend.stats()  # VaultUnavailable now rather than after generating the data
+            warmup_codecs(
+                [*codecs, "none"],
+                [dtype],
+                on_step=lambda what, done, total: on_phase(what, "compile", done, total),
+            )
+            on_phase(codecs[0], "generate", 0, 1)
+            kv = synthetic_kv(shape, tokens, block_tokens, dtype)
+            on_phase(codecs[0], "generate", 1, 1)
+            reference_gbps = memcpy_gbps(kv.raw_bytes)
             for codec in coded:
                 result = _bench_codec(
                     backend,

@@ -31,7 +31,15 @@ import numpy as np
 from tierkv.backends import open_backend
 from tierkv.backends.base import Backend
 from tierkv.config import TierKVConfig
-from tierkv.quant import Codec, NonFiniteError, PayloadError, decode_into, encode_block, get_codec
+from tierkv.quant import (
+    DTYPES,
+    Codec,
+    NonFiniteError,
+    PayloadError,
+    decode_into,
+    encode_block,
+    get_codec,
+)
 from tierkv.quant import warmup as warmup_codecs
 
 log = logging.getLogger(__name__)
@@ -82,19 +90,33 @@ class ColdTier:
             max(1, len(self.vaults)), thread_name_prefix="tierkv-promote"
         )
         self._encoding: set[Future[None]] = set()
+        self.warmup_s = 0.0
+        """Seconds `from_config` spent compiling or loading the codec kernels."""
 
     @classmethod
-    def from_config(cls, cfg: TierKVConfig) -> ColdTier:
-        """A tier with the configured codec and a backend for each configured vault role."""
+    def from_config(cls, cfg: TierKVConfig, warm_dtypes: Sequence[str] = DTYPES) -> ColdTier:
+        """A tier with the configured codec and a backend for each configured vault role.
+
+        The kernels of that codec and of the lossless one are compiled (or loaded from Numba's
+        cache) for `warm_dtypes` first, so no request pays for it; `warmup_s` says how long that
+        took. Pass the engine's KV dtypes, or none for a side that never encodes or decodes.
+        """
         endpoints = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
         vaults = {
             name: open_backend(found, cfg.client, cfg.security)
             for name, found in endpoints.items()
             if found
         }
-        warmup_codecs()
         codec = get_codec(cfg.turbo_quant.codec_name, group_size=cfg.turbo_quant.kv_dim)
-        return cls(codec, vaults, min_cosine=cfg.turbo_quant.min_cosine)
+        min_cosine = cfg.turbo_quant.min_cosine
+        warmup_s = (
+            warmup_codecs((codec.name, "none"), warm_dtypes, with_fidelity=min_cosine > 0)
+            if warm_dtypes
+            else 0.0
+        )
+        tier = cls(codec, vaults, min_cosine=min_cosine)
+        tier.warmup_s = warmup_s
+        return tier
 
     def store(
         self,

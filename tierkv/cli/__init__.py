@@ -1,17 +1,36 @@
 """The `tierkv` command line: one Typer app; each subcommand lives in its own module."""
 
+from typing import Annotated
+
 import typer
+
+from tierkv import __version__
 
 app = typer.Typer(
     name="tierkv",
     help="A cold KV-cache tier for vLLM and EXO on ordinary LAN machines.",
     no_args_is_help=True,
     add_completion=False,
+    # Plain help: flags show no type, long lines rewrap to the terminal, "[default: ...]" stays.
+    rich_markup_mode=None,
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"tierkv {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
     """A cold KV-cache tier for vLLM and EXO on ordinary LAN machines."""
 
 

@@ -3,73 +3,123 @@
 from __future__ import annotations
 
 import json
-import sys
+import math
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tierkv.bench import (
-    DEFAULT_MODEL_SHAPE,
-    MODEL_SHAPES,
-    BenchResult,
-    run_bench,
-    vault_addresses,
-)
-from tierkv.bench_engines import EngineBench, exo_bench, long_prompt, vllm_bench
 from tierkv.cli import app
-from tierkv.config import ConfigError, TierKVConfig, load_config, parse_cold_address, parse_size
-from tierkv.quant import CODEC_NAMES
+from tierkv.config import (
+    TURBO_QUANT_CODECS,
+    ConfigError,
+    TierKVConfig,
+    load_config,
+    parse_cold_address,
+    parse_size,
+)
+from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 
+if TYPE_CHECKING:  # numpy, gRPC and Numba are imported when a bench runs, not for --help
+    from tierkv.bench import BenchResult
+    from tierkv.bench_engines import EngineBench
+
+CODECS = ("none", *TURBO_QUANT_CODECS)
 console = Console(stderr=True)
-WIDE = 150
-"""Table width when the output is not a terminal (a file, a pipe, a README)."""
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    console.print(f"tierkv bench: {message}", style="red", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _note(message: str) -> None:
+    console.print(f"tierkv bench: {message}", highlight=False, soft_wrap=True)
 
 
 @app.command()
 def bench(
-    tokens: Annotated[int, typer.Option(help="Prompt length in tokens.", min=1)] = 30_000,
+    tokens: Annotated[
+        int, typer.Option(metavar="N", help="Prompt length in tokens.", min=1)
+    ] = 30_000,
     model_shape: Annotated[
-        str, typer.Option(help=f"KV shape to imitate: {', '.join(MODEL_SHAPES)}.")
+        str, typer.Option(metavar="NAME", help=f"KV shape to imitate: {', '.join(MODEL_SHAPES)}.")
     ] = DEFAULT_MODEL_SHAPE,
     codec: Annotated[
         str | None,
-        typer.Option(help=f"{', '.join(CODEC_NAMES)} or all [default: the config's codec]"),
+        typer.Option(
+            metavar="NAME",
+            help=f"{', '.join(CODECS)} or all.",
+            show_default="the config's codec",
+        ),
     ] = None,
     vault: Annotated[
         list[str] | None,
         typer.Option(
-            help="HOST:PORT of a running vault, or a redis:// URL; repeat to spread blocks over "
-            "several [default: an embedded vault]."
+            metavar="HOST:PORT|URL",
+            help="A running vault, or a redis:// URL; repeat to spread blocks over several.",
+            show_default="an embedded vault",
         ),
     ] = None,
     workers: Annotated[
         int,
-        typer.Option(help="Also promote the prefix from N concurrent worker processes.", min=1),
+        typer.Option(
+            metavar="N", help="Also promote the prefix from N concurrent worker processes.", min=1
+        ),
     ] = 1,
-    dtype: Annotated[str, typer.Option(help="fp16 or fp32.")] = "fp16",
-    block_tokens: Annotated[int, typer.Option(help="Tokens per stored block.", min=1)] = 256,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    config: Annotated[Path | None, typer.Option(help="tierkv.toml to read.")] = None,
+    dtype: Annotated[str, typer.Option(metavar="fp16|fp32", help="KV dtype.")] = "fp16",
+    block_tokens: Annotated[
+        int, typer.Option(metavar="N", help="Tokens per stored block.", min=1)
+    ] = 256,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print JSON: an object of figures, or an array of them with --codec all.",
+        ),
+    ] = False,
+    config: Annotated[
+        Path | None, typer.Option(metavar="PATH", help="tierkv.toml to read.", show_default=False)
+    ] = None,
     engine: Annotated[
         str | None,
-        typer.Option(help="Time a real engine instead: vllm (needs --model) or exo (--exo-api)."),
+        typer.Option(
+            metavar="vllm|exo",
+            help="Time a real engine instead: vllm (needs --model) or exo (--exo-api).",
+            show_default=False,
+        ),
     ] = None,
-    model: Annotated[str | None, typer.Option(help="--engine vllm/exo: the model.")] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(metavar="NAME", help="--engine vllm/exo: the model.", show_default=False),
+    ] = None,
     exo_api: Annotated[
-        str | None, typer.Option(help="--engine exo: EXO's API, e.g. http://127.0.0.1:52415.")
+        str | None,
+        typer.Option(
+            metavar="URL",
+            help="--engine exo: EXO's API, e.g. http://127.0.0.1:52415.",
+            show_default=False,
+        ),
     ] = None,
     kv_cache_bytes: Annotated[
         str | None,
-        typer.Option(help="--engine vllm: KV cache size, e.g. 2GiB [default: vLLM's choice]."),
+        typer.Option(
+            metavar="SIZE",
+            help="--engine vllm: KV cache size, e.g. 2GiB.",
+            show_default="vLLM's choice",
+        ),
     ] = None,
     prompt_file: Annotated[
         Path | None,
-        typer.Option(help="--engine: the prompt [default: a long varied built-in text]."),
+        typer.Option(
+            metavar="PATH",
+            help="--engine: the prompt.",
+            show_default="a long varied built-in text",
+        ),
     ] = None,
 ) -> None:
     """Encode, store, look up, promote and decode a prompt's KV; print each phase's speed.
@@ -80,22 +130,16 @@ def bench(
     try:
         cfg = load_config(config)
     except ConfigError as exc:
-        console.print(f"[red]{exc}")
-        raise typer.Exit(2) from None
+        raise _fail(str(exc), 2) from None
+    codec = codec or cfg.turbo_quant.codec_name
+    if codec != "all" and codec not in CODECS:
+        raise _fail(f"--codec {codec!r} is unknown; use one of {', '.join(CODECS)}, all", 2)
     vaults = vault or []
     for address in vaults:
-        try:
-            parse_cold_address(address)
-        except ValueError as exc:
-            console.print(f"[red]--vault: {exc}")
-            raise typer.Exit(2) from None
-    codec = codec or cfg.turbo_quant.codec_name
-    if codec != "all" and codec not in CODEC_NAMES:
-        console.print(
-            f"[red]--codec {codec!r} is unknown; use one of {', '.join(CODEC_NAMES)}, all"
-        )
-        raise typer.Exit(2)
+        _check_address("--vault", address)
     if engine is not None:
+        from tierkv.bench_engines import long_prompt
+
         prompt = prompt_file.read_text() if prompt_file else long_prompt(words=tokens)
         limit = None if prompt_file else tokens
         if engine == "vllm":
@@ -104,81 +148,131 @@ def bench(
         else:
             _exo_bench(engine, model, exo_api, prompt, as_json)
         return
-    codecs = list(CODEC_NAMES) if codec == "all" else [codec]
+    results = _run_bench(tokens, model_shape, codec, dtype, block_tokens, vaults, workers, as_json)
+    if as_json:
+        objects = [result.as_json() for result in results]
+        typer.echo(json.dumps(objects if codec == "all" else objects[0], indent=2, allow_nan=False))
+    else:
+        Console().print(results_table(results))
+
+
+def _check_address(option: str, address: str) -> None:
     try:
-        with Progress(
-            TextColumn("{task.description:<18}"),
-            BarColumn(),
-            TextColumn("{task.completed}/{task.total}"),
-            TimeElapsedColumn(),
-            console=console,
-            disable=as_json,
-            transient=True,
-        ) as progress:
-            tasks: dict[tuple[str, str], TaskID] = {}
+        parse_cold_address(address)
+    except ValueError as exc:
+        raise _fail(f"{option}: {exc}", 2) from None
 
-            def on_phase(name: str, phase: str, done: int, total: int) -> None:
-                task = tasks.get((name, phase))
-                if task is None:
-                    task = tasks[(name, phase)] = progress.add_task(f"{name} {phase}", total=total)
-                progress.update(task, completed=done, total=total)
 
-            results = run_bench(
+def _run_bench(
+    tokens: int,
+    model_shape: str,
+    codec: str,
+    dtype: str,
+    block_tokens: int,
+    vaults: list[str],
+    workers: int,
+    quiet: bool,
+) -> list[BenchResult]:
+    """run_bench with live progress on a terminal (one row per codec), plain lines elsewhere."""
+    from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
+    from tierkv.backends.base import VaultUnavailable
+    from tierkv.bench import run_bench
+
+    live = console.is_terminal and not quiet
+    with Progress(
+        TextColumn("{task.description:<26}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not live,
+        transient=True,
+    ) as progress:
+        rows: dict[str, TaskID] = {}
+        compile_started = time.perf_counter()
+
+        def on_phase(name: str, phase: str, done: int, total: int) -> None:
+            nonlocal compile_started
+            if phase == "compile":
+                if done == 0:
+                    compile_started = time.perf_counter()
+                    if not live and not quiet:
+                        _note("preparing the codec kernels (compiled on a first run, then cached)")
+                elif done == total and not live and not quiet:
+                    _note(f"kernels ready in {time.perf_counter() - compile_started:.1f} s")
+                name, phase = "kernels", f"compiling {name}" if done < total else "ready"
+            elif phase == "generate" and done == 0 and tokens % block_tokens:
+                measured = tokens // block_tokens * block_tokens
+                _note(
+                    f"measuring {measured} of the {tokens} tokens: whole blocks of {block_tokens}"
+                )
+            row = rows.get(name)
+            if row is None:
+                row = rows[name] = progress.add_task(name, total=total)
+            progress.update(row, description=f"{name} {phase}", completed=done, total=total)
+
+        try:
+            return run_bench(
                 tokens=tokens,
                 model_shape=model_shape,
-                codecs=codecs,
+                codecs=list(CODECS) if codec == "all" else [codec],
                 dtype=dtype,
                 block_tokens=block_tokens,
                 vaults=vaults,
                 workers=workers,
                 on_phase=on_phase,
             )
-    except (ValueError, RuntimeError) as exc:
-        console.print(f"[red]{exc}")
-        raise typer.Exit(2 if isinstance(exc, ValueError) else 1) from None
-    if as_json:
-        objects = [result.as_json() for result in results]
-        print(json.dumps(objects if codec == "all" else objects[0], indent=2))
-    else:
-        Console(width=None if sys.stdout.isatty() else WIDE).print(results_table(results))
+        except ValueError as exc:
+            raise _fail(str(exc), 2) from None
+        except (VaultUnavailable, RuntimeError, OSError) as exc:
+            raise _fail(_one_line(str(exc)), 1) from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _figure(value: float | None, fmt: str) -> str:
+    return "lossless" if value is None or not math.isfinite(value) else format(value, fmt)
 
 
 def results_table(results: list[BenchResult]) -> Table:
-    """One row per codec; speeds in GB/s, with numpy memcpy of the same bytes in the title."""
+    """One column per codec, one row per figure (fits an 80-column terminal with every codec);
+    speeds in GB/s, with numpy memcpy of the same bytes in the title."""
     first = results[0]
     table = Table(
         title=(
             f"tierkv bench: {first.tokens} tokens of {first.model_shape} ({first.dtype}, "
             f"{first.raw_bytes / 1e6:,.0f} MB), memcpy {first.memcpy_gbps:.2f} GB/s"
         ),
-        caption="GB/s: encode and decode of raw bytes, put and promote of stored bytes; "
+        caption="encode and decode: GB/s of raw bytes; put and promote: GB/s of stored bytes; "
         "restore = lookup + promote + decode; fidelity of the worst block",
     )
-    columns: list[tuple[str, Callable[[BenchResult], str]]] = [
-        ("codec", lambda r: r.codec),
+    rows: list[tuple[str, Callable[[BenchResult], str]]] = [
         ("stored MB", lambda r: f"{r.stored_bytes / 1e6:,.0f}"),
         ("ratio", lambda r: f"{r.ratio:.2f}×"),
-        ("encode", lambda r: f"{r.encode_gbps:.2f}"),
-        ("put", lambda r: f"{r.store_gbps:.2f}"),
+        ("encode GB/s", lambda r: f"{r.encode_gbps:.2f}"),
+        ("put GB/s", lambda r: f"{r.store_gbps:.2f}"),
         ("lookup ms", lambda r: f"{r.lookup_s * 1000:.1f}"),
-        ("promote", lambda r: f"{r.promote_gbps:.2f}"),
-        ("decode", lambda r: f"{r.decode_gbps:.2f}"),
+        ("promote GB/s", lambda r: f"{r.promote_gbps:.2f}"),
+        ("decode GB/s", lambda r: f"{r.decode_gbps:.2f}"),
         ("restore s", lambda r: f"{r.restore_s:.2f}"),
-        ("SNR dB", lambda r: f"{r.snr_db:.1f}"),
+        ("SNR dB", lambda r: _figure(r.snr_db, ".1f")),
         ("cosine", lambda r: f"{r.cosine:.4f}"),
-        ("1/10/25 GbE s", lambda r: "/".join(f"{s:.2f}" for s in r.link_s.values())),
+        *((f"{link} s", lambda r, link=link: f"{r.link_s[link]:.2f}") for link in first.link_s),
         ("peak MB", lambda r: f"{r.peak_rss_bytes / 1e6:,.0f}"),
     ]
     if first.workers > 1:
-        columns += [
-            (f"{first.workers} workers: each", lambda r: _spread(r.worker_promote_gbps)),
-            ("all", lambda r: f"{r.aggregate_promote_gbps:.2f}"),
+        rows += [
+            (f"{first.workers} workers GB/s", lambda r: _spread(r.worker_promote_gbps)),
+            ("all workers GB/s", lambda r: f"{r.aggregate_promote_gbps:.2f}"),
         ]
-    for header, _ in columns:
-        codec_column = header == "codec"
-        table.add_column(header, justify="left" if codec_column else "right", no_wrap=codec_column)
+    table.add_column("codec", no_wrap=True)
     for result in results:
-        table.add_row(*(cell(result) for _, cell in columns))
+        table.add_column(result.codec, justify="right", no_wrap=True)
+    for label, cell in rows:
+        table.add_row(label, *(cell(result) for result in results))
     return table
 
 
@@ -198,11 +292,12 @@ def _vllm_bench(
     as_json: bool,
 ) -> None:
     if not model:
-        console.print("[red]--engine vllm needs --model (a model directory or name)")
-        raise typer.Exit(2)
+        raise _fail("--engine vllm needs --model (a model directory or name)", 2)
     if codec == "all":
-        console.print("[red]--codec all: --engine vllm runs one codec; name one")
-        raise typer.Exit(2)
+        raise _fail("--codec all: --engine vllm runs one codec; name one", 2)
+    from tierkv.bench import vault_addresses
+    from tierkv.bench_engines import vllm_bench
+
     with (
         vault_addresses(vaults) as addresses,
         console.status("vLLM: cold, prefix hit, vault restore"),
@@ -225,19 +320,18 @@ def _size_option(name: str, value: str | None) -> int | None:
     try:
         return None if value is None else parse_size(value)
     except ValueError as exc:
-        console.print(f"[red]{name}: {exc}")
-        raise typer.Exit(2) from None
+        raise _fail(f"{name}: {exc}", 2) from None
 
 
 def _exo_bench(
     engine: str, model: str | None, exo_api: str | None, prompt: str, as_json: bool
 ) -> None:
     if engine != "exo":
-        console.print(f"[red]--engine {engine!r} is unknown; use vllm or exo")
-        raise typer.Exit(2)
+        raise _fail(f"--engine {engine!r} is unknown; use vllm or exo", 2)
     if not exo_api or not model:
-        console.print("[red]--engine exo needs --exo-api URL and --model NAME")
-        raise typer.Exit(2)
+        raise _fail("--engine exo needs --exo-api URL and --model NAME", 2)
+    from tierkv.bench_engines import exo_bench
+
     with console.status("asking EXO") as status:
         result = exo_bench(exo_api, model, prompt, on_run=lambda label: status.update(label))
     _print_engine_bench(result, as_json)
@@ -245,7 +339,7 @@ def _exo_bench(
 
 def _print_engine_bench(result: EngineBench, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(result.as_json(), indent=2))
+        typer.echo(json.dumps(result.as_json(), indent=2, allow_nan=False))
     else:
         Console().print(engine_table(result))
 

@@ -19,7 +19,10 @@ console = Console(stderr=True, soft_wrap=True)
 @app.command()
 def install(
     exo_path: Annotated[
-        Path, typer.Option("--exo-path", help="The EXO checkout (the directory with .venv).")
+        Path,
+        typer.Option(
+            "--exo-path", metavar="PATH", help="The EXO checkout (the directory with .venv)."
+        ),
     ],
     uninstall: Annotated[
         bool, typer.Option("--uninstall", help="Remove the hook; EXO is left as before.")
@@ -33,7 +36,11 @@ def install(
     ] = True,
     runtime_requirement: Annotated[
         str | None,
-        typer.Option(help="pip requirement to install for EXO's Python (default: this tierkv)."),
+        typer.Option(
+            metavar="REQUIREMENT",
+            help="pip requirement to install for EXO's Python.",
+            show_default="this tierkv",
+        ),
     ] = None,
 ) -> None:
     """Hook tierkv into EXO: evicted prompt caches go to the vault and come back on a miss."""

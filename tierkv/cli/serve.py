@@ -28,8 +28,12 @@ from tierkv.vault.memory import with_huge_pages
 )
 def serve(
     ctx: typer.Context,
-    model: Annotated[str, typer.Argument(help="Model path or Hugging Face name for vLLM.")],
-    config: Annotated[Path | None, typer.Option(help="tierkv.toml to use.")] = None,
+    model: Annotated[
+        str, typer.Argument(metavar="MODEL", help="Model path or Hugging Face name for vLLM.")
+    ],
+    config: Annotated[
+        Path | None, typer.Option(metavar="PATH", help="tierkv.toml to use.", show_default=False)
+    ] = None,
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="Print the vllm command; do not run it.")
     ] = False,

@@ -11,28 +11,30 @@ command runs the vault check and prints one table (or one JSON key) per check.
 from __future__ import annotations
 
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.backends import open_one
-from tierkv.backends.base import VaultUnavailable
-from tierkv.backends.vault import VaultBackend
 from tierkv.cli import app
 from tierkv.config import (
     ConfigError,
     TierKVConfig,
     format_size,
+    is_redis_url,
     load_config,
+    parse_address,
     parse_cold_address,
     redact,
 )
 from tierkv.patches.exo import hook_state
-from tierkv.vault.client import TierStats, VaultRefused, VaultStats
+
+if TYPE_CHECKING:  # gRPC and the backends are imported when a check runs, not for --help
+    from tierkv.vault.client import TierStats, VaultStats
 
 VAULT_COLUMNS = {
     "address": "address",
@@ -87,6 +89,18 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
 
     A Redis Cluster's nodes are summed into its row; `bulk_port` is None for Valkey / Redis.
     """
+    from tierkv.backends import open_one
+    from tierkv.backends.base import VaultUnavailable
+    from tierkv.backends.vault import VaultBackend
+    from tierkv.vault.client import VaultRefused
+
+    if not is_redis_url(address):
+        host, port = parse_address(address)
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            error = f"cannot resolve host {host}: {exc.strerror}"
+            return {"name": name, "address": address, "up": False, "error": error}
     backend = open_one(address, cfg.client, cfg.security)
     bulk_port: int | None = None
     bulk_reachable = False
@@ -131,6 +145,8 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
 
 def _auth(backend: object, stats: VaultStats) -> str:
     """Whether the vault wants a token (ours was accepted, or stats would have failed)."""
+    from tierkv.backends.vault import VaultBackend
+
     if not isinstance(backend, VaultBackend):
         return "n/a (redis)"
     return "required, accepted" if stats.auth_required else "none"
@@ -165,6 +181,8 @@ def check_exo_hook(exo_path: Path) -> CheckResult:
 
 def _tier_sum(tiers: list[TierStats | None]) -> dict[str, Any] | None:
     """One tier's figures summed over the nodes that have it (None where none has)."""
+    from tierkv.vault.client import TierStats
+
     present = [tier for tier in tiers if tier is not None]
     if not present:
         return None
@@ -213,8 +231,9 @@ def _cell(row: dict[str, Any], key: str) -> str:
     return str(row.get(key, ""))
 
 
-def render(results: list[CheckResult], console: Console) -> None:
-    """One table per check, one column per checked thing (fits narrow terminals)."""
+def render(results: list[CheckResult], console: Console, errors: Console) -> None:
+    """One table per check, one column per checked thing (fits narrow terminals); what is wrong
+    with each, one line each, on `errors`."""
     for result in results:
         table = Table(title=result.title)
         table.add_column("")
@@ -225,23 +244,32 @@ def render(results: list[CheckResult], console: Console) -> None:
         console.print(table)
         for row in result.rows:
             if row.get("error"):
-                console.print(f"[red]{row['name']}[/red]: {row['error']}", highlight=False)
+                errors.print(
+                    f"[red]{row['name']}[/red]: {row['error']}", highlight=False, soft_wrap=True
+                )
 
 
 @app.command()
 def status(
-    config: Annotated[Path | None, typer.Option(help="tierkv.toml to read.")] = None,
+    config: Annotated[
+        Path | None, typer.Option(metavar="PATH", help="tierkv.toml to read.", show_default=False)
+    ] = None,
     vault: Annotated[
         list[str] | None,
         typer.Option(
-            help="HOST:PORT of a vault, or a redis:// URL, to check (repeatable; default: "
-            "cluster.*)."
+            metavar="HOST:PORT|URL",
+            help="A vault, or a redis:// URL, to check (repeatable).",
+            show_default="the vaults of tierkv.toml's [cluster]",
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     exo_path: Annotated[
         Path | None,
-        typer.Option(help="EXO checkout: also check that the tierkv hook is installed."),
+        typer.Option(
+            metavar="PATH",
+            help="EXO checkout: also check that the tierkv hook is installed.",
+            show_default=False,
+        ),
     ] = None,
 ) -> None:
     """Check each vault: reachable, round trip, role, entries, bytes used / cap, hits, uptime.
@@ -265,5 +293,5 @@ def status(
     if as_json:
         typer.echo(json.dumps({result.title: result.rows for result in results}, indent=2))
     else:
-        render(results, Console())
+        render(results, Console(), Console(stderr=True))
     raise typer.Exit(0 if all(result.healthy for result in results) else 1)

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -28,10 +28,10 @@ from tierkv.config import (
     parse_size,
     physical_ram_bytes,
 )
-from tierkv.vault.auth import Tokens, configured_tokens, is_loopback
-from tierkv.vault.disk import DiskLockedError, DiskTier, default_max_bytes
-from tierkv.vault.memory import reuse_freed_memory
-from tierkv.vault.server import VaultBindError, serve
+
+if TYPE_CHECKING:  # the server's modules (gRPC, numpy) are imported to run one, not for --help
+    from tierkv.vault.auth import Tokens
+    from tierkv.vault.disk import DiskTier
 
 STOP_GRACE_S = 5.0
 FLUSH_TIMEOUT_S = 60.0
@@ -44,21 +44,31 @@ def _fail(message: str, code: int) -> typer.Exit:
 
 @app.command()
 def vault(
-    config: Annotated[Path | None, typer.Option(help="tierkv.toml to read.")] = None,
+    config: Annotated[
+        Path | None, typer.Option(metavar="PATH", help="tierkv.toml to read.", show_default=False)
+    ] = None,
     role: Annotated[
         str | None,
         typer.Option(
-            help="kv_cold or ssm_cold (default: cluster.role of tierkv.toml, else kv_cold)."
+            metavar="ROLE",
+            help="kv_cold or ssm_cold.",
+            show_default="cluster.role of tierkv.toml, else kv_cold",
         ),
     ] = None,
     listen: Annotated[
         str | None,
-        typer.Option(help="HOST:PORT to listen on (default: vault.listen, else 127.0.0.1:50051)."),
+        typer.Option(
+            metavar="HOST:PORT",
+            help="Address to listen on.",
+            show_default="vault.listen, else 127.0.0.1:50051",
+        ),
     ] = None,
     max_bytes: Annotated[
         str | None,
         typer.Option(
-            help='Cap: 24GB, 512MiB or "unlimited" (default: vault.max_bytes, else half of RAM).'
+            metavar="SIZE",
+            help='RAM cap: 24GB, 512MiB or "unlimited".',
+            show_default="vault.max_bytes, else half of RAM",
         ),
     ] = None,
     bulk_port: Annotated[
@@ -66,18 +76,25 @@ def vault(
         typer.Option(
             min=0,
             max=65535,
-            help="TCP port of the bulk data path (default: vault.bulk_port, else any free port).",
+            metavar="PORT",
+            help="TCP port of the bulk data path.",
+            show_default="vault.bulk_port, else any free port",
         ),
     ] = None,
     disk_dir: Annotated[
         Path | None,
-        typer.Option(help="Spill to, and recover from, this directory (default: vault.disk_dir)."),
+        typer.Option(
+            metavar="DIR",
+            help="Spill to, and recover from, this directory.",
+            show_default="vault.disk_dir, else none: RAM only",
+        ),
     ] = None,
     disk_max_bytes: Annotated[
         str | None,
         typer.Option(
-            help="Disk tier cap, e.g. 500GB (default: vault.disk_max_bytes, else half the free "
-            "space)."
+            metavar="SIZE",
+            help="Disk tier cap, e.g. 500GB.",
+            show_default="vault.disk_max_bytes, else half the free space",
         ),
     ] = None,
     insecure: Annotated[
@@ -103,6 +120,8 @@ def vault(
         host, _ = parse_address(listen, allow_port_zero=True)
     except ValueError as exc:
         raise _fail(f"--listen: {exc}", 2) from None
+    from tierkv.vault.auth import Tokens, configured_tokens, is_loopback
+
     try:
         entries = configured_tokens(cfg.security)
     except ConfigError as exc:
@@ -129,6 +148,9 @@ def vault(
             if cfg.vault.max_bytes is not None
             else f"default: {DEFAULT_RAM_FRACTION:.0%} of {format_size(physical_ram_bytes())} RAM"
         )
+    from tierkv.vault.memory import reuse_freed_memory
+    from tierkv.vault.server import VaultBindError, serve
+
     reuse_freed_memory()
     disk = _open_disk(cfg, disk_dir, disk_max_bytes)
     try:
@@ -189,6 +211,8 @@ def _access_text(tokens: Tokens | None, cfg: TierKVConfig) -> str:
 
 def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -> DiskTier | None:
     """The disk tier the options or the config ask for (recovered), else None; exits on errors."""
+    from tierkv.vault.disk import DiskLockedError, DiskTier, default_max_bytes
+
     directory = option or (Path(cfg.vault.disk_dir) if cfg.vault.disk_dir else None)
     if directory is None:
         if cap_option is not None:

@@ -5,7 +5,7 @@ codec from the payload header and writes into a preallocated array. `torch_ops` 
 torch tensors (imports torch; import it explicitly).
 """
 
-from tierkv.quant.codec import Codec, decode_into, encode_block, get_codec, warmup
+from tierkv.quant.codec import DTYPES, Codec, decode_into, encode_block, get_codec, warmup
 from tierkv.quant.fidelity import Fidelity, fidelity
 from tierkv.quant.payload import (
     CODEC_NAMES,
@@ -17,6 +17,7 @@ from tierkv.quant.payload import (
 
 __all__ = [
     "CODEC_NAMES",
+    "DTYPES",
     "Codec",
     "Fidelity",
     "NonFiniteError",

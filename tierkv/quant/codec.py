@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import numpy as np
@@ -14,6 +15,7 @@ from tierkv.quant.kernels import Threaded
 from tierkv.quant.payload import (
     CODEC_NAMES,
     DTYPE_BYTES,
+    DTYPE_CODES,
     TURBO_MODES,
     PayloadError,
     PayloadHeader,
@@ -103,18 +105,38 @@ def encode_block(
     return payload
 
 
-def warmup() -> None:
-    """Compile (or load from Numba's cache) every kernel for every dtype, so no request pays it."""
-    blocks: dict[str, np.ndarray] = {
-        "fp16": np.ones((2, 128), np.float16),
-        "bf16": np.ones((2, 128), np.float16).view(np.uint16),
-        "fp32": np.ones((2, 128), np.float32),
-    }
-    for name in CODEC_NAMES:
-        codec = get_codec(name, 128)
-        for dtype, array in blocks.items():
-            payload = codec.encode(array, dtype)
-            decode_into(payload, np.empty_like(array))
+DTYPES = tuple(DTYPE_CODES)
+"""Every dtype the codecs take: fp16, bf16, fp32."""
+
+
+def warmup(
+    codecs: Iterable[str] = CODEC_NAMES,
+    dtypes: Iterable[str] = DTYPES,
+    *,
+    with_fidelity: bool = True,
+    on_step: Callable[[str, int, int], None] | None = None,
+) -> float:
+    """Compile (or load from Numba's cache) the kernels of `codecs` for `dtypes`, and of
+    `fidelity` if `with_fidelity` (encode_block's min_cosine check uses it), so no request pays
+    for it; returns the seconds taken. `on_step(what, done, total)` reports progress ("int8
+    fp16", ..., "multi-threaded builds", then "done")."""
+    start = time.perf_counter()
+    steps = [(name, dtype) for name in dict.fromkeys(codecs) for dtype in dict.fromkeys(dtypes)]
+    total = len(steps) + 1
+    for done, (name, dtype) in enumerate(steps):
+        if on_step:
+            on_step(f"{name} {dtype}", done, total)
+        array = np.ones((2, 128), np.float32 if dtype == "fp32" else np.float16)
+        if dtype == "bf16":
+            array = array.view(np.uint16)
+        payload = get_codec(name, 128).encode(array, dtype)
+        decode_into(payload, np.empty_like(array))
+        if with_fidelity:
             fidelity(array, array, dtype)
+    if on_step:
+        on_step("multi-threaded builds", len(steps), total)
     for kernel in Threaded.every:
         kernel.compile_parallel()
+    if on_step:
+        on_step("done", total, total)
+    return time.perf_counter() - start

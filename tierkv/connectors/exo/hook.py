@@ -320,7 +320,13 @@ class ExoRuntime:
             self.block_tokens = cfg.exo.block_tokens
             self.write_through = cfg.exo.write_through
             self._spill_budget = cfg.connector.staging_bytes
-            tier = ColdTier.from_config(cfg)
+            # MLX models keep their KV in bf16: compile that now, other dtypes on first use.
+            tier = ColdTier.from_config(cfg, warm_dtypes=("bf16",))
+            log.info(
+                "tierkv: %s and lossless kernels for bf16 ready in %.1f s",
+                tier.codec.name,
+                tier.warmup_s,
+            )
             with self._lock:
                 if self._closed:
                     tier.close()

@@ -40,7 +40,9 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+# Under vLLM's logger, so these lines are printed with vLLM's own.
+log = logging.getLogger(f"vllm.{__name__}")
+_DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 CONFIG_PATH_KEY = "config_path"
 EVICTION_WATERMARK_FACTOR = 2
@@ -94,7 +96,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         from tierkv.tier import ColdTier
 
         self.config = cfg
-        self.tier = ColdTier.from_config(cfg)
+        # Only workers encode and decode: they compile the configured codec for the model's dtype.
+        model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
+        warm = () if role == KVConnectorRole.SCHEDULER else (_DTYPE_NAMES.get(model_dtype, "fp16"),)
+        self.tier = ColdTier.from_config(cfg, warm_dtypes=warm)
+        if warm:
+            log.info(
+                "tierkv: %s and lossless kernels for %s ready in %.1f s (compiled once per "
+                "machine into Numba's cache)",
+                self.tier.codec.name,
+                warm[0],
+                self.tier.warmup_s,
+            )
         self.scheduler_side: TierScheduler | None = None
         self.worker_side: TierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

@@ -1,0 +1,140 @@
+"""The CLI as a whole: help texts, exit codes of usage errors, what `--help`, `vault` and
+`status` import, and gRPC's own log lines kept from the user."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from tierkv import __version__
+from tierkv.cli import app
+from tierkv.config import TURBO_QUANT_CODECS
+from tierkv.quant import CODEC_NAMES
+
+COMMANDS = ["vault", "status", "install", "serve", "bench"]
+runner = CliRunner(env={"COLUMNS": "80"})
+
+
+def tierkv(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tierkv", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+def test_help_shows_real_metavars_and_defaults(command: list[str]) -> None:
+    result = runner.invoke(app, [*command, "--help"])
+    assert result.exit_code == 0, result.output
+    for rough in ("<bool>", "<list", "<int", "<path>", "[default: ]"):
+        assert rough not in result.stdout, (rough, result.stdout)
+    assert not re.search(r" \.(\s|$)", result.stdout), result.stdout  # a stray " ."
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80
+
+
+def test_help_states_defaults_that_come_from_the_config() -> None:
+    result = runner.invoke(app, ["bench", "--help"])
+    assert "the config's codec" in result.stdout and "an embedded vault" in result.stdout
+
+
+def test_version_is_not_the_unrelated_pypi_release() -> None:
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.stdout.strip() == f"tierkv {__version__}"
+    assert __version__ != "0.1.0"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["nosuchcommand"],
+        ["bench", "--tokens", "many"],
+        ["bench", "--tokens", "0"],
+        ["status", "--nosuchoption"],
+        ["vault", "--bulk-port", "70000"],
+        ["serve"],
+    ],
+)
+def test_every_usage_error_exits_2(args: list[str]) -> None:
+    assert runner.invoke(app, args).exit_code == 2
+
+
+def test_the_cli_knows_every_codec_without_importing_it() -> None:
+    assert ("none", *TURBO_QUANT_CODECS) == CODEC_NAMES
+
+
+HEAVY = ("numba", "torch", "vllm", "mlx")
+
+
+def _imported_after(code: str) -> set[str]:
+    """Which of HEAVY a fresh interpreter has imported after running `code`."""
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    return set(eval(done.stdout.strip().splitlines()[-1]))
+
+
+def test_help_vault_and_status_import_neither_numba_nor_torch(free_port: int) -> None:
+    assert _imported_after("from tierkv.__main__ import main") == set()
+    code = f"""
+from typer.testing import CliRunner
+from tierkv.cli import app
+for args in (["--help"], ["vault", "--help"], ["status", "--vault", "127.0.0.1:{free_port}"]):
+    CliRunner().invoke(app, args)
+import tierkv.cli.vault, tierkv.vault.server, tierkv.vault.memory  # what `vault` runs
+"""
+    assert _imported_after(code) == set()
+
+
+def test_bench_help_does_not_import_numba() -> None:
+    code = """
+from typer.testing import CliRunner
+from tierkv.cli import app
+assert CliRunner().invoke(app, ["bench", "--help"]).exit_code == 0
+"""
+    assert _imported_after(code) == set()
+
+
+def test_vault_on_a_taken_port_says_one_line(vault_factory: Callable[..., Any]) -> None:
+    taken = vault_factory()
+    result = tierkv("vault", "--listen", taken.address, "--max-bytes", "1GiB")
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"tierkv vault: cannot listen on {taken.address}: Address already in use"
+    ]
+
+
+@pytest.mark.parametrize("host", ["192.0.2.1", "nohost.invalid"])
+def test_vault_on_an_address_not_here_says_one_line(host: str, free_port: int) -> None:
+    result = tierkv("vault", "--listen", f"{host}:{free_port}")
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"tierkv vault: cannot listen on {host}:{free_port}: ")
+
+
+def test_status_names_an_unknown_host_on_stderr(tmp_path: Path) -> None:
+    config = tmp_path / "tierkv.toml"
+    config.write_text("")
+    result = tierkv("status", "--vault", "nohost.invalid:1", "--config", str(config))
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"vault 1: cannot resolve host nohost.invalid: {_resolver_error('nohost.invalid')}"
+    ]
+    assert "down" in result.stdout
+
+
+def _resolver_error(host: str) -> str:
+    import socket
+
+    try:
+        socket.getaddrinfo(host, 1)
+    except OSError as exc:
+        return str(exc.strerror)
+    pytest.skip(f"{host} resolves here")

@@ -1,0 +1,37 @@
+"""Per-token KV shapes of real models that `tierkv bench` imitates (no numpy: the CLI reads them
+for its help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's per-token KV shape, plus the fixed-size state of its linear-attention layers."""
+
+    attention_layers: int
+    kv_heads: int
+    head_dim: int
+    state_layers: int = 0
+    state_elements: int = 0
+    """Elements of one linear-attention layer's state (recurrent state + conv state)."""
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return self.attention_layers * 2 * self.kv_heads * self.head_dim * itemsize
+
+
+def _gated_delta_net_state(k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv: int) -> int:
+    """Elements of one gated delta-net layer's state: v_heads × k_dim × v_dim + conv window."""
+    conv_channels = 2 * k_heads * k_dim + v_heads * v_dim
+    return v_heads * k_dim * v_dim + conv_channels * (conv - 1)
+
+
+MODEL_SHAPES: dict[str, ModelShape] = {
+    # 40 layers: every 4th is full attention, the rest gated delta-net (16 K / 32 V heads of 128).
+    "qwen3.6-35b-a3b": ModelShape(10, 2, 256, 30, _gated_delta_net_state(16, 32, 128, 128, 4)),
+    "qwen3-30b-a3b": ModelShape(48, 4, 128),
+    "qwen2.5-7b": ModelShape(28, 4, 128),
+    "llama-3.1-8b": ModelShape(32, 8, 128),
+}
+DEFAULT_MODEL_SHAPE = "qwen3.6-35b-a3b"
