@@ -208,6 +208,8 @@ class VaultConfig:
     disk_max_bytes: int | None = None
     """Cap of the disk tier; None: half of what the filesystem has free (plus what it holds)."""
     fsync: str = "interval"
+    metrics_port: int | None = None
+    """TCP port of Prometheus /metrics on the listen host; None: not served."""
 
     def resolved_max_bytes(self) -> int:
         """The cap to use: the configured one, or default_max_bytes() (0 stays unlimited)."""
@@ -435,6 +437,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "disk_dir": _string,
             "disk_max_bytes": _positive_size,
             "fsync": _one_of(FSYNC_MODES),
+            "metrics_port": _port,
         },
     ),
     "security": (

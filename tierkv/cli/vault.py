@@ -81,6 +81,16 @@ def vault(
             show_default="vault.bulk_port, else any free port",
         ),
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            max=65535,
+            metavar="PORT",
+            help="Serve Prometheus metrics as /metrics on this port of the listen host.",
+            show_default="vault.metrics_port, else no metrics",
+        ),
+    ] = None,
     disk_dir: Annotated[
         Path | None,
         typer.Option(
@@ -155,6 +165,7 @@ def vault(
     disk = _open_disk(cfg, disk_dir, disk_max_bytes)
     try:
         bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
+        metrics = cfg.vault.metrics_port if metrics_port is None else metrics_port
         server = serve(
             listen,
             cap,
@@ -165,6 +176,7 @@ def vault(
             tokens=tokens,
             security=cfg.security,
             insecure=open_to_lan and not authenticated,
+            metrics_port=metrics,
         )
     except (VaultBindError, ConfigError) as exc:
         if disk:
@@ -179,9 +191,10 @@ def vault(
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, request_stop)
     cap_text = "unlimited" if cap == 0 else format_size(cap)
+    metrics_text = f", metrics on port {server.metrics_port}" if server.metrics_port else ""
     typer.echo(
         f"tierkv vault: {role} listening on {server.address} (bulk data on port "
-        f"{server.bulk_port}), cap {cap_text} ({origin}); {_access_text(tokens, cfg)}"
+        f"{server.bulk_port}{metrics_text}), cap {cap_text} ({origin}); {_access_text(tokens, cfg)}"
     )
     if open_to_lan and not authenticated:
         typer.echo(

@@ -36,6 +36,7 @@ from tierkv.config import KIB, MIB, LimitsConfig
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.auth import NONCE_BYTES, OPEN, Access, Tenant, proof
 from tierkv.vault.limits import ByteBudget, ConnectionSlots, request_problem
+from tierkv.vault.metrics import VaultMetrics
 from tierkv.vault.wire import batched_by_size, split_payloads
 
 MAGIC = b"TKVB"
@@ -92,6 +93,9 @@ class BulkHandler(Protocol):
     def promote_blocks(
         self, request: vault_pb2.PromoteRequest, tenant: Tenant
     ) -> tuple[vault_pb2.PromoteIndex, list[Payload]]: ...
+
+    @property
+    def metrics(self) -> VaultMetrics: ...
 
 
 # ---- both ends ---------------------------------------------------------------------------------
@@ -307,7 +311,10 @@ class BulkServer:
                     self._connections.add(sock)
             if refused:
                 sock.close()
+                if not self._stopped:
+                    self._handler.metrics.refused("connection_limit")
                 continue
+            self._handler.metrics.connection_opened()
             threading.Thread(
                 target=self._serve_connection,
                 args=(sock, address),
@@ -343,6 +350,7 @@ class BulkServer:
                 self._connections.discard(sock)
                 self._slots.give_back(address)
             sock.close()
+            self._handler.metrics.connection_closed()
 
     def _handshake(self, sock: socket.socket) -> Tenant:
         """Challenge and proof within handshake_timeout_s: the peer's tenant; ValueError when
@@ -366,6 +374,7 @@ class BulkServer:
         self, sock: socket.socket, header: tuple[int, int, int], tenant: Tenant
     ) -> None:
         kind, index_len, data_len = header
+        started = time.perf_counter()
         stall_s = self._limits.stall_timeout_s
         deadline = Deadline(
             time.monotonic() + stall_s + (index_len + data_len) / MIN_FRAME_BYTES_PER_S, stall_s
@@ -386,6 +395,7 @@ class BulkServer:
             finally:
                 self._inflight.release(data_len)
             _send_frame(sock, PUT_REPLY, summary, deadline)
+            self._handler.metrics.call("put", "bulk", data_len, time.perf_counter() - started)
         elif kind == PROMOTE and data_len == 0:
             request = _parse(vault_pb2.PromoteRequest, _recv_bytes(sock, index_len, deadline))
             promote_index, payloads = self._handler.promote_blocks(request, tenant)
@@ -396,6 +406,9 @@ class BulkServer:
                 promote_index,
                 Deadline(deadline.at + reply_bytes / MIN_FRAME_BYTES_PER_S, stall_s),
                 payloads,
+            )
+            self._handler.metrics.call(
+                "promote", "bulk", reply_bytes, time.perf_counter() - started
             )
         else:
             raise ValueError(f"unexpected bulk frame kind {kind} with {data_len} data bytes")

@@ -40,6 +40,7 @@ from tierkv.vault.auth import (
 from tierkv.vault.bulk import BulkServer
 from tierkv.vault.disk import DiskTier
 from tierkv.vault.limits import ByteBudget, StreamGuard, block_problem, request_problem
+from tierkv.vault.metrics import VaultMetrics
 from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
     MalformedMessage,
@@ -105,11 +106,6 @@ def _add_rejection(summary: vault_pb2.PutSummary, key: bytes, part: int, reason:
         summary.rejections.add(key=key, part=part, reason=reason)
 
 
-def _reject_all(summary: vault_pb2.PutSummary, index: vault_pb2.PutIndex, reason: str) -> None:
-    for key, part in zip(index.keys, index.parts, strict=False):
-        _add_rejection(summary, key, part, reason)
-
-
 class VaultServicer(vault_pb2_grpc.VaultServicer):
     """Implements the Vault service over a VaultStore."""
 
@@ -132,6 +128,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self.bulk_port = 0
         """Set by serve() once the bulk data path listens; 0 = none."""
         self.started = time.monotonic()
+        self.metrics = VaultMetrics(store.stats)
 
     def Put(
         self,
@@ -140,18 +137,22 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     ) -> vault_pb2.PutSummary:
         summary = vault_pb2.PutSummary()
         tenant = self.access.tenant(context)
+        started = time.perf_counter()
+        nbytes = 0
         for index, data in request_iterator:
             _check_request(context, request_problem(self.limits, len(index.keys), 1))
             try:
                 payloads: list[bytes | memoryview] = list(split_payloads(data, index.lengths))
             except MalformedMessage as exc:
-                _reject_all(summary, index, f"malformed batch: {exc}")
+                self._reject_all(summary, index, f"malformed batch: {exc}")
                 continue
             if len(payloads) > 1:
                 # Batched payloads get their own copies (made outside the store's lock) so
                 # evicting one frees its memory; a lone payload keeps its message buffer.
                 payloads = [bytes(payload) for payload in payloads]
             self.put_blocks(index, payloads, tenant, summary)
+            nbytes += len(data)
+        self.metrics.call("put", "grpc", nbytes, time.perf_counter() - started)
         return summary
 
     def put_blocks(
@@ -166,7 +167,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         if summary is None:
             summary = vault_pb2.PutSummary()
         if not len(index.keys) == len(index.parts) == len(index.checksums) == len(payloads):
-            _reject_all(summary, index, "malformed batch: PutIndex arrays differ in length")
+            self._reject_all(summary, index, "malformed batch: PutIndex arrays differ in length")
             return summary
         namespace = index.namespace
         rejected = summary.rejected
@@ -183,8 +184,16 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 summary.stored += 1
             else:
                 _add_rejection(summary, key, part, reason)
+                self.metrics.rejected(reason)
         self._tenant_counts.add(tenant, rejected=summary.rejected - rejected)
         return summary
+
+    def _reject_all(
+        self, summary: vault_pb2.PutSummary, index: vault_pb2.PutIndex, reason: str
+    ) -> None:
+        for key, part in zip(index.keys, index.parts, strict=False):
+            _add_rejection(summary, key, part, reason)
+            self.metrics.rejected(reason)
 
     def Lookup(
         self, request: vault_pb2.LookupRequest, context: grpc.ServicerContext
@@ -198,6 +207,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self, request: vault_pb2.PromoteRequest, context: grpc.ServicerContext
     ) -> Iterator[bytes]:
         _check_request(context, request_problem(self.limits, len(request.keys), len(request.parts)))
+        started = time.perf_counter()
         found = self._get_many(request, self.access.tenant(context))
         for chunk in encode_promote_chunks(found):
             # The stream waits while the reader does not read: count the chunk until it is sent.
@@ -207,6 +217,8 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 yield chunk
             finally:
                 self.inflight.release(len(chunk))
+        nbytes = sum(len(block.payload) for block in found)
+        self.metrics.call("promote", "grpc", nbytes, time.perf_counter() - started)
 
     def promote_blocks(
         self, request: vault_pb2.PromoteRequest, tenant: Tenant
@@ -366,6 +378,9 @@ class VaultServer:
         self.port = parse_address(address)[1]
         self.bulk_port = bulk.port if bulk else 0
         """TCP port of the bulk data path (bulk.py); 0 = none."""
+        self.metrics = servicer.metrics
+        self.metrics_port = 0
+        """TCP port of /metrics on the listen host; 0 = not served."""
 
     def stop(self, grace: float | None = 2.0) -> None:
         """Stop accepting calls, let running gRPC ones finish for `grace` seconds, then return.
@@ -377,6 +392,7 @@ class VaultServer:
         self._server.stop(grace).wait()
         if self._bulk:
             self._bulk.stop()
+        self.metrics.stop()
 
 
 def serve(
@@ -390,6 +406,7 @@ def serve(
     tokens: Tokens | None = None,
     security: SecurityConfig | None = None,
     insecure: bool = False,
+    metrics_port: int | None = None,
 ) -> VaultServer:
     """Start a vault in this process on `listen` (port 0: any free port); raise VaultBindError.
 
@@ -400,7 +417,8 @@ def serve(
     LimitsConfig(). With `tokens` every call on both ports needs one of them (auth.py); with
     `security.tls_cert` both ports speak TLS (mutual with `security.client_ca`); `insecure` only
     tells clients (Stats) that the vault was started --insecure. Raises ConfigError for
-    unreadable TLS files.
+    unreadable TLS files. With `metrics_port` (0: any
+    free port), Prometheus metrics are served as /metrics on the same host.
     """
     if role not in VAULT_ROLES:
         raise ValueError(f"vault role must be one of {', '.join(VAULT_ROLES)}, got {role!r}")
@@ -448,7 +466,21 @@ def serve(
                 f"cannot listen for bulk data on {where}: {exc.strerror or exc}"
             ) from None
         servicer.bulk_port = bulk.port
+    served_metrics_port = 0
+    if metrics_port is not None:
+        try:
+            served_metrics_port = servicer.metrics.serve(host, metrics_port)
+        except OSError as exc:
+            server.stop(None)
+            if bulk:
+                bulk.stop()
+            where = format_address(host, metrics_port)
+            raise VaultBindError(
+                f"cannot serve metrics on {where}: {exc.strerror or exc}"
+            ) from None
     server.start()
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return VaultServer(server, servicer, health_servicer, format_address(host, bound), bulk)
+    vault = VaultServer(server, servicer, health_servicer, format_address(host, bound), bulk)
+    vault.metrics_port = served_metrics_port
+    return vault

@@ -1,0 +1,152 @@
+"""Prometheus /metrics of a real vault: store figures, Put / Promote traffic on both paths,
+rejections by reason, bulk connections; and `tierkv vault --metrics-port` as a process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import pick_free_port
+from tierkv.vault.client import VaultClient
+from tierkv.vault.metrics import rejection_reason
+from tierkv.vault.server import VaultBindError, serve
+
+NS = b"metrics-test"
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def scrape_until(
+    port: int, sample: tuple[str, tuple[tuple[str, str], ...]], timeout: float = 30.0
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """`scrape(port)` once it has `sample`."""
+    deadline = time.monotonic() + timeout
+    while sample not in (metrics := scrape(port)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return metrics
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_metrics_count_what_the_vault_did(bulk: bool) -> None:
+    server = serve("127.0.0.1:0", max_bytes=10_000, metrics_port=0, bulk_port=0 if bulk else None)
+    client = VaultClient(server.address, deadline_s=10.0)
+    try:
+        path = "bulk" if bulk else "grpc"
+        for i in range(3):
+            client.put(NS, key(i), 0, b"x" * 1000)
+        assert client.flush(timeout=30)
+        assert len(client.promote(NS, [key(0), key(1), key(5)], [0])) == 2
+        promote = (("method", "promote"), ("path", path))
+        # The vault counts a call once its reply is sent, which the client may see first.
+        metrics = scrape_until(server.metrics_port, ("tierkv_vault_call_seconds_count", promote))
+        assert metrics[("tierkv_vault_open_connections", ())] == (1 if bulk else 0)
+        # Over the cap: rejected (last: the bulk path drops the connection of so large a frame
+        # and the client turns to gRPC).
+        client.put(NS, key(9), 0, b"y" * 20_000)
+        assert client.flush(timeout=30)
+        too_large = ("tierkv_vault_rejected_blocks_total", (("reason", "too_large"),))
+        metrics = scrape_until(server.metrics_port, too_large)
+        assert metrics[too_large] == 1
+        assert metrics[("tierkv_vault_entries", (("tier", "ram"),))] == 3
+        held = server.store.stats().bytes_used  # payloads and their bookkeeping
+        assert metrics[("tierkv_vault_bytes", (("tier", "ram"),))] == held >= 3000
+        assert metrics[("tierkv_vault_cap_bytes", (("tier", "ram"),))] == 10_000
+        assert metrics[("tierkv_vault_hits_total", (("tier", "ram"),))] == 2
+        assert metrics[("tierkv_vault_misses_total", ())] == 1
+        put = (("method", "put"), ("path", path))
+        assert metrics[("tierkv_vault_transfer_bytes_total", put)] >= 3000
+        assert metrics[("tierkv_vault_transfer_bytes_total", promote)] == 2000
+        assert metrics[("tierkv_vault_call_seconds_count", promote)] == 1
+        assert metrics[("tierkv_vault_call_seconds_count", put)] >= 1
+        assert ("tierkv_vault_entries", (("tier", "disk"),)) not in metrics
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_metrics_show_the_disk_tier(tmp_path: Path) -> None:
+    from tierkv.vault.disk import DiskTier
+
+    disk = DiskTier(tmp_path, 1 << 30, "never")
+    server = serve("127.0.0.1:0", max_bytes=0, metrics_port=0, disk=disk)
+    try:
+        metrics = scrape(server.metrics_port)
+        assert metrics[("tierkv_vault_entries", (("tier", "disk"),))] == 0
+        assert metrics[("tierkv_vault_cap_bytes", (("tier", "disk"),))] == 1 << 30
+    finally:
+        server.stop()
+        server.store.close(timeout=10)
+
+
+def test_no_metrics_unless_asked() -> None:
+    server = serve("127.0.0.1:0", max_bytes=0)
+    try:
+        assert server.metrics_port == 0
+    finally:
+        server.stop()
+
+
+def test_a_taken_metrics_port_is_a_bind_error() -> None:
+    first = serve("127.0.0.1:0", max_bytes=0, metrics_port=0)
+    try:
+        with pytest.raises(VaultBindError, match=r"cannot serve metrics on 127\.0\.0\.1:"):
+            serve("127.0.0.1:0", max_bytes=0, metrics_port=first.metrics_port)
+    finally:
+        first.stop()
+
+
+def test_rejection_reasons_have_few_labels() -> None:
+    assert rejection_reason("entry of 5 bytes exceeds the vault cap of 1 bytes") == "too_large"
+    assert rejection_reason("key of 300 bytes exceeds limits.max_key_bytes (256)") == "key_too_long"
+    assert rejection_reason("checksum mismatch: payload corrupted") == "checksum"
+    assert rejection_reason("malformed batch: PutIndex arrays differ") == "malformed"
+    assert rejection_reason("namespace quota exceeded") == "other"
+
+
+def test_vault_command_serves_metrics(tmp_path: Path) -> None:
+    port, metrics_port = pick_free_port(), pick_free_port()
+    config = tmp_path / "tierkv.toml"
+    config.write_text(f"[vault]\nmetrics_port = {metrics_port}\n")
+    command = [sys.executable, "-m", "tierkv", "vault", "--listen", f"127.0.0.1:{port}"]
+    process = subprocess.Popen(
+        [*command, "--max-bytes", "1GiB", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()
+        assert f"metrics on port {metrics_port}" in line, line + process.stderr.read()  # type: ignore[union-attr]
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                metrics = scrape(metrics_port)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert metrics[("tierkv_vault_cap_bytes", (("tier", "ram"),))] == 1 << 30
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -1,0 +1,178 @@
+"""Prometheus metrics of one vault, served as /metrics on `[vault] metrics_port` (off by default).
+
+What the store holds (entries, bytes, cap, hits, misses, evictions, per tier) is read from its
+stats when scraped; what the ports do (Put / Promote bytes and seconds, rejected blocks by reason,
+open and refused connections, failed authentications) is counted as it happens by the servicer
+and the bulk path through `VaultMetrics`' methods, which an auth or limits layer calls too
+(`refused(reason)`, `auth_failed(path)`). Each vault has a registry of its own, so several can
+run in one process (tests, the embedded bench vault).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from tierkv.vault.store import StoreStats
+
+PATHS = ("grpc", "bulk")
+"""How a call reached the vault: the gRPC port or the bulk data port."""
+SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BYTES_BUCKETS = tuple(float(1 << shift) for shift in range(10, 33, 2))  # 1 KiB .. 4 GiB
+
+_REASONS = {
+    "exceeds the vault cap": "too_large",
+    "checksum mismatch": "checksum",
+    "malformed": "malformed",
+    "zero-length": "empty",
+    "limits.max_key_bytes": "key_too_long",
+    "limits.max_namespace_bytes": "namespace_too_long",
+}
+"""A phrase of each rejection reason the store, the limits or the servicer give -> its label."""
+
+
+def rejection_reason(reason: str) -> str:
+    """The label of a rejection reason the store, the limits or the servicer gave: too_large,
+    checksum, malformed, empty, key_too_long, namespace_too_long, or other."""
+    return next((label for phrase, label in _REASONS.items() if phrase in reason), "other")
+
+
+class _StoreCollector(Collector):
+    """Reads the store's counters at scrape time, one sample per tier (ram, and disk if any)."""
+
+    def __init__(self, stats: Callable[[], StoreStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        disk = stats.disk
+        tiers: dict[str, tuple[float, ...]] = {
+            # entries, bytes, cap, hits, evictions
+            "ram": (
+                stats.entries,
+                stats.bytes_used,
+                stats.max_bytes,
+                stats.ram_hits,
+                stats.evictions,
+            ),
+        }
+        if disk is not None:
+            tiers["disk"] = (
+                disk.entries,
+                disk.bytes_used,
+                disk.max_bytes,
+                stats.disk_hits,
+                disk.evictions,
+            )
+        families: list[GaugeMetricFamily | CounterMetricFamily] = [
+            GaugeMetricFamily("tierkv_vault_entries", "Blocks held", labels=["tier"]),
+            GaugeMetricFamily("tierkv_vault_bytes", "Payload bytes held", labels=["tier"]),
+            GaugeMetricFamily("tierkv_vault_cap_bytes", "Byte cap; 0 = unlimited", labels=["tier"]),
+            CounterMetricFamily("tierkv_vault_hits", "Block parts found", labels=["tier"]),
+            CounterMetricFamily("tierkv_vault_evictions", "Blocks evicted", labels=["tier"]),
+        ]
+        for tier, values in tiers.items():
+            for family, value in zip(families, values, strict=True):
+                family.add_metric([tier], value)
+        yield from families
+        yield CounterMetricFamily("tierkv_vault_misses", "Block parts asked for, not held",
+                                  value=stats.misses)  # fmt: skip
+
+
+class VaultMetrics:
+    """The counters of one vault and, once `serve`d, the HTTP server that exposes them."""
+
+    def __init__(self, store_stats: Callable[[], StoreStats]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StoreCollector(store_stats))
+        registry = self.registry
+        self._rejected = Counter(
+            "tierkv_vault_rejected_blocks",
+            "Blocks refused by Put, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self._bytes = Counter(
+            "tierkv_vault_transfer_bytes",
+            "Payload bytes stored by Put / sent by Promote",
+            ["method", "path"],
+            registry=registry,
+        )
+        self._seconds = Histogram(
+            "tierkv_vault_call_seconds",
+            "Duration of Put and Promote calls (a bulk frame, or a whole gRPC stream)",
+            ["method", "path"],
+            buckets=SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self._call_bytes = Histogram(
+            "tierkv_vault_call_bytes",
+            "Payload bytes of one Put or Promote call",
+            ["method", "path"],
+            buckets=BYTES_BUCKETS,
+            registry=registry,
+        )
+        self._connections = Gauge(
+            "tierkv_vault_open_connections",
+            "Open connections of the bulk data path",
+            registry=registry,
+        )
+        self._refused = Counter(
+            "tierkv_vault_refused_connections",
+            "Connections refused, by reason",
+            ["reason"],
+            registry=registry,
+        )
+        self._auth_failures = Counter(
+            "tierkv_vault_auth_failures",
+            "Calls or connections that failed authentication, by path",
+            ["path"],
+            registry=registry,
+        )
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def rejected(self, reason: str) -> None:
+        """A block refused with `reason` (the store's or servicer's text)."""
+        self._rejected.labels(rejection_reason(reason)).inc()
+
+    def call(self, method: str, path: str, nbytes: int, seconds: float) -> None:
+        """A Put or Promote call on `path` moved `nbytes` payload bytes in `seconds`."""
+        self._bytes.labels(method, path).inc(nbytes)
+        self._seconds.labels(method, path).observe(seconds)
+        self._call_bytes.labels(method, path).observe(nbytes)
+
+    def connection_opened(self) -> None:
+        self._connections.inc()
+
+    def connection_closed(self) -> None:
+        self._connections.dec()
+
+    def refused(self, reason: str) -> None:
+        """A connection refused (e.g. "too_many", or a limit of the auth layer)."""
+        self._refused.labels(reason).inc()
+
+    def auth_failed(self, path: str) -> None:
+        """A call or connection on `path` ("grpc" or "bulk") that failed authentication."""
+        self._auth_failures.labels(path).inc()
+
+    def serve(self, host: str, port: int) -> int:
+        """Serve /metrics on `host`:`port` (0: any free port) in a thread; the bound port.
+        OSError when the address cannot be bound."""
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._server.server_port)
+
+    def stop(self) -> None:
+        """Stop serving /metrics (if it was)."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
