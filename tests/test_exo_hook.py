@@ -117,7 +117,7 @@ def test_eviction_spills_and_the_next_request_restores_only_the_missing_suffix(
     assert prefix_cache.caches == []
     assert runtime.flush(10)
     stats = runtime.tier.stats() if runtime.tier else {}
-    assert stats["sent_blocks"] == 6 * 2 * 2  # 6 full blocks of 98 tokens, 2 layers, K and V
+    assert stats["queued_blocks"] == 6 * 2 * 2  # 6 full blocks of 98 tokens, 2 layers, K and V
     assert vault.store.stats().entries == 24
 
     longer = mx.concatenate([prompt, random_tokens(20, seed=2)])
@@ -177,7 +177,7 @@ def test_a_local_hit_as_long_as_the_vault_prefix_is_left_alone(
     prefix_cache = exo.cache.KVPrefixCache(None)
     exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=1)
     assert runtime.flush(10)
-    assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 4 * 2 * 2
+    assert runtime.tier is not None and runtime.tier.stats()["queued_blocks"] == 4 * 2 * 2
 
     again = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=4)
     assert again.prefilled == 2  # EXO's own hit (68 = len - 2 tokens) beats the vault's 64
@@ -235,7 +235,7 @@ def test_other_cache_kinds_are_left_to_exo_and_reported_once(
             again = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=2)
             assert again.prefilled == 60
     assert runtime.flush(10)
-    assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 0
+    assert runtime.tier is not None and runtime.tier.stats()["queued_blocks"] == 0
     reports = [r for r in caplog.records if "RotatingKVCache" in r.getMessage()]
     assert len(reports) == 1
 
@@ -258,7 +258,7 @@ def test_a_full_spill_budget_drops_the_entry_and_counts_it(
         evict_everything(exo, monkeypatch, prefix_cache)
     assert runtime.flush(10)
     assert runtime.dropped_spills == 1
-    assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 0
+    assert runtime.tier is not None and runtime.tier.stats()["queued_blocks"] == 0
     assert any("staging_bytes" in r.getMessage() for r in caplog.records)
 
 

@@ -201,7 +201,7 @@ def test_min_cosine_from_the_config_stores_a_poor_block_lossless(
         out = np.zeros_like(block)
         assert tier.load(NS, KEYS[:1], {"kv": [0]}, lambda index, part: out) == set()
         assert np.array_equal(out, block) is lossless
-        ratio = tier.stats()["sent_raw_bytes"] / tier.stats()["sent_payload_bytes"]
+        ratio = tier.stats()["queued_raw_bytes"] / tier.stats()["queued_payload_bytes"]
         assert (ratio < 1.01) is lossless
     finally:
         tier.close()
@@ -220,8 +220,31 @@ def test_a_block_over_the_pending_encode_budget_is_dropped_and_counted(
         tier.store(NS, KEYS[1], 0, block)
         assert tier.flush(timeout=30)
         stats = tier.stats()
-        assert (stats["dropped_backpressure"], stats["sent_blocks"]) == (1, 1)
+        assert (stats["dropped_backpressure"], stats["queued_blocks"]) == (1, 1)
         assert tier.lookup(NS, KEYS[1:2], {"kv": [0]}) == 1
         assert tier.lookup(NS, KEYS[:1], {"kv": [0]}) == 0
     finally:
         tier.close()
+
+
+def test_counters_tell_queued_from_acknowledged_rejected_and_dropped(
+    two_vaults: tuple[VaultHandle, VaultHandle],
+) -> None:
+    kv, ssm = two_vaults
+    tier = make_tier("none", kv, ssm)
+    data = blocks()
+    store_all(tier, data)
+    stored = tier.stats()
+    assert stored["queued_blocks"] == stored["acknowledged_blocks"] == len(data)
+    assert stored["rejected_blocks"] == stored["dropped_blocks"] == 0
+
+    kv.stop()  # a dead vault: what is queued for it is lost, never "sent"
+    kv_blocks = [(slot, array) for slot, array in data.items() if slot[1] == "kv"]
+    for (index, vault, part), array in kv_blocks:
+        tier.store(NS, KEYS[index], part, array.copy(), vault=vault)
+    assert not tier.flush(timeout=30)
+    lost = tier.stats()
+    assert lost["queued_blocks"] == len(data) + len(kv_blocks)
+    assert lost["acknowledged_blocks"] == len(data)
+    assert lost["dropped_blocks"] == len(kv_blocks)
+    tier.close()

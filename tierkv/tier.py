@@ -49,11 +49,14 @@ DEFAULT_MAX_PENDING_ENCODE_BYTES = 256 * 1024 * 1024
 
 @dataclass
 class TierStats:
-    """Counters of one ColdTier (cumulative since it started)."""
+    """Counters of one ColdTier (cumulative since it started). A block stored is counted once
+    as queued (handed to its backend after encoding), and later, in `ColdTier.stats()`, as
+    acknowledged (the vault stored it), rejected (the vault refused it) or dropped (the queue or
+    a dead vault lost it); until then it is pending."""
 
-    sent_blocks: int = 0
-    sent_raw_bytes: int = 0
-    sent_payload_bytes: int = 0
+    queued_blocks: int = 0
+    queued_raw_bytes: int = 0
+    queued_payload_bytes: int = 0
     skipped_nonfinite: int = 0
     dropped_backpressure: int = 0
     encode_errors: int = 0
@@ -215,9 +218,21 @@ class ColdTier:
         return all(client.flush(timeout) for client in self.vaults.values())
 
     def stats(self) -> dict[str, int]:
-        """The tier's counters as a plain dict."""
+        """The tier's counters as a plain dict, with what became of the queued blocks, summed
+        over the backends: `acknowledged_blocks`, `rejected_blocks`, `dropped_blocks`."""
         with self._lock:
-            return asdict(self._stats)
+            counters = asdict(self._stats)
+        outcomes = {
+            "acknowledged_blocks": ("stored_puts",),
+            "rejected_blocks": ("rejected_puts",),
+            "dropped_blocks": ("dropped_puts", "failed_puts"),
+        }
+        backends = [backend.counters() for backend in self.vaults.values()]
+        for name, sources in outcomes.items():
+            counters[name] = sum(
+                int(found.get(source, 0)) for found in backends for source in sources
+            )
+        return counters
 
     def close(self) -> None:
         """Stop the background threads and close the vault connections."""
@@ -265,9 +280,9 @@ class ColdTier:
                 self._pending_encode_bytes -= block.nbytes
         client.put(namespace, key, part, payload)
         with self._lock:
-            self._stats.sent_blocks += 1
-            self._stats.sent_raw_bytes += block.nbytes
-            self._stats.sent_payload_bytes += len(payload)
+            self._stats.queued_blocks += 1
+            self._stats.queued_raw_bytes += block.nbytes
+            self._stats.queued_payload_bytes += len(payload)
 
     def _decode(
         self,
