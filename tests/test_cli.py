@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from tierkv import __version__
 from tierkv.cli import app
-from tierkv.config import TURBO_QUANT_CODECS
+from tierkv.config import TURBO_QUANT_CODECS, format_size, physical_ram_bytes
 from tierkv.quant import CODEC_NAMES
 
 COMMANDS = ["vault", "status", "install", "serve", "bench"]
@@ -138,3 +138,44 @@ def _resolver_error(host: str) -> str:
     except OSError as exc:
         return str(exc.strerror)
     pytest.skip(f"{host} resolves here")
+
+
+@pytest.mark.parametrize("kv_dim", [100, 8, 2048, True])
+def test_a_kv_dim_turboquant_cannot_use_is_a_config_error(kv_dim: object, tmp_path: Path) -> None:
+    config = tmp_path / "tierkv.toml"
+    config.write_text(f"[turbo_quant]\nkv_dim = {str(kv_dim).lower()}\n")
+    result = runner.invoke(app, ["bench", "--config", str(config)])
+    assert result.exit_code == 2
+    assert f"{config}: turbo_quant.kv_dim: expected a multiple of 8 in 16..1024" in result.stderr
+
+
+def test_a_listen_address_from_the_config_names_file_and_key(tmp_path: Path) -> None:
+    config = tmp_path / "tierkv.toml"
+    config.write_text('[vault]\nlisten = "192.0.2.1:5000"\n')
+    result = tierkv("vault", "--config", str(config))
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith("tierkv vault: cannot listen on 192.0.2.1:5000: ")
+    assert line.endswith(f"({config}: vault.listen)")
+
+
+def test_a_cap_beyond_ram_is_a_warning(tmp_path: Path, free_port: int) -> None:
+    config = tmp_path / "tierkv.toml"
+    config.write_text("")
+    ram = physical_ram_bytes()
+    command = [sys.executable, "-m", "tierkv", "vault", "--listen", f"127.0.0.1:{free_port}"]
+    process = subprocess.Popen(
+        [*command, "--max-bytes", str(4 * ram), "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        assert "listening on" in process.stdout.readline()
+        warning = process.stderr.readline()
+        assert warning.startswith("tierkv vault: warning: the cap of ")
+        assert f"this machine's {format_size(ram)} of RAM" in warning
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

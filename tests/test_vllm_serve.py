@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -76,6 +77,43 @@ def test_down_vault_is_a_warning_not_a_refusal(tmp_path: Path):
     assert code == 0
     assert command[:2] == vllm_launcher()[:2]
     assert "kv_cold" in stderr and "down" in stderr
+    assert "vLLM would start anyway" in stderr and "serving anyway" not in stderr
+
+
+def test_dry_run_shows_the_environment_vllm_would_get(
+    tmp_path: Path, vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    config = write_config(tmp_path, kv_cold=vault.address)
+    model = write_model(tmp_path, model_type="llama")
+    code, _, stderr = dry_run(str(model), "--config", str(config))
+    assert code == 0
+    assert "environment: GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in stderr
+
+
+def test_hybrid_can_be_forced_for_a_model_not_downloaded(tmp_path: Path, vault: VaultHandle):
+    config = write_config(tmp_path, kv_cold=vault.address, ssm_cold=vault.address)
+    args = ["org/not-downloaded-model", "--config", str(config)]
+    assert HYBRID_FLAG not in dry_run(*args)[1]
+    code, command, stderr = dry_run(*args, "--hybrid")
+    assert code == 0, stderr
+    assert HYBRID_FLAG in command
+
+
+def test_serve_without_vllm_says_how_to_install_it(
+    tmp_path: Path, vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
+):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "vllm" else real_find_spec(name, *args),
+    )
+    config = write_config(tmp_path, kv_cold=vault.address)
+    result = runner.invoke(app, ["serve", "some/model", "--config", str(config)])
+    assert result.exit_code == 1
+    assert result.stderr.startswith("tierkv serve: vLLM is not installed")
+    assert 'pip install "./tierkv[vllm]"' in result.stderr
 
 
 def test_hybrid_model_needs_the_ssm_vault_and_gets_the_hybrid_flag(

@@ -334,6 +334,18 @@ def _positive_int(value: Any) -> int:
     return value
 
 
+def _kv_dim(value: Any) -> int:
+    """A head dim TurboQuant can rotate: a multiple of 8 in 16..1024."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value % 8
+        or not 16 <= value <= 1024
+    ):
+        raise ValueError(f"expected a multiple of 8 in 16..1024, got {value!r}")
+    return value
+
+
 def _port(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
         raise ValueError(f"expected a port number 0-65535, got {value!r}")
@@ -483,7 +495,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         TurboQuantConfig,
         {
             "enabled": _bool,
-            "kv_dim": _positive_int,
+            "kv_dim": _kv_dim,
             "codec": _one_of(TURBO_QUANT_CODECS),
             "min_cosine": _cosine,
         },

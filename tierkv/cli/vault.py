@@ -125,11 +125,12 @@ def vault(
     role = role or (cfg.cluster.role if cfg.cluster.role in VAULT_ROLES else "kv_cold")
     if role not in VAULT_ROLES:
         raise _fail(f"--role: expected one of {', '.join(VAULT_ROLES)}, got {role!r}", 2)
+    listen_origin = "--listen" if listen else f"{cfg.source}: vault.listen"
     listen = listen or cfg.vault.listen
     try:
         host, _ = parse_address(listen, allow_port_zero=True)
     except ValueError as exc:
-        raise _fail(f"--listen: {exc}", 2) from None
+        raise _fail(f"{listen_origin}: {exc}", 2) from None
     from tierkv.vault.auth import Tokens, configured_tokens, is_loopback
 
     try:
@@ -158,6 +159,14 @@ def vault(
             if cfg.vault.max_bytes is not None
             else f"default: {DEFAULT_RAM_FRACTION:.0%} of {format_size(physical_ram_bytes())} RAM"
         )
+    ram = physical_ram_bytes()
+    if cap > ram:
+        typer.echo(
+            f"tierkv vault: warning: the cap of {format_size(cap)} ({origin}) is more than this "
+            f"machine's {format_size(ram)} of RAM; the system swaps or stops the vault before "
+            "the cap is reached (a disk tier, --disk-dir, holds more than RAM)",
+            err=True,
+        )
     from tierkv.vault.memory import reuse_freed_memory
     from tierkv.vault.server import VaultBindError, serve
 
@@ -181,7 +190,10 @@ def vault(
     except (VaultBindError, ConfigError) as exc:
         if disk:
             disk.close()
-        raise _fail(str(exc), 2 if isinstance(exc, ConfigError) else 1) from None
+        from_config = listen_origin != "--listen"
+        bind_error = str(exc).startswith("cannot listen on")
+        where = f" ({listen_origin})" if from_config and bind_error else ""
+        raise _fail(f"{exc}{where}", 2 if isinstance(exc, ConfigError) else 1) from None
 
     stop = threading.Event()
 
