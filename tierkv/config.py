@@ -15,9 +15,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import tomlkit
-from tomlkit.exceptions import TOMLKitError
-
 KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
@@ -567,6 +564,9 @@ def _candidate_paths(path: str | Path | None) -> list[tuple[Path, bool]]:
 
 def load_config(path: str | Path | None = None) -> TierKVConfig:
     """The configuration from the first file found in the search order, else the defaults."""
+    import tomlkit  # here, not at the top: `tierkv --help` needs no TOML parser
+    from tomlkit.exceptions import TOMLKitError
+
     for candidate, must_exist in _candidate_paths(path):
         if not candidate.is_file():
             if must_exist:

@@ -20,8 +20,6 @@ from rich.console import Console
 from tierkv.cli import app
 from tierkv.cli.status import check_vault
 from tierkv.config import ConfigError, load_config
-from tierkv.patches.vllm import is_hybrid, read_hf_config, serve_command, vllm_launcher
-from tierkv.vault.memory import with_huge_pages
 
 
 @app.command(
@@ -53,6 +51,9 @@ def serve(
     ] = None,
 ) -> None:
     """Run `vllm serve MODEL` with the TierKV connector; other arguments go to vLLM unchanged."""
+    from tierkv.patches.vllm import is_hybrid, read_hf_config, serve_command, vllm_launcher
+    from tierkv.vault.memory import with_huge_pages
+
     console = Console(stderr=True)
     try:
         cfg = load_config(config)
