@@ -113,7 +113,8 @@ def test_vault_on_a_taken_port_says_one_line(vault_factory: Callable[..., Any]) 
 
 @pytest.mark.parametrize("host", ["192.0.2.1", "nohost.invalid"])
 def test_vault_on_an_address_not_here_says_one_line(host: str, free_port: int) -> None:
-    result = tierkv("vault", "--listen", f"{host}:{free_port}")
+    # --insecure: without a token, beyond loopback is refused before any bind is tried.
+    result = tierkv("vault", "--listen", f"{host}:{free_port}", "--insecure")
     assert result.returncode == 1
     [line] = result.stderr.splitlines()
     assert line.startswith(f"tierkv vault: cannot listen on {host}:{free_port}: ")
@@ -152,7 +153,7 @@ def test_a_kv_dim_turboquant_cannot_use_is_a_config_error(kv_dim: object, tmp_pa
 def test_a_listen_address_from_the_config_names_file_and_key(tmp_path: Path) -> None:
     config = tmp_path / "tierkv.toml"
     config.write_text('[vault]\nlisten = "192.0.2.1:5000"\n')
-    result = tierkv("vault", "--config", str(config))
+    result = tierkv("vault", "--config", str(config), "--insecure")
     assert result.returncode == 1
     [line] = result.stderr.splitlines()
     assert line.startswith("tierkv vault: cannot listen on 192.0.2.1:5000: ")

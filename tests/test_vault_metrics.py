@@ -3,6 +3,7 @@ rejections by reason, bulk connections; and `tierkv vault --metrics-port` as a p
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import pick_free_port
-from tierkv.vault.client import VaultClient
+from tierkv.vault.client import VaultClient, VaultRefused
 from tierkv.vault.metrics import rejection_reason
 from tierkv.vault.server import VaultBindError, serve
 
@@ -150,3 +151,26 @@ def test_vault_command_serves_metrics(tmp_path: Path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_failed_authentication_is_counted_per_path() -> None:
+    from tierkv.vault.auth import Tokens
+    from tierkv.vault.bulk import BulkConnection, BulkError
+
+    server = serve(
+        "127.0.0.1:0", 0, tokens=Tokens([("default", "right-token-0123")]), metrics_port=0
+    )
+    wrong = "wrong-token-0123"
+    try:
+        client = VaultClient(server.address, token=wrong, deadline_s=10)
+        with client, pytest.raises(VaultRefused):
+            client.stats()
+        # The bulk port's handshake refuses the proof and closes the connection.
+        with contextlib.suppress(BulkError):
+            BulkConnection("127.0.0.1", server.bulk_port, 5.0, token=wrong).close()
+        bulk_failures = ("tierkv_vault_auth_failures_total", (("path", "bulk"),))
+        metrics = scrape_until(server.metrics_port, bulk_failures)
+        assert metrics[bulk_failures] == 1
+        assert metrics[("tierkv_vault_auth_failures_total", (("path", "grpc"),))] >= 1
+    finally:
+        server.stop()

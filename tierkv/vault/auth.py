@@ -213,10 +213,12 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses a gRPC call without a valid token (UNAUTHENTICATED) before reading its request."""
+    """Refuses a gRPC call without a valid token (UNAUTHENTICATED) before reading its request;
+    `on_refusal()` is told of each (the vault's metrics count them)."""
 
-    def __init__(self, tokens: Tokens) -> None:
+    def __init__(self, tokens: Tokens, on_refusal: Callable[[], None] = lambda: None) -> None:
         self._tokens = tokens
+        self._on_refusal = on_refusal
 
     def intercept_service(
         self,
@@ -229,6 +231,7 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        self._on_refusal()
 
         def refuse(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong tierkv token")

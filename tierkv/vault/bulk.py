@@ -366,6 +366,7 @@ class BulkServer:
         answer = _parse(vault_pb2.BulkAuth, _recv_bytes(sock, index_len, clock)).proof
         tenant = OPEN if self._tokens is None else self._tokens.tenant_of_proof(nonce, answer)
         if tenant is None:
+            self._handler.metrics.auth_failed("bulk")
             raise ValueError("wrong token")
         _send_frame(sock, WELCOME, vault_pb2.BulkChallenge(), clock)
         return tenant

@@ -433,7 +433,11 @@ def serve(
     calls = limits.max_concurrent_rpcs
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=calls, thread_name_prefix="tierkv-vault"),
-        interceptors=[AuthInterceptor(tokens)] if tokens else None,
+        interceptors=(
+            [AuthInterceptor(tokens, lambda: servicer.metrics.auth_failed("grpc"))]
+            if tokens
+            else None
+        ),
         options=[
             *SERVER_OPTIONS,
             ("grpc.max_receive_message_length", limits.max_message_bytes),
