@@ -137,6 +137,42 @@ def test_eviction_spills_and_the_next_request_restores_only_the_missing_suffix(
     assert restored.tokens == cold.tokens
 
 
+def test_prompts_with_images_are_neither_spilled_nor_restored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+) -> None:
+    """Image tokens are placeholders: equal ids do not mean equal KV. An entry holding an image
+    is never shipped, and a prompt with an image is never rebuilt from the vault."""
+    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    media_region = importlib.import_module("exo.worker.engines.mlx.vision").MediaRegion
+    model = tiny_llama()
+    prefix_cache = exo.cache.KVPrefixCache(None)
+
+    with_image = random_tokens(100, seed=20)
+    exo.generate.mlx_generate(
+        model, with_image, prefix_cache, max_tokens=1, media_regions=[media_region("cat", 10, 30)]
+    )
+    evict_everything(exo, monkeypatch, prefix_cache)
+    assert runtime.flush(10)
+    assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 0
+
+    text = random_tokens(100, seed=21)
+    exo.generate.mlx_generate(model, text, prefix_cache, max_tokens=1)
+    evict_everything(exo, monkeypatch, prefix_cache)
+    assert runtime.flush(10)
+    assert runtime.tier.stats()["sent_blocks"] == 6 * 2 * 2  # 6 blocks, 2 layers, K and V
+    longer = mx.concatenate([text, random_tokens(20, seed=22)])
+    assert exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=2).prefilled == 24
+    evict_everything(exo, monkeypatch, prefix_cache)
+
+    image_there = [media_region("dog", 10, 30)]  # the same token ids now stand for an image
+    again = exo.generate.mlx_generate(
+        model, longer, prefix_cache, max_tokens=2, media_regions=image_there
+    )
+    assert again.prefilled == 120
+
+
 def test_weights_replaced_in_place_change_the_namespace(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from exo.worker.engines.mlx.cache import KVPrefixCache, make_kv_cache
+from exo.worker.engines.mlx.vision import MediaRegion
 
 
 @dataclass(frozen=True)
@@ -24,18 +25,26 @@ class Generation:
 
 
 def mlx_generate(
-    model: Any, prompt_tokens: mx.array, kv_prefix_cache: KVPrefixCache | None, max_tokens: int
+    model: Any,
+    prompt_tokens: mx.array,
+    kv_prefix_cache: KVPrefixCache | None,
+    max_tokens: int,
+    media_regions: list[MediaRegion] | None = None,
 ) -> Generation:
+    """Greedy tokens for `prompt_tokens`; `media_regions` marks image tokens, as EXO's vision
+    path passes them to the prefix cache."""
     if kv_prefix_cache is None:
         caches, remaining = make_kv_cache(model), prompt_tokens
     else:
-        caches, remaining, _, _ = kv_prefix_cache.get_kv_cache(model, prompt_tokens)
+        caches, remaining, _, _ = kv_prefix_cache.get_kv_cache(
+            model, prompt_tokens, media_regions=media_regions
+        )
     prefill, feed = remaining[:-2], remaining[-2:]
     if len(prefill) > 0:
         model(prefill[None], cache=caches)
         mx.eval([(c.keys, c.values) for c in caches])
     if kv_prefix_cache is not None:
-        kv_prefix_cache.add_kv_cache(prompt_tokens, caches)
+        kv_prefix_cache.add_kv_cache(prompt_tokens, caches, media_regions=media_regions)
     tokens: list[int] = []
     for _ in range(max_tokens):
         logits = model(feed[None], cache=caches)[0, -1]
