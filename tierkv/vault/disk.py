@@ -183,6 +183,7 @@ class DiskTier:
         self._evictions = self._corrupt = 0
         self._closing = False
         self._busy = False
+        self._enqueued = self._taken = self._handled = 0  # ops queued / taken / written so far
         started = time.monotonic()
         damaged = [problem for segment in self._segment_ids() for problem in self._scan(segment)]
         self.recovery = Recovery(
@@ -217,6 +218,17 @@ class DiskTier:
             return self._changed.wait_for(
                 lambda: self._queued_bytes <= self._write_behind or self._closing, timeout
             )
+
+    def mark(self) -> int:
+        """A position in the write queue: everything queued so far."""
+        with self._lock:
+            return self._enqueued
+
+    def wait_written(self, mark: int, timeout: float | None = None) -> bool:
+        """Wait until everything queued before `mark` was handled (written, and synced when
+        fsync is "always"; a failed write is logged); False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._handled >= mark, timeout)
 
     def has(self, namespace: bytes, key: bytes, parts: Sequence[int]) -> bool:
         """Whether every one of `parts` of the block is on disk or queued."""
@@ -432,6 +444,7 @@ class DiskTier:
                 self._queued_bytes += len(op.payload) - (len(old.payload) if old else 0)
                 self._queued[entry_key] = op
             self._queue.append(op)
+            self._enqueued += 1
             self._changed.notify_all()
 
     def _write_loop(self) -> None:
@@ -444,16 +457,21 @@ class DiskTier:
                 size = 0
                 while self._queue and size < MAX_READ_BYTES:
                     op = self._queue.popleft()
+                    self._taken += 1
                     if op.kind != KIND_BLOCK or self._queued.get(_key(op)) is op:
                         batch.append(op)
                         size += len(op.payload)
                 self._busy = bool(batch)
+                taken = self._taken
+                if not batch:
+                    self._handled = taken
+                    self._changed.notify_all()
             if batch:
                 try:
                     self._append(batch)
                 except Exception:  # the writer must outlive any failure, or Puts would stall
                     log.exception("tierkv vault: disk tier cannot write to %s", self.directory)
-                    self._forget(batch)
+                self._forget(batch, taken)
             elif self.fsync == "interval" and time.monotonic() - self._last_sync >= 1.0:
                 self._sync()
 
@@ -487,15 +505,16 @@ class DiskTier:
                     self._apply(op, loc)
                 elif self._queued.get(_key(op)) is op and loc.segment in self._sizes:
                     self._reindex(_key(op), loc)  # not replaced, deleted or dropped meanwhile
-        self._forget(batch)
 
-    def _forget(self, batch: list[_Op]) -> None:
-        """Take the blocks of a handled batch off the queue (whether or not they landed)."""
+    def _forget(self, batch: list[_Op], taken: int) -> None:
+        """Take the blocks of a handled batch off the queue (whether or not they landed) and
+        count the first `taken` queued ops as handled."""
         with self._changed:
             for op in batch:
                 if op.kind == KIND_BLOCK and self._queued.get(_key(op)) is op:
                     self._queued_bytes -= len(self._queued.pop(_key(op)).payload)
             self._busy = False
+            self._handled = taken
             self._changed.notify_all()
 
     def _needs_room(self, record_len: int, unwritten: int) -> bool:

@@ -171,6 +171,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
             return summary
         namespace = index.namespace
         rejected = summary.rejected
+        stored_here = []
         for key, part, payload, checksum in zip(
             index.keys, index.parts, payloads, index.checksums, strict=True
         ):
@@ -182,7 +183,14 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 reason = self.store.put(tenant.prefix + namespace, key, part, payload, stored)
             if reason is None:
                 summary.stored += 1
+                stored_here.append((key, part))
             else:
+                _add_rejection(summary, key, part, reason)
+                self.metrics.rejected(reason)
+        if stored_here and not self.store.wait_durable():  # fsync "always": acked once synced
+            summary.stored -= len(stored_here)
+            for key, part in stored_here:
+                reason = "the disk did not confirm the write in time"
                 _add_rejection(summary, key, part, reason)
                 self.metrics.rejected(reason)
         self._tenant_counts.add(tenant, rejected=summary.rejected - rejected)

@@ -29,6 +29,8 @@ from tierkv.vault.disk import DiskStats, DiskTier
 from tierkv.vault.wire import block_checksum
 
 RATE_WINDOW_S = 10.0
+DURABLE_WAIT_S = 30.0
+"""Longest a Put batch waits for the disk under fsync "always" before it is refused."""
 
 EntryKey = tuple[bytes, bytes, int]
 """(namespace, block key, part)"""
@@ -260,6 +262,13 @@ class VaultStore:
                 disk_reads_per_s=self._disk_rate.per_second(),
                 disk=self.disk.stats() if self.disk else None,
             )
+
+    def wait_durable(self, timeout: float = DURABLE_WAIT_S) -> bool:
+        """With a disk tier whose fsync is "always", wait until every block stored so far is
+        written and synced (False on timeout); True at once otherwise."""
+        if self.disk is None or self.disk.fsync != "always":
+            return True
+        return self.disk.wait_written(self.disk.mark(), timeout)
 
     def close(self, timeout: float | None = None) -> int:
         """Spill every RAM-only block to the disk tier and close it, within `timeout` seconds.
