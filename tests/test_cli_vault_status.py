@@ -118,6 +118,8 @@ def test_vault_on_an_address_not_on_this_machine_exits_1(empty_config: Path) -> 
         (["--listen", "127.0.0.1"], "--listen: expected host:port"),
         (["--max-bytes", "lots"], "--max-bytes: expected a size"),
         (["--role", "inference"], "--role: expected one of kv_cold, ssm_cold"),
+        (["--disk-max-bytes", "1GiB"], "--disk-max-bytes needs --disk-dir"),
+        (["--disk-dir", "unused", "--disk-max-bytes", "0"], "--disk-max-bytes: expected"),
     ],
 )
 def test_vault_bad_options_exit_2(args: list[str], message: str, empty_config: Path) -> None:

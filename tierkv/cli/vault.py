@@ -243,17 +243,17 @@ def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -
         if cap_option is not None:
             raise _fail("--disk-max-bytes needs --disk-dir (or vault.disk_dir)", 2)
         return None
+    cap = cfg.vault.disk_max_bytes
+    if cap_option is not None:
+        try:
+            cap = parse_size(cap_option)
+            if cap <= 0:
+                raise ValueError(f"expected a positive size, got {cap_option!r}")
+        except ValueError as exc:
+            raise _fail(f"--disk-max-bytes: {exc}", 2) from None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        if cap_option is not None:
-            try:
-                cap = parse_size(cap_option)
-                if cap <= 0:
-                    raise ValueError(f"expected a positive size, got {cap_option!r}")
-            except ValueError as exc:
-                raise _fail(f"--disk-max-bytes: {exc}", 2) from None
-        else:
-            cap = cfg.vault.disk_max_bytes or default_max_bytes(directory)
+        cap = cap or default_max_bytes(directory)
         disk = DiskTier(directory, cap, cfg.vault.fsync)
     except DiskLockedError as exc:
         raise _fail(str(exc), 1) from None
