@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -84,6 +85,33 @@ def test_stats_intervals_and_aggregation():
     assert "load_seconds" not in reduced
 
 
+def test_connector_counters_reach_vllms_prometheus_metrics():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from tierkv.connectors.vllm.connector import TierKVConnector
+
+    registry = CollectorRegistry()
+    metric_types = {
+        kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
+    }
+    prom = TierKVConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None), metric_types, ["engine"], {0: ["0"]}
+    )
+    stats = TierKVStats()
+    stats.add("loaded_blocks", 3)
+    stats.add("loaded_bytes", 3 * 4096)
+    stats.add("store_dropped_blocks", 2)
+    interval = stats.take_interval()
+    assert interval is not None
+    prom.observe(interval.data, engine_idx=0)
+    prom.observe(interval.data, engine_idx=0)
+    value = functools.partial(registry.get_sample_value, labels={"engine": "0"})
+    assert value("vllm:tierkv_loaded_blocks_total") == 6
+    assert value("vllm:tierkv_loaded_bytes_total") == 6 * 4096
+    assert value("vllm:tierkv_store_dropped_blocks_total") == 4
+    assert value("vllm:tierkv_load_failed_blocks_total") == 0
+
+
 def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
     """Blocks go out and come back through a real vault, whatever dimension holds the block id
     (here K/V first, so each block is a strided view restored via staging); a block the vault
@@ -125,6 +153,8 @@ def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
             assert torch.equal(cache[:, [4, 5, 0]], stored[name])
             assert not cache[:, 3].any()
         assert worker.stats.data["loaded_blocks"] == 3
+        restored = sum(cache[:, 0].numel() * cache.element_size() for cache in caches.values())
+        assert worker.stats.data["loaded_bytes"] == 3 * restored
         assert worker.stats.data["load_failed_blocks"] == 1
     finally:
         worker.shutdown()

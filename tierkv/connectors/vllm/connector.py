@@ -25,13 +25,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from tierkv.config import TierKVConfig, config_from_mapping, load_config
 from tierkv.connectors.vllm.groups import plan_groups
 from tierkv.connectors.vllm.scheduler import TierKVMetadata, TierScheduler
-from tierkv.connectors.vllm.stats import TierKVStats
+from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import TierWorker
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
@@ -177,12 +180,26 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker().take_invalid_block_ids()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker_side is not None:
+            tier = self.tier.stats()
+            lost = tier["dropped_blocks"] + tier["dropped_backpressure"]
+            self.worker_side.stats.data["store_dropped_blocks"] = lost  # cumulative, like all
         side = self.worker_side or self.scheduler_side
         return side.stats.take_interval() if side is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         return TierKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self.worker_side is not None:

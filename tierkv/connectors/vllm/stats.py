@@ -1,14 +1,21 @@
 """Connector statistics in vLLM's `KVConnectorStats` form: hits, misses, bytes, latencies.
 
 Both connector sides fill one; vLLM aggregates the workers' and the scheduler's objects each step
-and logs `reduce()` with its other metrics.
+and logs `reduce()` with its other metrics, and `TierKVPromMetrics` adds each counter to vLLM's
+Prometheus /metrics as `vllm:tierkv_<counter>_total`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from prometheus_client import Counter
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 COUNTERS = (
     "lookups",  # requests asked about
@@ -19,11 +26,13 @@ COUNTERS = (
     "loads",
     "sync_loads",  # ... of which ran before a forward (nothing else was running)
     "loaded_blocks",
+    "loaded_bytes",
     "load_failed_blocks",  # reported to vLLM as load errors and recomputed
     "load_seconds",
     "stored_blocks",
     "stored_bytes",
     "staging_dropped_blocks",  # not copied out: the step's staging budget was spent
+    "store_dropped_blocks",  # copied out, then lost: encode budget, put queue or a dead vault
 )
 
 
@@ -73,3 +82,33 @@ class TierKVStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(self.data.get(name) for name in COUNTERS)
+
+
+class TierKVPromMetrics(KVConnectorPromMetrics):
+    """Every counter of TierKVStats as a Prometheus counter of vLLM's, per engine."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Counter]] = {
+            name: create_metric_per_engine(  # type: ignore[misc]
+                self._counter_cls(
+                    name=f"vllm:tierkv_{name}",
+                    documentation=f"tierkv connector: {name.replace('_', ' ')}",
+                    labelnames=labelnames,
+                ),
+                per_engine_labelvalues,
+            )
+            for name in COUNTERS
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, counters in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value > 0:
+                counters[engine_idx].inc(value)

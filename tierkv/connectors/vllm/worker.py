@@ -43,6 +43,8 @@ class _LoadResult:
     failed_block_ids: set[int]
     blocks: int
     seconds: float
+    nbytes: int
+    """Bytes restored into the paged buffer."""
 
 
 class BlockViews:
@@ -139,9 +141,11 @@ class TierWorker:
     def _load(self, job: LoadJob) -> _LoadResult:
         started = time.perf_counter()
         failed_block_ids: set[int] = set()
+        nbytes = 0
         for load in job.groups:
             try:
-                failed = self._load_group(load)
+                failed, restored = self._load_group(load)
+                nbytes += restored
             except Exception:
                 log.exception("tierkv: loading request %s failed; recomputing it", job.req_id)
                 failed = set(range(len(load.keys)))
@@ -151,10 +155,12 @@ class TierWorker:
             failed_block_ids,
             sum(len(load.keys) for load in job.groups),
             time.perf_counter() - started,
+            nbytes,
         )
 
-    def _load_group(self, load: GroupLoad) -> set[int]:
-        """Restore one group's blocks; the indices (into load.keys) that failed.
+    def _load_group(self, load: GroupLoad) -> tuple[set[int], int]:
+        """Restore one group's blocks; the indices (into load.keys) that failed, and the bytes
+        restored.
 
         Payloads decode into host staging arrays (all layers of a block, stacked), which are
         then copied into the paged buffer; a failed block's staging array is never copied.
@@ -171,12 +177,14 @@ class TierWorker:
 
         namespace = plan.namespaces[self.tp_rank]
         failed = self.tier.load(namespace, load.keys, {plan.vault: plan.parts}, out_for)
+        restored = 0
         for (index, part), staging in staged.items():
             if index not in failed:
                 layers = views.layer_blocks(part, load.block_ids[index])
                 for layer, block in zip(layers, staging, strict=True):
                     layer.copy_(block)
-        return failed
+                restored += staging.numel() * staging.element_size()
+        return failed, restored
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids of background loads done since the last call."""
@@ -200,6 +208,7 @@ class TierWorker:
         self.stats.add("loads")
         self.stats.add("load_seconds", result.seconds)
         self.stats.add("loaded_blocks", result.blocks - len(result.failed_block_ids))
+        self.stats.add("loaded_bytes", result.nbytes)
         self.stats.add("load_failed_blocks", len(result.failed_block_ids))
         if not result.failed_block_ids:
             return True
