@@ -155,13 +155,13 @@ def test_prompts_with_images_are_neither_spilled_nor_restored(
     )
     evict_everything(exo, monkeypatch, prefix_cache)
     assert runtime.flush(10)
-    assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 0
+    assert runtime.tier is not None and runtime.tier.stats()["queued_blocks"] == 0
 
     text = random_tokens(100, seed=21)
     exo.generate.mlx_generate(model, text, prefix_cache, max_tokens=1)
     evict_everything(exo, monkeypatch, prefix_cache)
     assert runtime.flush(10)
-    assert runtime.tier.stats()["sent_blocks"] == 6 * 2 * 2  # 6 blocks, 2 layers, K and V
+    assert runtime.tier.stats()["queued_blocks"] == 6 * 2 * 2  # 6 blocks, 2 layers, K and V
     longer = mx.concatenate([text, random_tokens(20, seed=22)])
     assert exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=2).prefilled == 24
     evict_everything(exo, monkeypatch, prefix_cache)
