@@ -287,3 +287,36 @@ def test_the_hook_fits_the_prefix_cache_of_a_real_exo_checkout() -> None:
     if version == "v1.0.70 or newer":
         assert "self._media_regions" in code["__init__"]
         assert "media_regions" in [arg.arg for arg in methods["get_kv_cache"].args.args]
+
+
+class _Installed:
+    """A stand-in for an installed tierkv's metadata: only its direct_url.json."""
+
+    def __init__(self, direct_url: dict[str, object] | None) -> None:
+        self.direct_url = direct_url
+
+    def read_text(self, name: str) -> str | None:
+        wanted = self.direct_url is not None and name == "direct_url.json"
+        return json.dumps(self.direct_url) if wanted else None
+
+
+def test_runtime_outside_a_checkout_comes_from_the_installed_wheel_never_the_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.metadata
+
+    from tierkv.patches.exo import default_runtime_requirement
+
+    site_dir = tmp_path / "site-packages" / "tierkv"
+    site_dir.mkdir(parents=True)
+    monkeypatch.setattr(tierkv, "__file__", str(site_dir / "__init__.py"))
+    wheel = tmp_path / "dist" / "tierkv-0.2.0-py3-none-any.whl"
+    wheel.parent.mkdir()
+    wheel.write_bytes(b"")
+    installed = _Installed({"url": wheel.as_uri(), "archive_info": {}})
+    monkeypatch.setattr(importlib.metadata, "distribution", lambda name: installed)
+    assert default_runtime_requirement() == str(wheel)
+
+    installed.direct_url = None  # installed by name from an index: we cannot tell which tierkv
+    with pytest.raises(ExoLayoutError, match="--runtime-requirement"):
+        default_runtime_requirement()

@@ -15,9 +15,12 @@ token-keyed `KVPrefixCache` of EXO v1.0.68 or newer.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import json
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,11 +188,33 @@ def boot_source() -> str:
 
 def default_runtime_requirement() -> str:
     """What to install for EXO's interpreter: this source checkout if run from one, else the
-    release of tierkv that is running."""
+    wheel or directory the running tierkv was installed from. Never `tierkv` by name: the
+    package index's `tierkv` is an unrelated project."""
     project = Path(tierkv.__file__).resolve().parent.parent
     if (project / "pyproject.toml").is_file() and (project / "tierkv").is_dir():
         return str(project)
-    return f"tierkv=={tierkv.__version__}"
+    origin = installed_from()
+    if origin is None:
+        raise ExoLayoutError(
+            "cannot tell where this tierkv was installed from; pass --runtime-requirement with "
+            "its checkout or a wheel built from it (the package index's 'tierkv' is another "
+            "project)"
+        )
+    return origin
+
+
+def installed_from() -> str | None:
+    """The local file or directory the installed tierkv came from (PEP 610 direct_url.json),
+    None when unknown or not local."""
+    try:
+        text = importlib.metadata.distribution("tierkv").read_text("direct_url.json")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    url = str(json.loads(text).get("url", "")) if text else ""
+    if not url.startswith("file://"):
+        return None
+    path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path))
+    return str(path) if path.exists() else None
 
 
 def install(
