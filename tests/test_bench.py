@@ -59,6 +59,12 @@ def test_figures_are_consistent(all_codecs: list[dict[str, object]]) -> None:
         assert obj["restore_s"] == pytest.approx(
             obj["lookup_s"] + obj["promote_s"] + obj["decode_s"]
         )
+        for link, gbits in (("1GbE", 1), ("10GbE", 10), ("25GbE", 25)):
+            wire_s = obj["stored_bytes"] * 8 / (gbits * 1e9)
+            assert obj["link_s"][link] == pytest.approx(wire_s)
+            assert obj["link_restore_s"][link] == pytest.approx(
+                obj["lookup_s"] + wire_s + obj["decode_s"]
+            )
         for speed in ("memcpy_gbps", "encode_gbps", "decode_gbps", "promote_gbps"):
             assert obj[speed] > 0
         # 600 tokens at 128 per block: 4 full blocks.
