@@ -28,7 +28,7 @@ from tierkv.quant import (
     turbo,
     warmup,
 )
-from tierkv.quant.payload import header_bytes
+from tierkv.quant.payload import FORMAT_VERSION, header_bytes
 
 fidelity_module = importlib.import_module("tierkv.quant.fidelity")
 
@@ -198,7 +198,7 @@ def test_header_describes_the_payload() -> None:
         128,
         8.0,
     )
-    assert header.version == 1
+    assert header.version == FORMAT_VERSION
 
 
 def test_int8_ratio_against_fp16_is_honest() -> None:

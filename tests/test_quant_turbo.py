@@ -155,12 +155,13 @@ def test_mixed_mode_keeps_each_heads_outlier_channels_at_high_precision() -> Non
         assert err.max() < 0.15
 
 
-@pytest.mark.parametrize("m", [32, 96, 128])
-def test_codebooks_and_rotations_are_well_formed(m: int) -> None:
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("m", [32, 96, 128, 12, 250])
+def test_codebooks_and_rotations_are_well_formed(m: int, version: int) -> None:
     for bits in (1, 2, 3, 4, 5):
         book = lloyd_max(m, bits)
         assert book.centroids.size == 2**bits
         assert np.all(np.diff(book.centroids) > 0)
         assert np.allclose(book.centroids, -book.centroids[::-1], atol=1e-7)
-    r = rotation(m).as_matrix()
+    r = rotation(m, version).as_matrix()
     assert np.allclose(r @ r.T, np.eye(m), atol=1e-5)

@@ -15,7 +15,7 @@ from functools import cache
 
 import numpy as np
 
-ROTATION_SEED = 0x74696572  # part of payload format version 1
+ROTATION_SEED = 0x74696572  # part of the payload format (versions 1 and 2)
 _GRID_CELLS = 1 << 18
 _MAX_ITERATIONS = 5000
 
@@ -32,8 +32,13 @@ class Codebook:
 
 @dataclass(frozen=True)
 class Rotation:
-    """y = R u: random signs then a normalised Walsh–Hadamard transform when m is a power of two
-    (`matrix` empty), else the seeded orthogonal `matrix` (transpose in `matrix_t`)."""
+    """y = R u: random signs, then a normalised Walsh–Hadamard transform when m is a power of two
+    (`matrix` empty); otherwise, in payload format version 1, the seeded orthogonal m x m
+    `matrix` (transpose in `matrix_t`), and from version 2 the Kronecker product Q ⊗ H_p of the
+    seeded orthogonal q x q `matrix` Q and the normalised Hadamard transform of size p, where
+    p is the largest power of two dividing m and q = m / p (the Hadamard transform runs on each
+    of the q blocks of p coordinates, then Q mixes the blocks: q + log2(p) operations per value
+    instead of m)."""
 
     signs: np.ndarray
     matrix: np.ndarray
@@ -42,12 +47,15 @@ class Rotation:
     def as_matrix(self) -> np.ndarray:
         """R as a dense float64 matrix (for the torch path and for tests)."""
         m = self.signs.size
-        if self.matrix.size:
+        if self.matrix.shape[0] == m:
             return self.matrix.astype(np.float64)
+        q = max(1, self.matrix.shape[0])
         hadamard = np.ones((1, 1))
-        while hadamard.shape[0] < m:
+        while hadamard.shape[0] < m // q:
             hadamard = np.block([[hadamard, hadamard], [hadamard, -hadamard]])
-        return hadamard * self.signs.astype(np.float64)[None, :] / np.sqrt(m)
+        mix = self.matrix.astype(np.float64) if q > 1 else np.ones((1, 1))
+        core = np.kron(mix, hadamard / np.sqrt(m // q))
+        return core * self.signs.astype(np.float64)[None, :]
 
 
 def is_power_of_two(m: int) -> bool:
@@ -87,14 +95,23 @@ def lloyd_max(m: int, bits: int) -> Codebook:
 
 
 @cache
-def rotation(m: int) -> Rotation:
-    """The seeded rotation for m-dimensional vectors (same on every machine)."""
+def rotation(m: int, version: int) -> Rotation:
+    """The seeded rotation for m-dimensional vectors in payload format `version` (same on every
+    machine; version 2 differs from 1 only where m is not a power of two)."""
     rng = np.random.default_rng([ROTATION_SEED, m])
+    empty = np.zeros((0, 0), np.float32)
     if is_power_of_two(m):
         signs = np.where(rng.random(m) < 0.5, -1.0, 1.0).astype(np.float32)
-        empty = np.zeros((0, 0), np.float32)
         return Rotation(signs, empty, empty)
-    q, r = np.linalg.qr(rng.standard_normal((m, m)))
-    q *= np.sign(np.diag(r))[None, :]  # Haar-distributed orthogonal matrix
-    matrix = np.ascontiguousarray(q, dtype=np.float32)
-    return Rotation(np.ones(m, np.float32), matrix, np.ascontiguousarray(matrix.T))
+    if version == 1:
+        return _orthogonal(rng, m, np.ones(m, np.float32))
+    signs = np.where(rng.random(m) < 0.5, -1.0, 1.0).astype(np.float32)
+    return _orthogonal(rng, m // (m & -m), signs)
+
+
+def _orthogonal(rng: np.random.Generator, q: int, signs: np.ndarray) -> Rotation:
+    """A Rotation with `signs` and a Haar-distributed q x q orthogonal matrix drawn from `rng`."""
+    q_, r = np.linalg.qr(rng.standard_normal((q, q)))
+    q_ *= np.sign(np.diag(r))[None, :]
+    matrix = np.ascontiguousarray(q_, dtype=np.float32)
+    return Rotation(signs, matrix, np.ascontiguousarray(matrix.T))

@@ -37,6 +37,7 @@ from tierkv.quant.payload import (
     NonFiniteError,
     PayloadHeader,
     input_words,
+    new_payload,
     pack_header,
 )
 
@@ -193,13 +194,12 @@ class Int8Codec:
         shape = tuple(src.shape)
         body_len = body_bytes(words.size, self.group_size)
         header = pack_header(self.name, dtype, shape, self.group_size, body_len)
-        out = np.empty(len(header) + body_len, np.uint8)
-        out[: len(header)] = np.frombuffer(header, np.uint8)
+        payload, body = new_payload(header, body_len)
         code = DTYPE_CODES[dtype]
-        bad = encode_kernel(words.nbytes, words, code, self.group_size, out, len(header))
+        bad = encode_kernel(words.nbytes, words, code, self.group_size, body, 0)
         if bad:
             raise NonFiniteError(f"block holds NaN/Inf in {bad} of its groups of {self.group_size}")
-        return out.tobytes()
+        return payload
 
 
 def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) -> None:

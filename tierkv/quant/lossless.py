@@ -1,4 +1,6 @@
-"""The `none` codec: the block's own bytes behind a header (bit-exact), after a finiteness check."""
+"""The `none` codec: the block's own bytes behind a header (bit-exact), checked finite as they are
+copied into the payload (one pass).
+"""
 
 from __future__ import annotations
 
@@ -6,33 +8,43 @@ import numpy as np
 from numba import njit, prange
 
 from tierkv.quant.kernels import CHUNK_VALUES, Threaded, max_abs_bits, nonfinite_bits
-from tierkv.quant.payload import DTYPE_CODES, NonFiniteError, input_words, pack_header
+from tierkv.quant.payload import (
+    DTYPE_CODES,
+    NonFiniteError,
+    input_words,
+    new_payload,
+    pack_header,
+)
 
 
 @njit(cache=True, nogil=True)
-def count_nonfinite_serial(words, code):
-    """1 when `words` (dtype `code`) holds a NaN or Inf, else 0."""
-    return int(max_abs_bits(words, code) >= nonfinite_bits(code))
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def count_nonfinite_parallel(words, code):
-    """Number of chunks of `words` (dtype `code`) that hold a NaN or Inf."""
-    n_chunks = (words.size + CHUNK_VALUES - 1) // CHUNK_VALUES
+def _copy_chunks(words, code, out_words, c_lo, c_hi):
+    """Copy chunks [c_lo, c_hi) of `words` (dtype `code`) to `out_words`, each checked while it is
+    in cache; returns how many hold a NaN or Inf."""
     bad = 0
-    for c in prange(n_chunks):
+    for c in range(c_lo, c_hi):
         chunk = words[c * CHUNK_VALUES : (c + 1) * CHUNK_VALUES]
         bad += max_abs_bits(chunk, code) >= nonfinite_bits(code)
+        out_words[c * CHUNK_VALUES : c * CHUNK_VALUES + chunk.size] = chunk
     return bad
 
 
-count_nonfinite = Threaded(count_nonfinite_serial, count_nonfinite_parallel)
+@njit(cache=True, nogil=True)
+def copy_checked_serial(words, code, out_words):
+    """out_words[:] = words; returns the number of chunks holding a NaN or Inf."""
+    return _copy_chunks(words, code, out_words, 0, (words.size + CHUNK_VALUES - 1) // CHUNK_VALUES)
 
 
-def check_finite(words: np.ndarray, dtype: str) -> None:
-    """Raise NonFiniteError when `words` holds a NaN or Inf."""
-    if count_nonfinite(words.nbytes, words, DTYPE_CODES[dtype]):
-        raise NonFiniteError(f"block of {words.size} values holds NaN/Inf")
+@njit(parallel=True, nogil=True, cache=True)
+def copy_checked_parallel(words, code, out_words):
+    """copy_checked_serial split across threads."""
+    bad = 0
+    for c in prange((words.size + CHUNK_VALUES - 1) // CHUNK_VALUES):
+        bad += _copy_chunks(words, code, out_words, c, c + 1)
+    return bad
+
+
+copy_checked = Threaded(copy_checked_serial, copy_checked_parallel)
 
 
 class LosslessCodec:
@@ -47,9 +59,11 @@ class LosslessCodec:
 
     def encode(self, src: np.ndarray, dtype: str | None = None) -> bytes:
         words, dtype = input_words(src, dtype)
-        check_finite(words, dtype)
         header = pack_header(self.name, dtype, tuple(src.shape), self.group_size, words.nbytes)
-        return b"".join((header, words.data.cast("B")))
+        payload, body = new_payload(header, words.nbytes)
+        if copy_checked(words.nbytes, words, DTYPE_CODES[dtype], body.view(words.dtype)):
+            raise NonFiniteError(f"block of {words.size} values holds NaN/Inf")
+        return payload
 
 
 def decode_body(body: np.ndarray, out_words: np.ndarray) -> None:

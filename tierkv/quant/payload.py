@@ -13,6 +13,7 @@ at `bits_hi` bits and the rest at `bits_lo`) and must match what the codec id im
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 import zlib
@@ -23,7 +24,10 @@ import numpy as np
 from tierkv.quant.kernels import BF16, FP16, FP32
 
 CODEC_NAMES = ("none", "int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version written. 2 changed only TurboQuant's rotation of a non-power-of-two number of channels
+(see codebooks.Rotation), which tq3.5 and tq2.5 use; version 1 payloads still decode."""
+READ_VERSIONS = (1, 2)
 MAGIC = b"TKVQ"
 MAX_NDIM = 8
 
@@ -130,6 +134,39 @@ def pack_header(
     return head + _CRC.pack(zlib.crc32(head))
 
 
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_void_p, ctypes.c_ssize_t)
+_BYTES_DATA_OFFSET = bytes.__basicsize__ - 1
+"""Where a bytes object's characters start (its basic size counts the trailing NUL)."""
+
+
+class _BytesWindow:
+    """A writable numpy view of a bytes object still being built (holds it alive)."""
+
+    __slots__ = ("__array_interface__", "owner")
+
+    def __init__(self, owner: bytes) -> None:
+        self.owner = owner
+        self.__array_interface__ = {
+            "data": (id(owner) + _BYTES_DATA_OFFSET, False),
+            "shape": (len(owner),),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
+def new_payload(header: bytes, body_bytes: int) -> tuple[bytes, np.ndarray]:
+    """A payload of `header` and `body_bytes` bytes still to be written, and a writable uint8 view
+    of that body. Kernels write straight into the returned bytes object, as CPython itself builds
+    one (PyBytes_FromStringAndSize(NULL, n), then fill), so no payload is copied after encoding;
+    fill the view before the bytes object is used or shared."""
+    payload = _new_bytes(None, len(header) + body_bytes)
+    view = np.asarray(_BytesWindow(payload))
+    view[: len(header)] = np.frombuffer(header, np.uint8)
+    return payload, view[len(header) :]
+
+
 def header_bytes(ndim: int) -> int:
     """Length of a header for an `ndim`-dimensional shape."""
     return _FIXED.size + 8 * ndim + _CRC.size
@@ -147,9 +184,10 @@ def parse_header(payload: bytes | bytearray | memoryview) -> tuple[PayloadHeader
     )
     if magic != MAGIC:
         raise PayloadError(f"not a tierkv payload: magic {bytes(magic)!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
+    if version not in READ_VERSIONS:
         raise PayloadError(
-            f"unsupported payload format version {version} (this tierkv reads {FORMAT_VERSION})"
+            f"unsupported payload format version {version} (this tierkv reads "
+            f"{', '.join(map(str, READ_VERSIONS))})"
         )
     if ndim > MAX_NDIM:
         raise PayloadError(f"corrupted header: ndim {ndim} > {MAX_NDIM}")

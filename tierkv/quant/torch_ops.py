@@ -240,7 +240,7 @@ def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) ->
 
 
 def _turbo_decode(raw: torch.Tensor, header: PayloadHeader, body: memoryview) -> torch.Tensor:
-    codec = named_codec(header.codec, header.group_size)
+    codec = named_codec(header.codec, header.group_size, header.version)
     d, device = codec.group_size, raw.device
     layout = codec.layout(header.shape)
     host = np.frombuffer(body, np.uint8)

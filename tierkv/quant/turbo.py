@@ -44,11 +44,13 @@ from tierkv.quant.kernels import (
 )
 from tierkv.quant.payload import (
     DTYPE_CODES,
+    FORMAT_VERSION,
     TURBO_MODES,
     NonFiniteError,
     PayloadError,
     PayloadHeader,
     input_words,
+    new_payload,
     pack_header,
 )
 
@@ -83,10 +85,10 @@ def selection_groups(shape: tuple[int, ...]) -> tuple[int, int]:
 class Instance:
     """One quantizer: `m` channels at `bits` bits, with its rotation and codebook."""
 
-    def __init__(self, m: int, bits: int) -> None:
+    def __init__(self, m: int, bits: int, version: int) -> None:
         self.m = m
         self.bits = bits
-        self.rotation: Rotation = rotation(m)
+        self.rotation: Rotation = rotation(m, version)
         self.codebook: Codebook = lloyd_max(m, bits)
 
     def kernel_args(self) -> tuple[object, ...]:
@@ -154,6 +156,25 @@ def _fwht_columns(y, m, n):
                 y1[t] = a - b
 
 
+@njit(cache=True, nogil=True)
+def _mix_columns(y, z, mix, p, n):
+    """Mix the q = mix.shape[0] blocks of p rows of y[:, :n]: block a becomes
+    sum_b mix[a, b] * block b (z is scratch of y's shape)."""
+    q = mix.shape[0]
+    for j in range(q * p):
+        z[j, :n] = y[j, :n]
+    for a in range(q):
+        for i in range(p):
+            row = y[a * p + i]
+            for t in range(n):
+                row[t] = np.float32(0.0)
+            for b in range(q):
+                c = mix[a, b]
+                src = z[b * p + i]
+                for t in range(n):
+                    row[t] += c * src[t]
+
+
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
 def _dot(a, b, m):
     """sum(a[:m] * b[:m]) in float32 (reassociated, so it vectorizes)."""
@@ -181,20 +202,27 @@ def _pack(idx, m, n, bits, out, start, stride):
 
 
 @njit(cache=True, nogil=True)
-def _unpack_levels(buf, m, n, bits, start, stride, levels, y):
-    """Read what _pack wrote and look the indices up: y[j, t] = levels[index j of vector t]."""
+def _unpack_levels(buf, m, n, bits, start, stride, levels, y, acc):
+    """Read what _pack wrote and look the indices up: y[j, t] = levels[index j of vector t].
+
+    Each group of 8 indices is gathered into acc[t] for all n vectors first, so the lookups run
+    across vectors (one SIMD lane per vector)."""
     mask = np.uint64((1 << bits) - 1)
     for g in range(0, m, 8):
         count = min(8, m - g)
         n_bytes = (count * bits + 7) // 8
         at = start + (g // 8) * bits
         for t in range(n):
-            pos = at + t * stride
-            acc = np.uint64(0)
-            for byte in range(n_bytes):
-                acc |= np.uint64(buf[pos + byte]) << np.uint64(8 * byte)
-            for i in range(count):
-                y[g + i, t] = levels[(acc >> np.uint64(bits * i)) & mask]
+            acc[t] = 0
+        for byte in range(n_bytes):
+            shift = np.uint64(8 * byte)
+            for t in range(n):
+                acc[t] |= np.uint64(buf[at + t * stride + byte]) << shift
+        for i in range(count):
+            shift = np.uint64(bits * i)
+            row = y[g + i]
+            for t in range(n):
+                row[t] = levels[(acc[t] >> shift) & mask]
 
 
 @njit(cache=True, nogil=True)
@@ -208,14 +236,14 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
     """Norms and packed indices of one instance for vectors v0 .. v0 + n - 1, held in x[:n]
     (already scaled by 2**-k). select = (channels, div, mod) picks each vector's channel order,
     offset the instance's first position in it; inst = (m, bits, signs, matrix, matrix_t,
-    centroids, boundaries); scratch = (rows, y, idx, norms);
+    centroids, boundaries); scratch = (rows, y, z, idx, norms);
     at = (first norm, norm stride, first index byte, index stride) in out.
 
     The rotated coordinates land in y[:m, :n], one column per vector, so quantizing and the
     Walsh-Hadamard butterflies run across vectors."""
     channels, sel_div, sel_mod = select
     m, bits, signs, matrix, _, _, boundaries = inst
-    rows, y, idx, inv_norms = scratch
+    rows, y, z, idx, inv_norms = scratch
     norm_at, norm_stride, index_at, index_stride = at
     if m < x.shape[1]:  # mixed: gather this instance's channels
         for t in range(n):
@@ -229,14 +257,19 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
         norm = np.sqrt(_dot(vectors[t], vectors[t], m))
         write_u16(out, norm_at + t * norm_stride, f32_to_half(norm))
         inv_norms[t] = np.float32(1.0) / norm if norm > 0 else np.float32(0.0)
-    if matrix.size == 0:
-        scale = np.float32(1.0 / math.sqrt(m))
+    if matrix.shape[0] < m:  # Hadamard blocks, mixed by matrix when there are several
+        q = max(1, matrix.shape[0])
+        p = m // q
+        scale = np.float32(1.0 / math.sqrt(p))
         for j in range(m):
             f = signs[j] * scale
             for t in range(n):
                 y[j, t] = vectors[t, j] * inv_norms[t] * f
-        _fwht_columns(y, m, n)
-    else:
+        for a in range(q):
+            _fwht_columns(y[a * p : (a + 1) * p], p, n)
+        if q > 1:
+            _mix_columns(y, z, matrix, p, n)
+    else:  # a dense m x m matrix (payload format version 1)
         for i in range(m):
             for t in range(n):
                 y[i, t] = _dot(matrix[i], vectors[t], m) * inv_norms[t]
@@ -251,22 +284,29 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
 
 
 @njit(cache=True, nogil=True)
-def _decode_tile(body, n, v0, select, offset, inst, scratch, x, at):
-    """x[:n, channels] = norm * R^T centroids[indices] for one instance (see _encode_tile)."""
+def _decode_tile(body, n, v0, select, offset, inst, scratch, x, at, pow2k):
+    """x[:n, channels] = 2**k * norm * R^T centroids[indices] for one instance (see
+    _encode_tile); scratch = (rows, y, z, acc, norms)."""
     channels, sel_div, sel_mod = select
     m, bits, signs, matrix, matrix_t, centroids, _ = inst
-    rows, y, _, norms = scratch
+    rows, y, z, acc, norms = scratch
     norm_at, norm_stride, index_at, index_stride = at
-    _unpack_levels(body, m, n, bits, index_at, index_stride, centroids, y)
+    _unpack_levels(body, m, n, bits, index_at, index_stride, centroids, y, acc)
     for t in range(n):
         norms[t] = half_to_f32(read_u16(body, norm_at + t * norm_stride))
-    if matrix.size == 0:
-        _fwht_columns(y, m, n)
-        scale = np.float32(1.0 / math.sqrt(m))
+    if matrix.shape[0] < m:  # Hadamard blocks, mixed by matrix when there are several
+        q = max(1, matrix.shape[0])
+        p = m // q
+        if q > 1:
+            _mix_columns(y, z, matrix_t, p, n)
+        for a in range(q):
+            _fwht_columns(y[a * p : (a + 1) * p], p, n)
+        scale = np.float32(1.0 / math.sqrt(p))
         for j in range(m):
             f = signs[j] * scale
+            row = y[j]
             for t in range(n):
-                y[j, t] = y[j, t] * f * norms[t]
+                row[t] = row[t] * f * norms[t] * pow2k
         if m == x.shape[1]:  # every channel, in order
             for t in range(n):
                 for j in range(m):
@@ -276,22 +316,24 @@ def _decode_tile(body, n, v0, select, offset, inst, scratch, x, at):
                 chan = channels[((v0 + t) // sel_div) % sel_mod]
                 for j in range(m):
                     x[t, chan[offset + j]] = y[j, t]
-    else:
+    else:  # a dense m x m matrix (payload format version 1)
         for t in range(n):
             for j in range(m):
                 rows[t, j] = y[j, t]
         for t in range(n):
             chan = channels[((v0 + t) // sel_div) % sel_mod]
             for i in range(m):
-                x[t, chan[offset + i]] = _dot(matrix_t[i], rows[t], m) * norms[t]
+                x[t, chan[offset + i]] = _dot(matrix_t[i], rows[t], m) * norms[t] * pow2k
 
 
 @njit(cache=True, nogil=True)
 def _tile_buffers(d):
-    """Scratch space for one tile: x and rows (vectors as rows), y (as columns), indices, norms."""
+    """Scratch space for one tile: x and rows (vectors as rows), y and z (as columns), indices,
+    norms."""
     return (
         np.empty((_TILE, d), np.float32),
         np.empty((_TILE, d), np.float32),
+        np.empty((d, _TILE), np.float32),
         np.empty((d, _TILE), np.float32),
         np.empty((d, _TILE), np.int32),
         np.empty(_TILE, np.float32),
@@ -352,8 +394,8 @@ def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
     n_inst = 2 if lo[0] > 0 else 1
     lo_index_offset = packed_bytes(hi[0], hi[1])
     inv_pow2k = np.float32(pow2(-k))
-    x, rows, y, idx, norms = _tile_buffers(d)
-    scratch = (rows, y, idx, norms)
+    x, rows, y, z, idx, norms = _tile_buffers(d)
+    scratch = (rows, y, z, idx, norms)
     for tile in range(t_lo, t_hi):
         v0 = tile * _TILE
         n = min(_TILE, n_vectors - v0)
@@ -378,21 +420,19 @@ def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
     n_inst = 2 if lo[0] > 0 else 1
     lo_index_offset = packed_bytes(hi[0], hi[1])
     pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
-    x, rows, y, idx, norms = _tile_buffers(d)
-    scratch = (rows, y, idx, norms)
+    x, rows, y, z, _, norms = _tile_buffers(d)
+    scratch = (rows, y, z, np.empty(_TILE, np.uint64), norms)
     for tile in range(t_lo, t_hi):
         v0 = tile * _TILE
         n = min(_TILE, n_vectors - v0)
         norm_at = norms_offset + 2 * n_inst * v0
         index_at = indices_offset + bpv * v0
-        _decode_tile(body, n, v0, select, 0, hi, scratch, x, (norm_at, 2 * n_inst, index_at, bpv))
+        at = (norm_at, 2 * n_inst, index_at, bpv)
+        _decode_tile(body, n, v0, select, 0, hi, scratch, x, at, pow2k)
         if n_inst == 2:
             at = (norm_at + 2, 2 * n_inst, index_at + lo_index_offset, bpv)
-            _decode_tile(body, n, v0, select, hi[0], lo, scratch, x, at)
-        flat = x.reshape(-1)[: n * d]
-        for i in range(n * d):
-            flat[i] *= pow2k
-        from_f32(flat, code, out_words[v0 * d : (v0 + n) * d])
+            _decode_tile(body, n, v0, select, hi[0], lo, scratch, x, at, pow2k)
+        from_f32(x.reshape(-1)[: n * d], code, out_words[v0 * d : (v0 + n) * d])
 
 
 @njit(cache=True, nogil=True)
@@ -438,18 +478,28 @@ class TurboCodec:
     """TurboQuant with `hi_bits` on every channel, or mixed: d/4 channels at `hi_bits` and the
     rest at `lo_bits`."""
 
-    def __init__(self, name: str, group_size: int, hi_bits: int, lo_bits: int, mixed: bool):
+    def __init__(
+        self,
+        name: str,
+        group_size: int,
+        hi_bits: int,
+        lo_bits: int,
+        mixed: bool,
+        version: int = FORMAT_VERSION,
+    ):
         check_group_size(name, group_size)
         self.name = name
         self.group_size = group_size
-        self.hi = Instance(group_size // 4 if mixed else group_size, hi_bits)
-        self.lo = Instance(group_size - group_size // 4, lo_bits) if mixed else None
+        self.version = version
+        self.hi = Instance(group_size // 4 if mixed else group_size, hi_bits, version)
+        self.lo = Instance(group_size - group_size // 4, lo_bits, version) if mixed else None
 
     @classmethod
-    def named(cls, name: str, group_size: int = 128) -> TurboCodec:
-        """The registered mode `name` (tq4, tq3.5, tq3, tq2.5, tq2)."""
+    def named(cls, name: str, group_size: int = 128, version: int = FORMAT_VERSION) -> TurboCodec:
+        """The registered mode `name` (tq4, tq3.5, tq3, tq2.5, tq2) in payload format `version`
+        (encoding always writes FORMAT_VERSION)."""
         hi_bits, lo_bits, mixed = TURBO_MODES[name]
-        return cls(name, group_size, hi_bits, lo_bits, mixed)
+        return cls(name, group_size, hi_bits, lo_bits, mixed, version)
 
     def layout(self, shape: tuple[int, ...]) -> Layout:
         return Layout(self.group_size, self.hi, self.lo, shape)
@@ -471,18 +521,29 @@ class TurboCodec:
     def encode(self, src: np.ndarray, dtype: str | None = None) -> bytes:
         words, dtype = input_words(src, dtype)
         shape = tuple(src.shape)
-        body = self.encode_words(words, dtype, shape)
-        header = pack_header(self.name, dtype, shape, self.group_size, body.size)
-        return b"".join((header, body.data))
+        self.check_encodable(words, shape)
+        body_bytes = self.layout(shape).body_bytes
+        header = pack_header(self.name, dtype, shape, self.group_size, body_bytes)
+        payload, body = new_payload(header, body_bytes)
+        self.encode_words(words, dtype, shape, body)
+        return payload
 
-    def encode_words(self, words: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The payload body for the flat words of a block of `shape`."""
-        d, code = self.group_size, DTYPE_CODES[dtype]
+    def check_encodable(self, words: np.ndarray, shape: tuple[int, ...]) -> None:
+        """ValueError unless this codec can encode the flat `words` of a block of `shape`."""
+        if self.version != FORMAT_VERSION:
+            raise ValueError(f"payloads are written in format version {FORMAT_VERSION} only")
+        d = self.group_size
         if words.size % d:
             raise ValueError(
                 f"{self.name} encodes whole vectors of group_size={d} values; the block of shape "
                 f"{shape} has {words.size} values"
             )
+
+    def encode_words(
+        self, words: np.ndarray, dtype: str, shape: tuple[int, ...], body: np.ndarray
+    ) -> None:
+        """Write the payload body for the flat words of a block of `shape` into `body`."""
+        d, code = self.group_size, DTYPE_CODES[dtype]
         layout = self.layout(shape)
         with_energy = self.lo is not None
         max_bits, energy = scan_kernel(
@@ -492,7 +553,6 @@ class TurboCodec:
             raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
         k = block_exponent(np.float64(bits_value(np.uint32(max_bits), code)) * math.sqrt(d))
         channels = self.channel_map(energy)
-        body = np.empty(layout.body_bytes, np.uint8)
         body[:2] = np.frombuffer(np.int16(k).astype("<i2").tobytes(), np.uint8)
         if self.lo is not None:
             mask = np.zeros((layout.sel_mod, d), bool)
@@ -503,7 +563,6 @@ class TurboCodec:
         encode_kernel(
             words.nbytes, words, code, d, select, k, body, layout.offsets, *self.kernel_args()
         )
-        return body
 
     def decode_words(
         self, body: np.ndarray, dtype: str, shape: tuple[int, ...], out_words: np.ndarray
@@ -536,9 +595,9 @@ def channels_from_mask(mask: np.ndarray) -> np.ndarray:
 
 
 @lru_cache(maxsize=64)
-def named_codec(name: str, group_size: int) -> TurboCodec:
-    """The shared TurboCodec for a registered mode and group size."""
-    return TurboCodec.named(name, group_size)
+def named_codec(name: str, group_size: int, version: int = FORMAT_VERSION) -> TurboCodec:
+    """The shared TurboCodec for a registered mode, group size and payload format version."""
+    return TurboCodec.named(name, group_size, version)
 
 
 def body_bytes(header: PayloadHeader) -> int:
@@ -558,6 +617,6 @@ def body_bytes(header: PayloadHeader) -> int:
 
 def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) -> None:
     """Decode a TurboQuant body (length already validated) into `out_words`."""
-    named_codec(header.codec, header.group_size).decode_words(
+    named_codec(header.codec, header.group_size, header.version).decode_words(
         body, header.dtype, header.shape, out_words
     )
