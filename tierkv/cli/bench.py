@@ -248,8 +248,8 @@ def results_table(results: list[BenchResult]) -> Table:
             f"{first.raw_bytes / 1e6:,.0f} MB; memcpy {first.memcpy_gbps:.2f} GB/s"
         ),
         caption="encode, decode: GB/s of raw bytes; put, promote: GB/s of stored bytes; "
-        "restore = lookup + promote + decode (loopback); restore <link> = lookup + stored bytes "
-        "at line rate + decode; fidelity of the worst block",
+        "restore = lookup + promote + decode on loopback, GbE s = the same restore with the stored "
+        "bytes at that line rate; fidelity of the worst block",
         box=box.SIMPLE_HEAD,
         pad_edge=False,
     )
@@ -265,7 +265,7 @@ def results_table(results: list[BenchResult]) -> Table:
         ("SNR dB", lambda r: _figure(r.snr_db, ".1f")),
         ("cosine", lambda r: f"{r.cosine:.4f}"),
         *(
-            (f"restore {link} s", lambda r, link=link: f"{r.link_restore_s[link]:.2f}")
+            (f"{link} s", lambda r, link=link: f"{r.link_restore_s[link]:.2f}")
             for link in first.link_restore_s
         ),
         ("peak MB", lambda r: f"{r.peak_rss_bytes / 1e6:,.0f}"),
