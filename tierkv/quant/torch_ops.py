@@ -25,12 +25,11 @@ from tierkv.quant.payload import (
     pack_header,
 )
 from tierkv.quant.turbo import (
-    Instance,
     Layout,
     TurboCodec,
     channels_from_mask,
+    index_positions,
     named_codec,
-    packed_bytes,
 )
 
 _FLOAT_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -166,22 +165,6 @@ def _int8_decode(raw: torch.Tensor, header: PayloadHeader) -> torch.Tensor:
 # ---- TurboQuant -----------------------------------------------------------------------------
 
 
-def _index_positions(m: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """Byte offset and bit shift of each of m packed indices (the kernels' _pack layout)."""
-    j = np.arange(m)
-    offset = (j // 8) * bits + (j % 8) * bits // 8
-    shift = (j % 8) * bits % 8
-    return offset, shift
-
-
-def _instances(codec: TurboCodec) -> list[tuple[int, Instance, int]]:
-    """(channel offset, instance, packed byte offset in a vector) for each instance."""
-    result = [(0, codec.hi, 0)]
-    if codec.lo is not None:
-        result.append((codec.hi.m, codec.lo, int(packed_bytes(codec.hi.m, codec.hi.bits))))
-    return result
-
-
 def _by_group(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     """A per-vector tensor [n_vectors, ...] viewed as [outer, group, div, ...]: vector v belongs
     to channel-selection group (v // div) % groups (see turbo.selection_groups)."""
@@ -210,10 +193,10 @@ def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) ->
     packed = torch.zeros(
         (layout.n_vectors, layout.bytes_per_vector + 1), dtype=torch.int32, device=device
     )
-    for i, (start, inst, byte_at) in enumerate(_instances(codec)):
+    for i, (start, inst, byte_at) in enumerate(codec.instances()):
         rot = torch.from_numpy(inst.rotation.as_matrix().astype(np.float32)).to(device)
         bounds = torch.from_numpy(inst.codebook.boundaries).to(device)
-        offset, shift = _index_positions(inst.m, inst.bits)
+        offset, shift = index_positions(inst.m, inst.bits)
         at = torch.from_numpy(offset + byte_at).to(device)
         shifts = torch.from_numpy(shift).to(device=device, dtype=torch.int32)
         for s in range(layout.sel_mod):
@@ -262,8 +245,8 @@ def _turbo_decode(raw: torch.Tensor, header: PayloadHeader, body: memoryview) ->
     indices = _by_group(torch.cat([indices, indices.new_zeros((n, 1))], dim=1), layout)
     x = torch.empty((n, d), device=device)
     grouped = _by_group(x, layout)
-    for i, (start, inst, byte_at) in enumerate(_instances(codec)):
-        offset, shift = _index_positions(inst.m, inst.bits)
+    for i, (start, inst, byte_at) in enumerate(codec.instances()):
+        offset, shift = index_positions(inst.m, inst.bits)
         at = torch.from_numpy(offset + byte_at).to(device)
         shifts = torch.from_numpy(shift).to(device=device, dtype=torch.int32)
         centroids = torch.from_numpy(inst.codebook.centroids).to(device)

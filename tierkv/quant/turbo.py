@@ -504,6 +504,13 @@ class TurboCodec:
     def layout(self, shape: tuple[int, ...]) -> Layout:
         return Layout(self.group_size, self.hi, self.lo, shape)
 
+    def instances(self) -> list[tuple[int, Instance, int]]:
+        """(first channel, instance, first packed byte in a vector) for each instance."""
+        result = [(0, self.hi, 0)]
+        if self.lo is not None:
+            result.append((self.hi.m, self.lo, int(packed_bytes(self.hi.m, self.hi.bits))))
+        return result
+
     def kernel_args(self) -> tuple[tuple[object, ...], tuple[object, ...]]:
         """The (hi, lo) instance tuples the kernels take."""
         return self.hi.kernel_args(), self.lo.kernel_args() if self.lo else _NO_INSTANCE
@@ -586,6 +593,13 @@ class TurboCodec:
         decode_kernel(
             out_words.nbytes, body, code, d, select, out_words, layout.offsets, *self.kernel_args()
         )
+
+
+def index_positions(m: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offset and bit shift of each of m packed indices (the kernels' _pack layout), for the
+    torch and MLX decoders."""
+    j = np.arange(m)
+    return (j // 8) * bits + (j % 8) * bits // 8, (j % 8) * bits % 8
 
 
 def channels_from_mask(mask: np.ndarray) -> np.ndarray:
