@@ -238,7 +238,7 @@ def _promote_worker(
     """One worker of concurrent_promote: (bytes, start, end) or an error message on `results`."""
     backend = open_backend([Endpoint(address) for address in addresses], client_cfg)
     try:
-        backend.lookup(namespace, keys[:1], parts)  # connect before the clock starts
+        backend.promote(namespace, keys[:1], parts)  # connect (both paths) before the clock
         barrier.wait()
         start = time.monotonic()  # system-wide clock: comparable across the workers
         found = backend.promote(namespace, keys, parts)
