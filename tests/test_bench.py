@@ -191,3 +191,19 @@ def test_a_full_vault_is_one_line(vault_factory: Callable[..., Any]) -> None:
     args = ["bench", "--vault", small.address, "--tokens", "512", "--codec", "none"]
     line = _one_error_line(CliRunner().invoke(app, args), 1)
     assert "full" in line
+
+
+def test_a_vault_that_refuses_us_is_one_line_before_any_work(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tierkv.vault.auth import Tokens
+    from tierkv.vault.server import serve
+
+    monkeypatch.delenv("TIERKV_TOKEN", raising=False)
+    server = serve("127.0.0.1:0", 0, tokens=Tokens([("default", "right-token-0123")]))
+    try:
+        result = CliRunner().invoke(app, ["bench", "--vault", server.address, "--tokens", "256"])
+        line = _one_error_line(result, 1)
+        assert "token" in line and result.stderr.strip() == line
+    finally:
+        server.stop()
