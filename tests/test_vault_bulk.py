@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tierkv.config import LimitsConfig
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PUT, WELCOME, ReceiveBuffers
 from tierkv.vault.client import VaultClient
@@ -232,3 +233,15 @@ def test_many_small_frames_are_all_answered(vault: Any) -> None:
         assert client.flush(timeout=60)
         assert (client.stored_puts, client.failed_puts, client.transport) == (3000, 0, "bulk")
     assert vault.store.stats().entries == 3000
+
+
+def test_a_client_refused_on_the_bulk_port_falls_back_to_grpc() -> None:
+    server = serve("127.0.0.1:0", 0, limits=LimitsConfig(max_connections_per_client=1))
+    try:
+        with _bulk_socket(server.bulk_port), VaultClient(server.address) as client:
+            client.put(NS, key(1), 0, b"over grpc")  # the only bulk slot is taken
+            assert client.flush(timeout=10) and client.stored_puts == 1
+            assert client.promote(NS, [key(1)], [0]) == {(0, 0): b"over grpc"}
+            assert client.transport == "grpc" and client.breaker_state == "closed"
+    finally:
+        server.stop(grace=0)
