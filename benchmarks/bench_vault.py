@@ -25,7 +25,7 @@ certificate made for the run, tests/tls_certs.py; the `cryptography` package of 
 so the cost of TLS shows beside the same memcpy.
 
 --disk adds, in the same run, a vault with a disk tier (in a temporary directory under
---disk-dir) and a RAM tier of one block, so every block Promote returns comes from disk: before
+--disk-dir) and a RAM tier of two blocks, so the blocks Promote returns come from disk: before
 each round the segment files are synced and dropped from the page cache with
 posix_fadvise(POSIX_FADV_DONTNEED) (the files of this benchmark only; /proc/sys/vm/drop_caches
 would empty the cache of every process on the machine), and one more round reads them from a warm
@@ -204,10 +204,12 @@ def bench_disk_promote(
     keys = [i.to_bytes(16, "little") for i in range(count)]
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
         disk_dir = Path(tmp) / "disk"
-        options = ["--max-bytes", str(block), "--disk-dir", str(disk_dir)]
+        options = ["--max-bytes", str(2 * block), "--disk-dir", str(disk_dir)]
         with (
             running_vault(False, False, *options) as (address, _),
-            VaultClient(address, deadline_s=60, promote_deadline_s=600) as client,
+            VaultClient(
+                address, deadline_s=60, promote_deadline_s=600, max_pending_bytes=len(data)
+            ) as client,
         ):
             for i, key in enumerate(keys):
                 client.put(NAMESPACE, key, 0, data[i * block : (i + 1) * block].tobytes())
@@ -406,8 +408,8 @@ def main() -> int:
     )
     if args.disk:
         console.print(
-            f"disk rows: Promote of blocks only on disk under {args.disk_dir} (RAM tier of one "
-            "block); page cache of the segment files dropped with posix_fadvise(DONTNEED) before "
+            f"disk rows: Promote of blocks only on disk under {args.disk_dir} (RAM tier of two "
+            "blocks); page cache of the segment files dropped with posix_fadvise(DONTNEED) before "
             "each round, except 'cache warm'"
         )
         for size in [parse_size(s) for s in args.restart or ["1GiB", "10GiB"]]:
