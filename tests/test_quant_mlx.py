@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
 
 from tests.test_quant_frozen import PAYLOADS
 from tierkv.quant import CODEC_NAMES, PayloadError, decode_into, get_codec, read_header
@@ -62,6 +65,23 @@ def test_mlx_decode_matches_numba(
     name: str, dtype: str, shape: tuple[int, ...], group_size: int
 ) -> None:
     x = block(dtype, shape)
+    assert_decodes_like_numba(get_codec(name, group_size).encode(x, dtype), x)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    name=st.sampled_from(CODEC_NAMES),
+    dtype=st.sampled_from(["fp16", "bf16", "fp32"]),
+    group_size=st.sampled_from([16, 40, 96, 128]),
+    lead=hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=5),
+)
+def test_mlx_decode_matches_numba_on_odd_shapes(  # type: ignore[no-untyped-def]
+    data, name: str, dtype: str, group_size: int, lead
+) -> None:
+    shape = (*lead, group_size)
+    seed = data.draw(st.integers(0, 2**32 - 1))
+    x = block(dtype, shape, seed)
     assert_decodes_like_numba(get_codec(name, group_size).encode(x, dtype), x)
 
 
