@@ -4,15 +4,19 @@ a restore from a tierkv vault, at several prompt lengths, on the tiny random-wei
 The vault runs as a separate `tierkv vault` process on loopback. Blocks are stored with
 `store = "on_finish"`, then vLLM's prefix cache is reset, so the next identical prompt can only be
 served by the vault. Each figure is the median of --repeats runs (fresh prompts for cold and
-restore). The reference measured in the same run is a numpy copy of as many bytes as the restore
-moves.
+restore). The references measured in the same run: a bare client Promote of the same blocks
+(what the restore's load could reach if decoding and copying into the paged buffer were free)
+and a numpy copy of as many bytes as the restore moves. With --json, one JSON object per length
+(tokens, cold_ms, prefix_hit_ms, restore_ms, load_ms, restored_bytes, promote_gbps, load_gbps,
+memcpy_gbps) is printed per line instead of the table.
 
-    .venv/bin/python benchmarks/bench_vllm_ttft.py --tokens 2048 30000
+    .venv/bin/python benchmarks/bench_vllm_ttft.py --tokens 2048 30000 [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import socket
@@ -73,11 +77,37 @@ def memcpy_seconds(nbytes: int) -> float:
     return best
 
 
+def print_table(console: Console, codec: str, rows: list[dict[str, float]]) -> None:
+    table = Table(title=f"TTFT, tiny Llama on vLLM CPU, codec {codec}")
+    columns = ("tokens", "cold ms", "prefix hit ms", "vault restore ms", "of which load ms")
+    columns += ("cold / restore", "restore / prefix hit", "restored MB", "load GB/s")
+    columns += ("promote GB/s", "load / promote", "memcpy GB/s")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            str(row["tokens"]),
+            f"{row['cold_ms']:.1f}",
+            f"{row['prefix_hit_ms']:.1f}",
+            f"{row['restore_ms']:.1f}",
+            f"{row['load_ms']:.1f}",
+            f"{row['cold_ms'] / row['restore_ms']:.2f}x",
+            f"{row['restore_ms'] / row['prefix_hit_ms']:.2f}x",
+            f"{row['restored_bytes'] / 1e6:.1f}",
+            f"{row['load_gbps']:.2f}",
+            f"{row['promote_gbps']:.2f}",
+            f"{row['load_gbps'] / row['promote_gbps']:.2f}x",
+            f"{row['memcpy_gbps']:.2f}",
+        )
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 30000])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--codec", default="none", help="tierkv codec (none, int8, tq4, ...)")
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     args = parser.parse_args()
     if max(args.tokens) >= MAX_POSITIONS:
         parser.error(f"--tokens must stay under the tiny model's {MAX_POSITIONS} positions")
@@ -87,6 +117,9 @@ def main() -> None:
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
+
+    from tierkv.keys import chain_block_keys
+    from tierkv.vault.client import VaultClient
 
     console = Console(width=160)
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,22 +155,24 @@ def main() -> None:
                 return [rng.randrange(2, 500) for _ in range(length)]
 
             ttft(prompt(64))  # warm up the engine
-            table = Table(title=f"TTFT, tiny Llama on vLLM CPU, codec {args.codec}")
-            for column in (
-                "tokens",
-                "cold ms",
-                "prefix hit ms",
-                "vault restore ms",
-                "of which load ms",
-                "cold / restore",
-                "restore / prefix hit",
-                "restored MB",
-                "load GB/s",
-                "memcpy GB/s",
-            ):
-                table.add_column(column, justify="right")
+            bare = VaultClient(address)
+            plan = next(iter(worker.worker_side.plans.values()))
+
+            def promote_seconds(tokens: list[int], blocks: int) -> float:
+                """A bare Promote of the blocks the restore loaded (best of 3, warm connection)."""
+                keys = chain_block_keys(tokens, BLOCK)[:blocks]
+                best = float("inf")
+                for _ in range(4):
+                    started = time.perf_counter()
+                    found = bare.promote(plan.namespaces[0], keys, list(plan.parts))
+                    best = min(best, time.perf_counter() - started)
+                    assert len(found) == blocks * len(plan.parts), "the vault lost blocks"
+                    del found
+                return best
+
+            rows = []
             for length in args.tokens:
-                cold, hit, restore, load = [], [], [], []
+                cold, hit, restore, load, promote = [], [], [], [], []
                 for _ in range(args.repeats):
                     tokens = prompt(length)
                     cold.append(ttft(tokens))
@@ -152,22 +187,27 @@ def main() -> None:
                     loaded = counters["loaded_blocks"] - loaded_before
                     if loaded != (length - 1) // BLOCK:
                         console.print(f"[yellow]only {loaded} blocks were restored[/yellow]")
+                    promote.append(promote_seconds(tokens, (length - 1) // BLOCK))
                 moved = (length - 1) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN
-                c, h, r, ld = (statistics.median(x) for x in (cold, hit, restore, load))
-                table.add_row(
-                    str(length),
-                    f"{c * 1e3:.1f}",
-                    f"{h * 1e3:.1f}",
-                    f"{r * 1e3:.1f}",
-                    f"{ld * 1e3:.1f}",
-                    f"{c / r:.2f}x",
-                    f"{r / h:.2f}x",
-                    f"{moved / 1e6:.1f}",
-                    f"{moved / ld / 1e9:.2f}",
-                    f"{moved / memcpy_seconds(moved) / 1e9:.2f}",
-                )
-            console.print(table)
-            console.print(f"tier counters: {worker.tier.stats()}")
+                c, h, r, ld, p = (statistics.median(x) for x in (cold, hit, restore, load, promote))
+                row = {
+                    "tokens": length,
+                    "cold_ms": round(c * 1e3, 2),
+                    "prefix_hit_ms": round(h * 1e3, 2),
+                    "restore_ms": round(r * 1e3, 2),
+                    "load_ms": round(ld * 1e3, 2),
+                    "restored_bytes": moved,
+                    "load_gbps": round(moved / ld / 1e9, 3),
+                    "promote_gbps": round(moved / p / 1e9, 3),
+                    "memcpy_gbps": round(moved / memcpy_seconds(moved) / 1e9, 3),
+                }
+                rows.append(row)
+                if args.json:
+                    print(json.dumps(row), flush=True)
+            bare.close()
+            if not args.json:
+                print_table(console, args.codec, rows)
+                console.print(f"tier counters: {worker.tier.stats()}")
         finally:
             vault.kill()
             vault.wait()

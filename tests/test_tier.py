@@ -248,3 +248,45 @@ def test_counters_tell_queued_from_acknowledged_rejected_and_dropped(
     assert lost["acknowledged_blocks"] == len(data)
     assert lost["dropped_blocks"] == len(kv_blocks)
     tier.close()
+
+
+class RecordingVault:
+    """A real VaultClient that records each Promote's key count (and can fail from call N on)."""
+
+    def __init__(self, client: VaultClient, fail_from_call: int | None = None) -> None:
+        self.client = client
+        self.calls: list[int] = []
+        self.fail_from_call = fail_from_call
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.client, name)
+
+    def promote(self, namespace: bytes, keys: list[bytes], parts: list[int]) -> dict:
+        self.calls.append(len(keys))
+        if self.fail_from_call is not None and len(self.calls) >= self.fail_from_call:
+            return {}
+        return self.client.promote(namespace, keys, parts)
+
+
+def test_a_load_promotes_in_runs_and_a_run_that_returns_nothing_ends_it(
+    vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tierkv.tier
+
+    block = 2 * 32 * 2 * 64 * 2  # bytes of one fp16 part
+    monkeypatch.setattr(tierkv.tier, "PROMOTE_RUN_BYTES", 5 * len(KV_PARTS) * block // 2)
+    monkeypatch.setattr(tierkv.tier, "FIRST_PROMOTE_RUN_KEYS", 1)
+    data = {slot: array for slot, array in blocks().items() if slot[1] == "kv"}
+    recorder = RecordingVault(VaultClient(vault.address))
+    tier = ColdTier(get_codec("none"), {"kv": recorder})  # type: ignore[dict-item]
+    store_all(tier, data)
+    outs = {slot: np.zeros_like(array) for slot, array in data.items()}
+    assert tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)]) == set()
+    assert recorder.calls == [1, 2, 1]  # 4 keys: a first run of one, then runs of 2 keys' bytes
+    for slot, array in data.items():
+        np.testing.assert_array_equal(outs[slot], array)
+
+    recorder.calls, recorder.fail_from_call = [], 2
+    failed = tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)])
+    assert failed == {1, 2, 3} and recorder.calls == [1, 2]  # no third call after an empty run
+    tier.close()

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
@@ -41,10 +42,18 @@ from tierkv.quant import (
     get_codec,
 )
 from tierkv.quant import warmup as warmup_codecs
+from tierkv.vault.wire import batched_by_size
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_ENCODE_BYTES = 256 * 1024 * 1024
+PROMOTE_RUN_BYTES = 8 * 1024 * 1024
+"""A load asks each vault for runs of keys of about this many payload bytes, one after the other,
+so the blocks of one run decode while the next is on the wire."""
+FIRST_PROMOTE_RUN_KEYS = 4
+"""Keys of a load's first run (short, so decoding starts early; it also measures payload size)."""
+DECODE_TASK_BYTES = 2 * 1024 * 1024
+"""Arrived payloads are decoded in tasks of about this many bytes (spread over the threads)."""
 
 
 @dataclass
@@ -129,21 +138,28 @@ class ColdTier:
         block: np.ndarray,
         dtype: str | None = None,
         vault: str = "kv",
+        on_done: Callable[[], None] | None = None,
     ) -> None:
         """Encode `block` and send it to `vault` in the background; never blocks.
 
-        The tier owns `block` from now on (pass a staging copy, not engine memory). When more
-        than the pending-encode budget is already waiting, the block is dropped and counted.
+        The tier owns `block` until it calls `on_done()` (once, when the block has been encoded,
+        dropped or failed; pass a staging copy, not engine memory). When more than the
+        pending-encode budget is already waiting, the block is dropped and counted.
         """
         client = self._client(vault)
         with self._lock:
-            if self._pending_encode_bytes + block.nbytes > self._max_pending_encode_bytes:
+            dropped = self._pending_encode_bytes + block.nbytes > self._max_pending_encode_bytes
+            if dropped:
                 self._stats.dropped_backpressure += 1
-                return
-            self._pending_encode_bytes += block.nbytes
+            else:
+                self._pending_encode_bytes += block.nbytes
+        if dropped:
+            if on_done is not None:
+                on_done()
+            return
         codec = self.codec if vault == "kv" else self._lossless
         future = self._encoders.submit(
-            self._encode_and_put, codec, client, namespace, key, part, block, dtype
+            self._encode_and_put, codec, client, namespace, key, part, block, dtype, on_done
         )
         with self._lock:
             self._encoding.add(future)
@@ -169,40 +185,59 @@ class ColdTier:
         namespace: bytes,
         keys: Sequence[bytes],
         parts_by_vault: Mapping[str, Sequence[int]],
-        out_for: Callable[[int, int], np.ndarray],
+        out_for: Callable[[int, int], Any],
+        decoder: Callable[[memoryview, Any], None] = decode_into,
     ) -> set[int]:
-        """Fetch every part of every key (one Promote per vault) and decode into `out_for(i, part)`.
+        """Fetch every part of every key and decode into `out_for(i, part)`.
 
-        Returns the indices of the keys that could not be restored whole (a part missing, failing
-        its checksum or failing to decode); their output arrays must be treated as garbage.
+        Each vault is asked in runs of keys of about PROMOTE_RUN_BYTES (one Promote each, the
+        first run short), and the blocks of a run are decoded while the next run is on the wire,
+        by `decoder(payload, out)`: by default the Numba codecs into numpy arrays
+        (`tierkv.quant.torch_ops.decode_into` decodes into torch tensors on their device). A run
+        that returns nothing ends the vault's load (it is down or lost the rest: no point in
+        waiting for the remaining runs). Returns the indices of the keys that could not be
+        restored whole (a part missing, failing its checksum or failing to decode); their
+        outputs must be treated as garbage.
         """
+        decodes: list[Future[set[int]]] = []
+        wanted = sum(len(parts) for parts in parts_by_vault.values())
+        waiting: dict[int, list[tuple[int, int, memoryview]]] = {}
+        waiting_lock = threading.Lock()
+
+        def arrived(blocks: list[tuple[int, int, memoryview]]) -> None:
+            """Decode the blocks whose every part has now arrived (a partial block is
+            recomputed anyway, its decode would be wasted work)."""
+            whole = []
+            with waiting_lock:
+                for block in blocks:
+                    parts = waiting.setdefault(block[0], [])
+                    parts.append(block)
+                    if len(parts) == wanted:
+                        whole.extend(waiting.pop(block[0]))
+            for batch in batched_by_size(whole, lambda b: len(b[2]), DECODE_TASK_BYTES):
+                decodes.append(self._decoders.submit(self._decode, batch, out_for, decoder))
+
         promotes = {
-            vault: self._promoters.submit(self._client(vault).promote, namespace, keys, parts)
+            vault: self._promoters.submit(
+                self._promote_runs, self._client(vault), namespace, keys, parts, arrived
+            )
             for vault, parts in parts_by_vault.items()
         }
-        found: dict[str, dict[tuple[int, int], memoryview]] = {}
+        found: dict[str, set[tuple[int, int]]] = {}
         for vault in parts_by_vault:
             try:
                 found[vault] = promotes[vault].result()
             except Exception:
                 log.exception("tierkv: promote from the %s vault failed; recomputing", vault)
-                found[vault] = {}
+                found[vault] = set()
         failed = {
             index
             for index in range(len(keys))
             for vault, parts in parts_by_vault.items()
             if any((index, part) not in found[vault] for part in parts)
         }
-        decodes = []  # only blocks with every part: a partial block is recomputed anyway
-        for vault, parts in parts_by_vault.items():
-            for index in sorted(set(range(len(keys))) - failed):
-                for part in parts:
-                    payload = found[vault][(index, part)]
-                    future = self._decoders.submit(self._decode, payload, index, part, out_for)
-                    decodes.append((index, future))
-        for index, future in decodes:
-            if not future.result():
-                failed.add(index)
+        for future in decodes:  # every promote has returned: no decode is submitted any more
+            failed |= future.result()
         with self._lock:
             self._stats.loaded_blocks += len(keys) - len(failed)
             self._stats.load_failures += len(failed)
@@ -263,6 +298,7 @@ class ColdTier:
         part: int,
         block: np.ndarray,
         dtype: str | None,
+        on_done: Callable[[], None] | None,
     ) -> None:
         try:
             payload = encode_block(codec, block, dtype, self.min_cosine)
@@ -278,29 +314,66 @@ class ColdTier:
         finally:
             with self._lock:
                 self._pending_encode_bytes -= block.nbytes
+            if on_done is not None:
+                on_done()
         client.put(namespace, key, part, payload)
         with self._lock:
             self._stats.queued_blocks += 1
             self._stats.queued_raw_bytes += block.nbytes
             self._stats.queued_payload_bytes += len(payload)
 
+    def _promote_runs(
+        self,
+        backend: Backend,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts: Sequence[int],
+        arrived: Callable[[list[tuple[int, int, memoryview]]], None],
+    ) -> set[tuple[int, int]]:
+        """Promote `keys` run by run, handing each run's payloads to `arrived`; what arrived."""
+        got: set[tuple[int, int]] = set()
+        received = 0
+        start, run = 0, FIRST_PROMOTE_RUN_KEYS
+        while start < len(keys):
+            stop = min(len(keys), start + run)
+            found = backend.promote(namespace, keys[start:stop], parts)
+            if not found:
+                break
+            blocks = [(start + index, part, payload) for (index, part), payload in found.items()]
+            got.update((index, part) for index, part, _ in blocks)
+            received += sum(len(payload) for _, _, payload in blocks)
+            arrived(blocks)
+            start = stop
+            run = max(1, PROMOTE_RUN_BYTES * start // max(1, received))
+        return got
+
     def _decode(
         self,
-        payload: memoryview,
-        index: int,
-        part: int,
-        out_for: Callable[[int, int], np.ndarray],
-    ) -> bool:
-        try:
-            decode_into(payload, out_for(index, part))
-        except PayloadError as exc:
-            log.warning(
-                "tierkv: block %d part %d does not decode (%s); recomputing it", index, part, exc
-            )
-            return False
-        except Exception:
-            log.exception("tierkv: decoding block %d part %d failed; recomputing it", index, part)
-            return False
+        blocks: list[tuple[int, int, memoryview]],
+        out_for: Callable[[int, int], Any],
+        decoder: Callable[[memoryview, Any], None],
+    ) -> set[int]:
+        """Decode arrived payloads; the key indices of those that failed."""
+        failed = set()
+        decoded_bytes = 0
+        for index, part, payload in blocks:
+            try:
+                decoder(payload, out_for(index, part))
+            except PayloadError as exc:
+                log.warning(
+                    "tierkv: block %d part %d does not decode (%s); recomputing it",
+                    index,
+                    part,
+                    exc,
+                )
+                failed.add(index)
+            except Exception:
+                log.exception(
+                    "tierkv: decoding block %d part %d failed; recomputing it", index, part
+                )
+                failed.add(index)
+            else:
+                decoded_bytes += len(payload)
         with self._lock:
-            self._stats.loaded_payload_bytes += len(payload)
-        return True
+            self._stats.loaded_payload_bytes += decoded_bytes
+        return failed

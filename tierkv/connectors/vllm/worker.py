@@ -1,40 +1,49 @@
-"""Worker side of the vLLM connector: copies blocks out of the paged KV buffer and loads them back.
+"""Worker side of the vLLM connector: moves blocks out of the paged KV buffer and back in.
+
+The data movement itself is tierkv.movers (batched, torch only); this module decides what moves
+when and reports to vLLM.
 
 Stores: at the start of a step (`handle_preemptions`, before the forward that could overwrite
-anything) each block the scheduler picked is copied to host memory as one array holding every
-layer's block (one per state tensor for Mamba) and handed to the ColdTier, which encodes and
-sends it in the background; the engine block is free again as soon as the copy returns. A step
-copies at most `staging_bytes`; what does not fit is dropped and counted.
+anything) the blocks the scheduler picked are gathered, one batch per KV-cache group, into the
+host staging ring (on CUDA asynchronously: see tierkv.movers for why no block can be overwritten
+before it is copied); once copied, each block's parts (every layer's block, stacked; one part per
+state tensor for Mamba) are handed to the ColdTier, which encodes and sends them in the
+background and hands the staging back. Blocks that do not fit in the free staging are dropped
+and counted.
 
 Loads run on a background thread (or, when the scheduler asks for it because nothing else is
-running, before the step's forward): one ColdTier.load per KV-cache group (one Promote per
-vault, parallel decode) decodes into host staging arrays that are then copied into the paged
-buffer (CPU or GPU, any layout). Blocks that failed are reported through vLLM's load-error
-path, so vLLM recomputes them; their bytes are never used.
+running, before the step's forward). Per KV-cache group, in batches of up to half the staging:
+one ColdTier.load (one Promote per vault) decodes payloads into staging as they arrive, then one
+scatter writes the batch's decoded blocks into the paged buffer (CPU or GPU, any layout), while
+the next batch is fetched. Blocks that failed are left out of the scatter, so their bytes never
+reach the paged buffer, and are reported through vLLM's load-error path, so vLLM recomputes
+them. A request is reported finished only once its copies have completed. On CUDA with a lossy
+codec, the compressed payloads are decoded on the device (tierkv.quant.torch_ops), so only
+compressed bytes cross PCIe.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from tierkv.connectors.vllm.groups import GroupPlan
-from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, TierKVMetadata
+from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
+from tierkv.movers import BlockMover, Decoder, Staged, StagingRing, codec_dtype, hand_over
 
 if TYPE_CHECKING:
     from tierkv.tier import ColdTier
 
 log = logging.getLogger(__name__)
-
-_CODEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 @dataclass
@@ -47,86 +56,112 @@ class _LoadResult:
     """Bytes restored into the paged buffer."""
 
 
-class BlockViews:
-    """For each part, per layer, a KV tensor and which of its dimensions is the engine block id.
+def block_parts(
+    plan: GroupPlan, kv_caches: dict[str, torch.Tensor], num_blocks: int
+) -> list[list[tuple[torch.Tensor, int]]]:
+    """For each part of `plan`, per layer, a KV tensor and which of its dimensions is the block id.
 
     The CPU backend puts the block first ([blocks, heads, tokens, K|V]); layouts that put it
-    elsewhere (e.g. K/V first) work too, their blocks are just strided views.
+    elsewhere (e.g. K/V first) work too, their blocks are just strided.
     """
-
-    def __init__(self, plan: GroupPlan, kv_caches: dict[str, torch.Tensor], num_blocks: int):
-        self.plan = plan
-        self.parts: list[list[tuple[torch.Tensor, int]]] = [[] for _ in plan.parts]
-        for name in plan.layer_names:
-            cache = kv_caches[name]
-            shape = tuple(getattr(cache, "shape", ()))
-            if not isinstance(cache, torch.Tensor) or num_blocks not in shape:
+    parts: list[list[tuple[torch.Tensor, int]]] = [[] for _ in plan.parts]
+    for name in plan.layer_names:
+        cache = kv_caches[name]
+        shape = tuple(getattr(cache, "shape", ()))
+        if not isinstance(cache, torch.Tensor) or num_blocks not in shape:
+            raise ValueError(
+                f"tierkv: KV cache of layer {name} has shape {shape or type(cache).__name__}; "
+                f"expected one dimension of {num_blocks} blocks"
+            )
+        if plan.state_layout:
+            if shape[0] != num_blocks:
                 raise ValueError(
-                    f"tierkv: KV cache of layer {name} has shape {shape or type(cache).__name__}; "
-                    f"expected one dimension of {num_blocks} blocks"
+                    f"tierkv: Mamba cache of layer {name} has shape {shape}; expected "
+                    f"its {num_blocks} pages first"
                 )
-            if plan.state_layout:
-                if shape[0] != num_blocks:
-                    raise ValueError(
-                        f"tierkv: Mamba cache of layer {name} has shape {shape}; expected "
-                        f"its {num_blocks} pages first"
-                    )
-                for part, state in enumerate(_state_views(cache, plan.state_layout)):
-                    self.parts[part].append((state, 0))
-            else:
-                _codec_dtype(cache.dtype, name)
-                self.parts[0].append((cache, shape.index(num_blocks)))
-
-    def layer_blocks(self, part: int, block_id: int) -> list[torch.Tensor]:
-        """The block's views of `part`, one per layer, in layer order."""
-        return [tensor.select(dim, block_id) for tensor, dim in self.parts[part]]
-
-    def part_bytes(self, part: int) -> int:
-        return sum(view.numel() * view.element_size() for view in self.layer_blocks(part, 0))
+            for part, state in enumerate(_state_views(cache, plan.state_layout)):
+                parts[part].append((state, 0))
+        else:
+            codec_dtype(cache.dtype, f"the KV cache of layer {name}")
+            parts[0].append((cache, shape.index(num_blocks)))
+    return parts
 
 
 class TierWorker:
     """Worker-side data movement of the TierKV connector."""
 
     def __init__(
-        self, tier: ColdTier, plans: Sequence[GroupPlan], *, tp_rank: int, staging_bytes: int
+        self,
+        tier: ColdTier,
+        plans: Sequence[GroupPlan],
+        *,
+        tp_rank: int,
+        staging_bytes: int,
+        device_decode: bool | None = None,
     ) -> None:
+        """`device_decode`: decode loads on the KV cache's device (None: on CUDA for lossy
+        codecs, on the host otherwise)."""
         self.tier = tier
         self.plans = {plan.group_id: plan for plan in plans}
         self.tp_rank = tp_rank
         self.staging_bytes = staging_bytes
+        self.device_decode = device_decode
         self.stats = TierKVStats()
-        self._views: dict[int, BlockViews] = {}
+        self._movers: dict[int, BlockMover] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
+        self._handoff = ThreadPoolExecutor(1, thread_name_prefix="tierkv-store")
         self._loading: dict[str, Future[_LoadResult]] = {}
         self._invalid_block_ids: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
-        self._views = {
-            group_id: BlockViews(plan, kv_caches, num_blocks)
+        devices = {cache.device for cache in kv_caches.values() if isinstance(cache, torch.Tensor)}
+        pin = any(device.type == "cuda" for device in devices)
+        store_ring = StagingRing(self.staging_bytes, pin=pin)
+        load_ring = StagingRing(self.staging_bytes, pin=pin)
+        self._movers = {
+            group_id: BlockMover(block_parts(plan, kv_caches, num_blocks), store_ring, load_ring)
             for group_id, plan in self.plans.items()
         }
+        if self.device_decode is None:
+            self.device_decode = pin and self.tier.codec.name != "none"
 
     # ---- stores ----------------------------------------------------------------------------
 
     def store_blocks(self, meta: TierKVMetadata) -> None:
-        """Copy the picked blocks to host memory and hand them to the tier (returns at once)."""
-        budget = self.staging_bytes
+        """Copy the picked blocks to host staging and hand them to the tier (returns at once)."""
+        by_group: dict[int, list[StoreJob]] = defaultdict(list)
         for job in meta.stores:
-            views = self._views[job.group_id]
-            plan = views.plan
-            size = sum(views.part_bytes(part) for part in plan.parts)
-            if size > budget:
-                self.stats.add("staging_dropped_blocks")
+            by_group[job.group_id].append(job)
+        for group_id, jobs in by_group.items():
+            mover = self._movers[group_id]
+            fit = mover.fitting(len(jobs), mover.store_ring)
+            staged = mover.store([job.block_id for job in jobs[:fit]]) if fit else None
+            if staged is None:
+                fit = 0
+            if fit < len(jobs):
+                self.stats.add("staging_dropped_blocks", len(jobs) - fit)
+            if staged is None:
                 continue
-            budget -= size
-            namespace = plan.namespaces[self.tp_rank]
-            for part in plan.parts:
-                stacked = torch.stack(views.layer_blocks(part, job.block_id))  # the copy
-                array, dtype = _numpy_view(stacked.to("cpu"))
-                self.tier.store(namespace, job.key, part, array, dtype, plan.vault)
-            self.stats.add("stored_blocks")
-            self.stats.add("stored_bytes", size)
+            self.stats.add("stored_blocks", fit)
+            self.stats.add("stored_bytes", fit * mover.block_bytes)
+            plan = self.plans[group_id]
+            if staged.done():
+                self._hand_over(plan, mover, jobs[:fit], staged)
+            else:  # encoding starts once the device-to-host copy has completed
+                self._handoff.submit(self._hand_over, plan, mover, jobs[:fit], staged)
+
+    def _hand_over(
+        self, plan: GroupPlan, mover: BlockMover, jobs: Sequence[StoreJob], staged: Staged
+    ) -> None:
+        namespace = plan.namespaces[self.tp_rank]
+
+        def send(
+            index: int, part: int, array: np.ndarray, dtype: str, on_done: Callable[[], None]
+        ) -> None:
+            key = jobs[index].key
+            self.tier.store(namespace, key, part, array, dtype, plan.vault, on_done=on_done)
+
+        hand_over(staged, mover.codec_dtypes, send)
 
     # ---- loads -----------------------------------------------------------------------------
 
@@ -159,32 +194,25 @@ class TierWorker:
         )
 
     def _load_group(self, load: GroupLoad) -> tuple[set[int], int]:
-        """Restore one group's blocks; the indices (into load.keys) that failed, and the bytes
-        restored.
-
-        Payloads decode into host staging arrays (all layers of a block, stacked), which are
-        then copied into the paged buffer; a failed block's staging array is never copied.
-        """
-        views = self._views[load.group_id]
-        plan = views.plan
-        staged: dict[tuple[int, int], torch.Tensor] = {}
-
-        def out_for(index: int, part: int) -> np.ndarray:
-            layers = views.layer_blocks(part, load.block_ids[index])
-            staging = torch.empty((len(layers), *layers[0].shape), dtype=layers[0].dtype)
-            staged[index, part] = staging
-            return _numpy_view(staging)[0]
-
+        """Restore one group's blocks in batches of up to half the staging; the indices (into
+        load.keys) that failed, and the bytes restored. Returns once every copy has completed."""
+        mover = self._movers[load.group_id]
+        plan = self.plans[load.group_id]
         namespace = plan.namespaces[self.tp_rank]
-        failed = self.tier.load(namespace, load.keys, {plan.vault: plan.parts}, out_for)
-        restored = 0
-        for (index, part), staging in staged.items():
-            if index not in failed:
-                layers = views.layer_blocks(part, load.block_ids[index])
-                for layer, block in zip(layers, staging, strict=True):
-                    layer.copy_(block)
-                restored += staging.numel() * staging.element_size()
-        return failed, restored
+
+        def fetch(
+            start: int, stop: int, out_for: Callable[[int, int], Any], decoder: Decoder
+        ) -> set[int]:
+            parts = {plan.vault: plan.parts}
+            return self.tier.load(namespace, load.keys[start:stop], parts, out_for, decoder)
+
+        failed = mover.load(
+            load.block_ids,
+            fetch,
+            batch_blocks=max(1, self.staging_bytes // 2 // mover.block_bytes),
+            on_device=bool(self.device_decode),
+        )
+        return failed, (len(load.block_ids) - len(failed)) * mover.block_bytes
 
     def finished_loads(self) -> tuple[set[str], set[str]]:
         """(finished, failed) request ids of background loads done since the last call."""
@@ -230,23 +258,7 @@ class TierWorker:
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
-
-
-def _codec_dtype(dtype: torch.dtype, what: str) -> str:
-    try:
-        return _CODEC_DTYPES[dtype]
-    except KeyError:
-        raise ValueError(
-            f"tierkv: {what} holds {dtype}; supported KV dtypes are bfloat16, float16, float32"
-        ) from None
-
-
-def _numpy_view(tensor: torch.Tensor) -> tuple[np.ndarray, str]:
-    """A numpy view of a CPU tensor (bf16 as its 16-bit pattern) and the codec dtype name."""
-    dtype = _codec_dtype(tensor.dtype, "a KV block")
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    return tensor.numpy(), dtype
+        self._handoff.shutdown(wait=True)
 
 
 def _state_views(page: torch.Tensor, layout: Sequence[tuple[tuple[int, ...], str]]):
@@ -256,7 +268,7 @@ def _state_views(page: torch.Tensor, layout: Sequence[tuple[tuple[int, ...], str
     offset = 0
     for shape, dtype_name in layout:
         dtype = getattr(torch, dtype_name)
-        _codec_dtype(dtype, f"a Mamba state of shape {shape}")
+        codec_dtype(dtype, f"a Mamba state of shape {shape}")
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
         yield pages[:, offset : offset + nbytes].view(dtype)
         offset += nbytes

@@ -1,0 +1,304 @@
+"""A restore's device data path: a Llama-3.1-8B-shaped paged KV through tierkv.movers and a vault.
+
+torch only (no vLLM): builds a paged KV buffer of --tokens tokens on --device (default: cuda when
+available) shaped like Llama-3.1-8B (32 layers, 8 KV heads × 128, bf16, 16-token blocks; 30k
+tokens are 3.9 GB), stores it through tierkv.movers into a vault on 127.0.0.1 in engine steps of
+--step-tokens and restores it, for each --codec, with host decode (Numba) and device decode
+(tierkv.quant.torch_ops). Prints per codec and decode: the engine-thread time of the store per
+step (the gather and hand-over a worker does inside vLLM's step; on CUDA the copy to the host is
+asynchronous), restore wall time and GB/s of the restored bf16 bytes, a bare client Promote of
+the same blocks and the decode alone, each measured in the same run, and the device's memcpy
+GB/s (a tensor copy on the device). Figures on a shared machine are noisy; read the ratios.
+
+    python benchmarks/bench_movers.py                       # 30k tokens, 3.9 GB
+    python benchmarks/bench_movers.py --tokens 256 --layers 2 --json   # seconds, on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vault import running_vault
+
+from tierkv.config import format_size, parse_size
+from tierkv.movers import BlockMover, Decoder, StagingRing, hand_over
+from tierkv.quant import decode_into, get_codec, torch_ops
+from tierkv.quant import warmup as warmup_codecs
+from tierkv.tier import ColdTier
+from tierkv.vault.client import VaultClient
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memcpy_gbps(device: torch.device, nbytes: int) -> float:
+    """A copy of `nbytes` within the device (best of 5)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        synchronize(device)
+        started = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return nbytes / best / 1e9
+
+
+def paged_kv(args: argparse.Namespace, device: torch.device) -> list[torch.Tensor]:
+    """Per layer [K|V, blocks, block tokens, KV heads, head dim], bf16 (vLLM's flash layout)."""
+    blocks = -(-args.tokens // args.block)
+    shape = (2, blocks, args.block, args.kv_heads, args.head_dim)
+    generator = torch.Generator(device=device).manual_seed(0)
+    return [
+        torch.randn(shape, generator=generator, device=device).to(torch.bfloat16)
+        for _ in range(args.layers)
+    ]
+
+
+def store_all(
+    tier: ColdTier, mover: BlockMover, namespace: bytes, keys: list[bytes], step_blocks: int
+) -> tuple[list[float], float, int]:
+    """Store every block in engine steps: (engine-thread seconds per step, wall seconds until the
+    vault acknowledged all, steps that waited for staging space)."""
+    handoff = ThreadPoolExecutor(1, thread_name_prefix="bench-handoff")
+    per_step: list[float] = []
+    waited = 0
+    started = time.perf_counter()
+    for start in range(0, len(keys), step_blocks):
+        ids = list(range(start, min(start + step_blocks, len(keys))))
+
+        def send(
+            index: int,
+            part: int,
+            array: np.ndarray,
+            dtype: str,
+            on_done: Callable[[], None],
+            first: int = start,
+        ) -> None:
+            tier.store(namespace, keys[first + index], part, array, dtype, on_done=on_done)
+
+        while mover.fitting(len(ids), mover.store_ring) < len(ids):
+            waited += 1  # a real engine would drop these blocks; the benchmark wants them all
+            time.sleep(0.001)
+        step_started = time.perf_counter()
+        staged = mover.store(ids)
+        assert staged is not None
+        if staged.done():
+            hand_over(staged, mover.codec_dtypes, send)
+        else:
+            handoff.submit(hand_over, staged, mover.codec_dtypes, send)
+        per_step.append(time.perf_counter() - step_started)
+    handoff.shutdown(wait=True)
+    assert tier.flush(timeout=600), "the vault did not acknowledge every block"
+    return per_step, time.perf_counter() - started, waited
+
+
+def restore_all(
+    tier: ColdTier,
+    mover: BlockMover,
+    namespace: bytes,
+    keys: list[bytes],
+    batch_blocks: int,
+    on_device: bool,
+) -> tuple[float, set[int]]:
+    def fetch(
+        start: int, stop: int, out_for: Callable[[int, int], Any], decoder: Decoder
+    ) -> set[int]:
+        return tier.load(namespace, keys[start:stop], {"kv": [0]}, out_for, decoder)
+
+    synchronize(mover.device)
+    started = time.perf_counter()
+    failed = mover.load(
+        list(range(len(keys))), fetch, batch_blocks=batch_blocks, on_device=on_device
+    )
+    synchronize(mover.device)
+    return time.perf_counter() - started, failed
+
+
+def promote_and_decode(
+    address: str, namespace: bytes, keys: list[bytes], mover: BlockMover
+) -> tuple[float, int, float, float]:
+    """(bare Promote seconds, payload bytes, host decode s, device decode s) of every block."""
+    with VaultClient(address) as client:
+        client.promote(namespace, keys[:1], [0])  # a warm connection, as the tier has
+        started = time.perf_counter()
+        found = client.promote(namespace, keys, [0])
+        promote_s = time.perf_counter() - started
+    payloads = [found[(index, 0)] for index in range(len(keys))]
+    host = mover.staging(1)
+    out = host.arrays()[0][0]
+    started = time.perf_counter()
+    for payload in payloads:
+        decode_into(payload, out)
+    host_s = time.perf_counter() - started
+    host.release()
+    device_out = mover.staging(1, on_device=True).tensors[0][0]
+    synchronize(mover.device)
+    started = time.perf_counter()
+    for payload in payloads:
+        torch_ops.decode_into(payload, device_out)
+    synchronize(mover.device)
+    device_s = time.perf_counter() - started
+    return promote_s, sum(map(len, payloads)), host_s, device_s
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=30000)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--codec", nargs="+", default=["none", "int8", "tq4"])
+    parser.add_argument(
+        "--decode", nargs="+", choices=("host", "device"), default=["host", "device"]
+    )
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block", type=int, default=16, help="tokens per block")
+    parser.add_argument("--step-tokens", type=int, default=2048, help="tokens stored per step")
+    parser.add_argument("--staging", default="1GiB", help="bytes of each staging ring")
+    parser.add_argument("--in-process", action="store_true", help="vault in this process")
+    parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    args = parser.parse_args()
+    try:
+        device = torch.device(args.device)
+        staging = parse_size(args.staging)
+        for name in args.codec:
+            get_codec(name, args.head_dim)
+    except (ValueError, RuntimeError) as exc:
+        parser.error(str(exc))
+    if args.tokens < args.block:
+        parser.error(f"--tokens must be at least one block ({args.block})")
+
+    console = Console(width=160)
+    warmup_codecs()
+    layers = paged_kv(args, device)
+    reference = [layer.clone() for layer in layers]
+    pin = device.type == "cuda"
+    mover = BlockMover(
+        [[(layer, 1) for layer in layers]],
+        StagingRing(staging, pin=pin),
+        StagingRing(staging, pin=pin),
+    )
+    num_blocks = layers[0].shape[1]
+    raw_bytes = num_blocks * mover.block_bytes
+    if mover.region_bytes(1) * 2 > staging:
+        parser.error(
+            f"--staging {args.staging} holds less than two blocks of {mover.block_bytes} bytes"
+        )
+    memcpy = memcpy_gbps(device, min(max(raw_bytes, 64 << 20), 1 << 30))
+    step_blocks = max(1, args.step_tokens // args.block)
+    batch_blocks = max(1, staging // 2 // mover.block_bytes)
+    rows = []
+    with running_vault(args.in_process) as address:
+        for codec_name in args.codec:
+            codec = get_codec(codec_name, args.head_dim)
+            namespace = codec_name.encode().ljust(16, b"-")
+            keys = [index.to_bytes(16, "big") for index in range(num_blocks)]
+            tier = ColdTier(codec, {"kv": VaultClient(address)}, max_pending_encode_bytes=staging)
+            try:
+                per_step, store_s, waited = store_all(tier, mover, namespace, keys, step_blocks)
+                promote_s, payload_bytes, host_decode_s, device_decode_s = promote_and_decode(
+                    address, namespace, keys, mover
+                )
+                for decode in args.decode:
+                    for layer in layers:
+                        layer.zero_()
+                    restore_s, failed = restore_all(
+                        tier, mover, namespace, keys, batch_blocks, decode == "device"
+                    )
+                    assert not failed, f"{len(failed)} blocks failed to restore"
+                    cosine = min(
+                        torch.nn.functional.cosine_similarity(
+                            layer.float().flatten(), ref.float().flatten(), dim=0
+                        ).item()
+                        for layer, ref in zip(layers, reference, strict=True)
+                    )
+                    decode_s = device_decode_s if decode == "device" else host_decode_s
+                    row = {
+                        "device": str(device),
+                        "tokens": args.tokens,
+                        "codec": codec_name,
+                        "decode": decode,
+                        "raw_bytes": raw_bytes,
+                        "payload_bytes": payload_bytes,
+                        "store_step_ms_median": round(statistics.median(per_step) * 1e3, 3),
+                        "store_step_ms_max": round(max(per_step) * 1e3, 3),
+                        "store_steps": len(per_step),
+                        "store_steps_waiting_for_staging": waited,
+                        "store_s": round(store_s, 4),
+                        "restore_s": round(restore_s, 4),
+                        "restore_gbps": round(raw_bytes / restore_s / 1e9, 3),
+                        "promote_s": round(promote_s, 4),
+                        "restore_over_promote": round(restore_s / promote_s, 3),
+                        "decode_gbps": round(raw_bytes / decode_s / 1e9, 3),
+                        "memcpy_gbps": round(memcpy, 3),
+                        "decode_over_memcpy": round(raw_bytes / decode_s / 1e9 / memcpy, 4),
+                        "min_cosine": round(cosine, 5),
+                    }
+                    if codec_name == "none":
+                        assert cosine == 1.0 or all(
+                            torch.equal(a, b) for a, b in zip(layers, reference, strict=True)
+                        ), "a lossless restore changed the KV"
+                    rows.append(row)
+                    if args.json:
+                        print(json.dumps(row), flush=True)
+            finally:
+                tier.close()
+    if not args.json:
+        print_table(console, args, device, raw_bytes, rows)
+
+
+def print_table(
+    console: Console,
+    args: argparse.Namespace,
+    device: torch.device,
+    raw_bytes: int,
+    rows: list[dict[str, Any]],
+) -> None:
+    title = (
+        f"tierkv.movers on {device}: {args.tokens} tokens, {args.layers} layers × "
+        f"{args.kv_heads} KV heads × {args.head_dim}, bf16, {args.block}-token blocks "
+        f"({format_size(raw_bytes)})"
+    )
+    table = Table(title=title)
+    columns = ("codec", "decode", "store ms/step (median, max)", "restore s", "restore GB/s")
+    columns += ("promote s", "restore / promote", "decode GB/s", "decode / memcpy")
+    columns += ("memcpy GB/s", "min cosine")
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(
+            row["codec"],
+            row["decode"],
+            f"{row['store_step_ms_median']:.2f}, {row['store_step_ms_max']:.2f}",
+            f"{row['restore_s']:.3f}",
+            f"{row['restore_gbps']:.2f}",
+            f"{row['promote_s']:.3f}",
+            f"{row['restore_over_promote']:.2f}x",
+            f"{row['decode_gbps']:.2f}",
+            f"{row['decode_over_memcpy']:.3f}x",
+            f"{row['memcpy_gbps']:.2f}",
+            f"{row['min_cosine']:.4f}",
+        )
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""tierkv.movers: batched gather / scatter of paged blocks, the staging ring, constant op counts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from tierkv.movers import BlockMover, StagingRing, countdown  # noqa: E402
+
+
+class CountOps(TorchDispatchMode):
+    """Counts every torch operation dispatched inside the `with` block (on this thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def paged(num_blocks: int, layers: int = 3) -> list[torch.Tensor]:
+    """K/V-first layers ([2, blocks, tokens, heads × dim]): every block is a strided view."""
+    return [torch.randn(2, num_blocks, 4, 16).to(torch.bfloat16) for _ in range(layers)]
+
+
+def mover_of(caches: list[torch.Tensor], staging_bytes: int = 1 << 22) -> BlockMover:
+    return BlockMover(
+        [[(cache, 1) for cache in caches]], StagingRing(staging_bytes), StagingRing(staging_bytes)
+    )
+
+
+def round_trip_ops(n: int) -> tuple[int, int]:
+    """Torch operations of one store and one load (staging + scatter) of n blocks, one failed."""
+    caches = paged(2 * n + 1)
+    mover = mover_of(caches)
+    with CountOps() as store_ops:
+        staged = mover.store(list(range(n)))
+        assert staged is not None
+        arrays = staged.arrays()
+    with CountOps() as load_ops:
+        load = mover.staging(n)
+        for out, stored in zip(load.arrays(), arrays, strict=True):
+            np.copyto(out, stored)  # what decoding does, without torch
+        good = list(range(1, n))  # slot 0 "failed to decode"
+        mover.scatter(load, good, [n + 1 + slot for slot in good])
+    for cache in caches:
+        assert torch.equal(cache[:, n + 2 : 2 * n + 1], cache[:, 1:n])
+        assert not torch.equal(cache[:, n + 1], cache[:, 0])  # the failed slot was not written
+    return store_ops.count, load_ops.count
+
+
+def test_one_store_and_one_load_issue_as_many_torch_ops_for_few_blocks_as_for_many():
+    few = round_trip_ops(4)
+    many = round_trip_ops(200)
+    assert few == many
+    assert few[0] <= 3 * 4 * 3  # a few per layer (3 layers), none per block
+
+
+def test_store_copies_blocks_of_any_layout_and_parts_stack_layers():
+    caches = paged(6, layers=2)
+    mover = mover_of(caches)
+    staged = mover.store([4, 1])
+    assert staged is not None and staged.done()
+    (stored,) = staged.tensors
+    assert stored.shape == (2, 2, 2, 4, 16)  # [blocks, layers, K|V, tokens, heads × dim]
+    assert torch.equal(stored[0, 1], caches[1][:, 4])
+    assert torch.equal(stored[1, 0], caches[0][:, 1])
+    (words,) = staged.arrays()
+    assert words.dtype == np.int16 and words.shape == stored.shape
+    assert mover.codec_dtypes == ["bf16"]
+
+
+def test_parts_of_different_dtypes_and_layer_mismatch():
+    states = torch.randn(5, 8)
+    conv = torch.randn(5, 4).to(torch.float16)
+    mover = BlockMover([[(states, 0)], [(conv, 0)]], StagingRing(4096), StagingRing(4096))
+    staged = mover.store([3])
+    assert staged is not None
+    assert torch.equal(staged.tensors[0][0, 0], states[3])
+    assert torch.equal(staged.tensors[1][0, 0], conv[3])
+    with pytest.raises(ValueError, match="layers of one part differ"):
+        mover_of([torch.zeros(2, 4, 4, 16), torch.zeros(2, 4, 4, 8)])
+
+
+def test_staging_ring_reuses_space_in_order_and_refuses_what_does_not_fit():
+    ring = StagingRing(1024)
+    first, second, third = (ring.take(256) for _ in range(3))
+    assert first is not None and second is not None and third is not None
+    assert ring.largest_free() == 256
+    assert ring.take(512) is None
+    second.release()
+    assert ring.largest_free() == 256  # `first` still holds the head of the ring
+    first.release()
+    assert ring.largest_free() == 512  # the wrapped span before `third`
+    wrapped = ring.take(512)
+    assert wrapped is not None and wrapped.data.data_ptr() == first.data.data_ptr()
+    assert ring.take(1) is None  # from `wrapped` up to `third`, the oldest, nothing is free
+    third.release()
+    wrapped.release()
+    assert ring.largest_free() == 1024
+
+
+def test_staging_never_exceeds_the_ring_and_drops_what_does_not_fit():
+    caches = paged(8, layers=1)
+    block = 2 * 4 * 16 * 2
+    mover = mover_of(caches, staging_bytes=2 * block)
+    assert mover.fitting(5, mover.store_ring) == 2
+    held = mover.store([0, 1])
+    assert held is not None
+    assert mover.fitting(1, mover.store_ring) == 0 and mover.store([2]) is None
+    held.release()
+    assert mover.fitting(5, mover.store_ring) == 2
+
+
+def test_countdown_runs_once_on_the_last_call():
+    calls: list[int] = []
+    tick = countdown(3, lambda: calls.append(1))
+    tick()
+    tick()
+    assert calls == []
+    tick()
+    assert calls == [1]
+    countdown(0, lambda: calls.append(2))
+    assert calls == [1, 2]
+
+
+def worker_round_trip_ops(vault, n: int) -> tuple[int, int]:
+    """Torch operations of the vLLM worker storing n blocks and loading them back (a sync load,
+    so it runs on this thread) through a real vault."""
+    pytest.importorskip("vllm")
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.worker import TierWorker
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+    from tierkv.vault.client import VaultClient
+
+    plan = GroupPlan(0, "kv", ("layer0", "layer1"), (), 4, (bytes(16),))
+    caches = {name: torch.randn(2, 2 * n, 4, 2, 8).to(torch.bfloat16) for name in plan.layer_names}
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 22)
+    try:
+        worker.register_kv_caches(caches, num_blocks=2 * n)
+        keys = [(n << 32 | i).to_bytes(16, "big") for i in range(n)]
+        stores = [StoreJob(0, i, key) for i, key in enumerate(keys)]
+        with CountOps() as store_ops:
+            worker.store_blocks(TierKVMetadata(stores=stores))
+        assert tier.flush(30)
+        load = LoadJob("req", [GroupLoad(0, keys, list(range(n, 2 * n)))], sync=True)
+        with CountOps() as load_ops:
+            worker.start_loads(TierKVMetadata(loads=[load]))
+        assert worker.stats.data["loaded_blocks"] == n
+        for cache in caches.values():
+            assert torch.equal(cache[:, n:], cache[:, :n])
+    finally:
+        worker.shutdown()
+        tier.close()
+    return store_ops.count, load_ops.count
+
+
+def test_the_vllm_worker_issues_as_many_torch_ops_for_few_blocks_as_for_many(vault):
+    assert worker_round_trip_ops(vault, 3) == worker_round_trip_ops(vault, 150)

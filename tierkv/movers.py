@@ -1,0 +1,429 @@
+"""Batched block movement between an engine's paged KV buffers and staging memory (torch + numpy).
+
+No engine is imported here, so this moves and is benchmarked the same on any torch device.
+A group's paged buffer is, per layer, a tensor with one dimension indexed by block id (any
+layout). A block is stored as parts: part p of block b is layer[l].select(dim, b) of every layer
+l of part p, stacked ([layers, *block]); attention has one part, a Mamba layer one per state.
+
+- `BlockMover.store(block_ids)` gathers many blocks at once, with one `index_select` per layer
+  and part over a tensor of block ids, into a region of a reusable host `StagingRing` (pinned
+  when the buffers live on CUDA). The region's numpy views feed the codecs.
+- `BlockMover.staging(n)` hands out staging the codecs decode n blocks into (host, or the
+  device for device decode); `BlockMover.scatter(staged, slots, block_ids)` writes the decoded
+  slots into their engine blocks with one `index_copy_` per layer and part. Slots that failed to
+  decode are simply left out, so their bytes never reach the paged buffer.
+
+Nothing here issues torch operations per block: the work per call is a constant number of
+operations per layer and part, whatever the number of blocks.
+
+On CUDA both directions are asynchronous. A store's gather runs on the engine's current stream
+(a device-to-device copy into a private buffer), and the device-to-host copy of that private
+buffer runs on a side stream, ending in an event; the engine thread never waits. Why no block is
+overwritten before it is copied: the gather is enqueued on the engine's stream before the
+forward pass that follows it, and a stream runs its kernels in order, so it has read every
+block before any later kernel of that stream (the only writer of the paged buffer) can touch it;
+the side stream then reads only the private copy. Encoding waits for the event
+(`Staged.wait()`). A load's host-to-device copy and scatter run on a load stream ending in an
+event; the caller reports the blocks loaded only once that event has completed (or makes the
+engine's stream wait on it), and vLLM reads none of them before that.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+ALIGN = 256
+"""Regions and parts start on multiples of this many bytes (any dtype view, DMA friendly)."""
+CODEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+"""The torch dtypes the codecs take, by their codec dtype name."""
+
+
+Decoder = Callable[[memoryview, Any], None]
+Fetch = Callable[[int, int, Callable[[int, int], Any], Decoder], set[int]]
+"""fetch(start, stop, out_for, decoder) -> failed indices, relative to start (BlockMover.load)"""
+Send = Callable[[int, int, np.ndarray, str, Callable[[], None]], None]
+"""send(index, part, array, codec dtype, on_done); see hand_over"""
+
+
+def codec_dtype(dtype: torch.dtype, what: str) -> str:
+    """The codec dtype name of `dtype`; ValueError naming `what` for any other."""
+    try:
+        return CODEC_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(
+            f"tierkv: {what} holds {dtype}; supported KV dtypes are bfloat16, float16, float32"
+        ) from None
+
+
+def numpy_words(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor, bf16 as its 16-bit words (what the codecs read and write)."""
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return tensor.numpy()
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+class StagingRing:
+    """A fixed host buffer handed out in regions and reclaimed in the order they were taken.
+
+    Regions may be released in any order; a region's space is reused once it and every region
+    taken before it are released (like a log). The memory is allocated on first use and pinned
+    when `pin` (page-locked memory is what lets CUDA copy asynchronously).
+    """
+
+    def __init__(self, nbytes: int, *, pin: bool = False) -> None:
+        self.nbytes = nbytes
+        self._pin = pin
+        self._buffer: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._live: deque[list[int]] = deque()  # [start, end, released], oldest first
+
+    def largest_free(self) -> int:
+        """The largest region `take` could hand out now."""
+        with self._lock:
+            return max(self._free_spans(), default=0)
+
+    def take(self, nbytes: int) -> Region | None:
+        """A region of at least `nbytes`, or None when no free span is that large now."""
+        size = _aligned(max(nbytes, 1))
+        with self._lock:
+            start = next(
+                (
+                    s
+                    for s, free in zip(self._starts(), self._free_spans(), strict=True)
+                    if free >= size
+                ),
+                None,
+            )
+            if start is None:
+                return None
+            if self._buffer is None:
+                self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pin)
+            entry = [start, start + size, 0]
+            self._live.append(entry)
+            return Region(self, entry, self._buffer[start : start + size])
+
+    def _starts(self) -> list[int]:
+        if not self._live:
+            return [0]
+        tail, head = self._live[0][0], self._live[-1][1]
+        return [head, 0] if head > tail else [head]
+
+    def _free_spans(self) -> list[int]:
+        """Free bytes at each of `_starts()`."""
+        if not self._live:
+            return [self.nbytes]
+        tail, head = self._live[0][0], self._live[-1][1]
+        if head > tail:  # not wrapped: free after the newest region and before the oldest
+            return [self.nbytes - head, tail]
+        return [tail - head]
+
+    def _release(self, entry: list[int]) -> None:
+        with self._lock:
+            entry[2] = 1
+            while self._live and self._live[0][2]:
+                self._live.popleft()
+
+
+class Region:
+    """Bytes of a StagingRing (`data`, uint8) until `release()`."""
+
+    def __init__(self, ring: StagingRing, entry: list[int], data: torch.Tensor) -> None:
+        self.data = data
+        self._ring = ring
+        self._entry = entry
+
+    def release(self) -> None:
+        if self._entry[2] == 0:
+            self._ring._release(self._entry)
+
+
+def countdown(count: int, then: Callable[[], None]) -> Callable[[], None]:
+    """A callback that runs `then` on its `count`-th call (from any thread)."""
+    lock = threading.Lock()
+    left = [count]
+
+    def tick() -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    if count == 0:
+        then()
+    return tick
+
+
+@dataclass
+class Staged:
+    """n blocks in staging: per part, a tensor [n, layers, *block] (host or device).
+
+    `wait()` returns once the bytes are complete (a CUDA event; at once on CPU). `release()`
+    hands ring memory back; call it once nothing reads the tensors any more.
+    """
+
+    tensors: list[torch.Tensor]
+    region: Region | None = None
+    event: torch.cuda.Event | None = None
+    keep: list[torch.Tensor] = field(default_factory=list)
+    """Device buffers that an asynchronous copy still reads or writes."""
+
+    @property
+    def count(self) -> int:
+        return self.tensors[0].shape[0]
+
+    def arrays(self) -> list[np.ndarray]:
+        """Numpy views of host tensors, one per part (bf16 as 16-bit words)."""
+        return [numpy_words(tensor) for tensor in self.tensors]
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def release(self) -> None:
+        self.keep.clear()
+        if self.region is not None:
+            self.region.release()
+
+
+class BlockMover:
+    """Moves blocks of one paged buffer (one KV-cache group) to and from staging in batches."""
+
+    def __init__(
+        self,
+        parts: Sequence[Sequence[tuple[torch.Tensor, int]]],
+        store_ring: StagingRing,
+        load_ring: StagingRing,
+    ) -> None:
+        """`parts[p]` lists, per layer, the tensor and its block dimension; every layer of a part
+        has the same block shape and dtype."""
+        self.parts = [list(layers) for layers in parts]
+        first = self.parts[0][0][0]
+        self.device = first.device
+        self.shapes: list[tuple[int, ...]] = []
+        self.dtypes: list[torch.dtype] = []
+        for layers in self.parts:
+            tensor, dim = layers[0]
+            block = tuple(tensor.shape[:dim] + tensor.shape[dim + 1 :])
+            for other, other_dim in layers:
+                other_block = tuple(other.shape[:other_dim] + other.shape[other_dim + 1 :])
+                if other_block != block or other.dtype != tensor.dtype:
+                    raise ValueError(
+                        f"tierkv: layers of one part differ: blocks {block} {tensor.dtype} "
+                        f"and {other_block} {other.dtype}"
+                    )
+            self.shapes.append((len(layers), *block))
+            self.dtypes.append(tensor.dtype)
+        self.store_ring = store_ring
+        self.load_ring = load_ring
+        cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._load_stream = torch.cuda.Stream(self.device) if cuda else None
+
+    @property
+    def codec_dtypes(self) -> list[str]:
+        return [codec_dtype(dtype, "a KV block") for dtype in self.dtypes]
+
+    def part_bytes(self, part: int) -> int:
+        """Bytes of one block's part (all its layers)."""
+        return int(np.prod(self.shapes[part])) * self.dtypes[part].itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(self.part_bytes(part) for part in range(len(self.parts)))
+
+    def region_bytes(self, n: int) -> int:
+        return sum(_aligned(n * self.part_bytes(part)) for part in range(len(self.parts)))
+
+    def fitting(self, n: int, ring: StagingRing) -> int:
+        """How many of n blocks fit in `ring`'s largest free span now."""
+        free = ring.largest_free()
+        fit = min(n, free // max(1, self.block_bytes))
+        while fit and self.region_bytes(fit) > free:
+            fit -= 1
+        return fit
+
+    # ---- stores ----------------------------------------------------------------------------
+
+    def store(self, block_ids: Sequence[int]) -> Staged | None:
+        """Copy `block_ids` into host staging (None when the store ring has no room for them).
+
+        On CPU the copy is done when this returns; on CUDA it is in flight (`Staged.wait()`).
+        """
+        region = self.store_ring.take(self.region_bytes(len(block_ids)))
+        if region is None:
+            return None
+        n = len(block_ids)
+        host = self._views(region.data, n)
+        ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        if self._copy_stream is None:
+            for part, out in enumerate(host):
+                self._gather(part, ids, out)
+            return Staged(host, region)
+        # CUDA: gather on the engine's stream (ordered before any later write of these blocks),
+        # then copy the private buffer to pinned host memory on the side stream.
+        engine = torch.cuda.current_stream(self.device)
+        private = [torch.empty(out.shape, dtype=out.dtype, device=self.device) for out in host]
+        for part, out in enumerate(private):
+            self._gather(part, ids, out)
+        self._copy_stream.wait_stream(engine)
+        event = torch.cuda.Event()
+        with torch.cuda.stream(self._copy_stream):
+            for src, dst in zip(private, host, strict=True):
+                dst.copy_(src, non_blocking=True)
+            event.record(self._copy_stream)
+        return Staged(host, region, event, keep=private)
+
+    def _gather(self, part: int, ids: torch.Tensor, out: torch.Tensor) -> None:
+        for layer, (tensor, dim) in enumerate(self.parts[part]):
+            torch.index_select(tensor, dim, ids, out=out.select(1, layer).movedim(0, dim))
+
+    # ---- loads -----------------------------------------------------------------------------
+
+    def staging(self, n: int, *, on_device: bool = False) -> Staged:
+        """Staging for n decoded blocks: a load-ring region (a fresh host buffer when the ring
+        has no room), or a device buffer when `on_device` (device decode)."""
+        if on_device:
+            with _on_stream(self._load_stream):
+                return Staged(
+                    [
+                        torch.empty((n, *shape), dtype=dtype, device=self.device)
+                        for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+                    ]
+                )
+        size = self.region_bytes(n)
+        region = self.load_ring.take(size)
+        pin = self.device.type == "cuda"
+        data = (
+            region.data
+            if region is not None
+            else torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        )
+        return Staged(self._views(data, n), region)
+
+    def scatter(self, staged: Staged, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Write staged slot `slots[i]` into engine block `block_ids[i]`, for every i.
+
+        On CUDA the copies run on the load stream and `staged.event` marks their end; the blocks
+        must not be read, nor `staged` released, before it has completed.
+        """
+        if not block_ids:
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        all_slots = list(slots) == list(range(staged.count))
+        picked = None if all_slots else torch.tensor(slots, dtype=torch.long)
+        stream = self._load_stream
+        if stream is None:
+            self._scatter(staged.tensors, picked, ids)
+            return
+        # The blocks vLLM allocated may still be written by kernels it enqueued before: start
+        # after everything on the engine's stream so far.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        event = torch.cuda.Event()
+        with torch.cuda.stream(stream):
+            sources = [tensor.to(self.device, non_blocking=True) for tensor in staged.tensors]
+            self._scatter(sources, picked, ids.to(self.device, non_blocking=True))
+            event.record(stream)
+        staged.keep.extend(sources)
+        staged.event = event
+
+    def load(
+        self, block_ids: Sequence[int], fetch: Fetch, *, batch_blocks: int, on_device: bool = False
+    ) -> set[int]:
+        """Restore blocks into engine blocks `block_ids`, in batches of `batch_blocks`; the
+        indices (into block_ids) that failed.
+
+        Per batch, `fetch(start, stop, out_for, decoder)` decodes blocks start..stop-1 (as their
+        payloads arrive) with `decoder(payload, out_for(i - start, part))` and returns the
+        failed ones (relative to start); then one scatter writes the others into the paged
+        buffer. Decoding goes to host staging with the Numba codecs, or with `on_device` to
+        device staging with torch_ops. Returns once every copy has completed (on CUDA: its
+        event), so the blocks may be reported loaded.
+        """
+        from tierkv.quant import decode_into  # Numba: only once a load runs
+
+        decoder = self.decode_on_device if on_device else decode_into
+        failed: set[int] = set()
+        in_flight: deque[Staged] = deque()
+        try:
+            for start in range(0, len(block_ids), batch_blocks):
+                ids = block_ids[start : start + batch_blocks]
+                while in_flight and self.fitting(len(ids), self.load_ring) < len(ids):
+                    oldest = in_flight.popleft()  # its copies must end before its staging
+                    oldest.wait()  # is reused
+                    oldest.release()
+                staged = self.staging(len(ids), on_device=on_device)
+                in_flight.append(staged)
+                outputs: list[Any] = staged.tensors if on_device else staged.arrays()
+                bad = fetch(start, start + len(ids), _slot_of(outputs), decoder)
+                good = [index for index in range(len(ids)) if index not in bad]
+                self.scatter(staged, good, [ids[index] for index in good])
+                failed.update(start + index for index in bad)
+        finally:
+            for staged in in_flight:
+                staged.wait()
+                staged.release()
+        return failed
+
+    def decode_on_device(self, payload: memoryview, out: torch.Tensor) -> None:
+        """Decode `payload` into device staging with tierkv.quant.torch_ops, on the load stream
+        (so the scatter that follows on that stream sees it, and the engine's stream does not
+        wait for it)."""
+        from tierkv.quant import torch_ops
+
+        with _on_stream(self._load_stream):
+            torch_ops.decode_into(payload, out)
+
+    def _scatter(
+        self, sources: list[torch.Tensor], picked: torch.Tensor | None, ids: torch.Tensor
+    ) -> None:
+        for part, source in enumerate(sources):
+            if picked is not None:
+                source = source.index_select(0, picked.to(source.device))
+            for layer, (tensor, dim) in enumerate(self.parts[part]):
+                tensor.index_copy_(dim, ids, source.select(1, layer).movedim(0, dim))
+
+    def _views(self, data: torch.Tensor, n: int) -> list[torch.Tensor]:
+        """Per part, a [n, layers, *block] tensor over consecutive aligned spans of `data`."""
+        views = []
+        offset = 0
+        for part, (shape, dtype) in enumerate(zip(self.shapes, self.dtypes, strict=True)):
+            nbytes = n * self.part_bytes(part)
+            views.append(data[offset : offset + nbytes].view(dtype).view(n, *shape))
+            offset += _aligned(nbytes)
+        return views
+
+
+def hand_over(staged: Staged, dtypes: Sequence[str], send: Send) -> None:
+    """Wait until `staged` is complete, then `send(index, part, array, dtype, on_done)` every
+    part of every block; the staging is released once each has called its on_done()."""
+    staged.wait()
+    arrays = staged.arrays()
+    on_done = countdown(staged.count * len(arrays), staged.release)
+    for index in range(staged.count):
+        for part, array in enumerate(arrays):
+            send(index, part, array[index], dtypes[part], on_done)
+
+
+def _slot_of(outputs: list[Any]) -> Callable[[int, int], Any]:
+    """out_for of a load: block `index`'s slot of part `part` in per-part staging outputs."""
+    return lambda index, part: outputs[part][index]
+
+
+def _on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
