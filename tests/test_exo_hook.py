@@ -298,6 +298,32 @@ def test_a_full_spill_budget_drops_the_entry_and_counts_it(
     assert any("staging_bytes" in r.getMessage() for r in caplog.records)
 
 
+def test_an_entry_many_times_the_staging_budget_spills_block_by_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+) -> None:
+    """EXO allocates 256-token steps: 300 tokens of the bf16 tiny model are 128 KiB of arrays,
+    32 times the 4 KiB budget; its filled blocks (1 KiB per layer and K or V) still all go."""
+    exo = start_exo(tmp_path, monkeypatch, vault.address, staging_bytes="4KiB")
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    model = tiny_llama(dtype=mx.bfloat16)
+    prompt = random_tokens(300, seed=11)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=1)
+    (entry,) = prefix_cache.caches
+    allocated = sum(layer.keys.nbytes + layer.values.nbytes for layer in entry)
+    assert allocated >= 16 * 4096
+    evict_everything(exo, monkeypatch, prefix_cache)
+    assert runtime.flush(30)
+    assert runtime.dropped_spills == 0
+    assert runtime.tier is not None and runtime.tier.stats()["sent_blocks"] == 18 * 2 * 2
+
+    restored = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=4)
+    cold = exo.generate.mlx_generate(model, prompt, None, max_tokens=4)
+    assert restored.prefilled == 300 - 18 * BLOCK
+    assert restored.tokens == cold.tokens
+
+
 def test_a_bad_config_is_reported_and_exo_runs_as_without_tierkv(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,

@@ -130,10 +130,10 @@ def _scramble_loaded_blocks(worker_side: Any) -> None:
         worker_side._load = original
         result = original(job)
         for load in job.groups:
-            views = worker_side._views[load.group_id]
-            for part in views.plan.parts:
-                for block_id in load.block_ids:
-                    for block in views.layer_blocks(part, block_id):
+            for layers in worker_side._movers[load.group_id].parts:
+                for tensor, dim in layers:
+                    for block_id in load.block_ids:
+                        block = tensor.select(dim, block_id)
                         block.copy_(torch.randn(block.shape) * 3)
         return result
 

@@ -92,7 +92,7 @@ class ColdTier:
         self._lossless = get_codec("none", group_size=codec.group_size)
         self.vaults = dict(vaults)
         self.min_cosine = min_cosine
-        self._max_pending_encode_bytes = max_pending_encode_bytes
+        self.max_pending_encode_bytes = max_pending_encode_bytes
         self._pending_encode_bytes = 0
         self._lock = threading.Lock()
         self._stats = TierStats()
@@ -148,7 +148,7 @@ class ColdTier:
         """
         client = self._client(vault)
         with self._lock:
-            dropped = self._pending_encode_bytes + block.nbytes > self._max_pending_encode_bytes
+            dropped = self._pending_encode_bytes + block.nbytes > self.max_pending_encode_bytes
             if dropped:
                 self._stats.dropped_backpressure += 1
             else:

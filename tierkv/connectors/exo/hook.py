@@ -5,7 +5,9 @@ The boot module hands two EXO modules here as soon as they are imported:
   and which layers / heads this runner holds (`bound_instance.bound_shard`);
 - `exo.worker.engines.mlx.cache`: `KVPrefixCache` gets three wrapped methods.
   `_evict_if_needed`: every entry it pops is handed to a background thread that copies its
-  layers block by block into the tier (ColdTier.store); generation never waits for it.
+  filled tokens block by block into the tier (ColdTier.store), never more than
+  `connector.staging_bytes` of copies at a time, so an entry of any length reaches the vault;
+  generation never waits for it.
   `get_kv_cache`: when the vault holds a longer block-aligned prefix of the prompt than EXO's
   local hit, the caches are rebuilt from it and only the remaining suffix is returned.
   `add_kv_cache`: with `[exo] write_through = true`, new entries are spilled at once too.
@@ -50,6 +52,10 @@ FORMAT_VERSION = 1
 VAULT = "kv"
 _PATCHED = "__tierkv_patched__"
 HOOKED_METHODS = ("__init__", "get_kv_cache", "add_kv_cache", "_evict_if_needed")
+MAX_QUEUED_SPILLS = 8
+"""Evicted entries waiting for the spill thread (each holds EXO's arrays until it is spilled)."""
+SPILL_WAIT_S = 0.5
+"""How often a spill waiting for staging space checks whether the runtime is closing."""
 
 # mlx dtype -> (codec dtype name, numpy dtype the host copy uses; bf16 travels as its bits)
 _DTYPES: dict[Any, tuple[str, type[np.generic]]] = {
@@ -89,7 +95,6 @@ class _Spill:
     layers: list[tuple[mx.array, mx.array]]
     cached_tokens: int
     geometry: Geometry
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -301,9 +306,10 @@ class ExoRuntime:
         self.ready = threading.Event()
         self.dropped_spills = 0
         self._spill_budget = 0
-        self._spill_bytes = 0
+        self._staged_bytes = 0  # block copies handed to the tier and not yet encoded
         self._lock = threading.Lock()
-        self._spills: queue.Queue[_Spill | None] = queue.Queue()
+        self._staged = threading.Condition(self._lock)
+        self._spills: queue.Queue[_Spill | None] = queue.Queue(MAX_QUEUED_SPILLS)
         self._closed = False
         self._starter = threading.Thread(
             target=self._start, args=(config_loader,), name="tierkv-exo-start", daemon=True
@@ -338,9 +344,10 @@ class ExoRuntime:
             report_once("start", "cannot start the cold tier (%r); EXO runs without tierkv", exc)
 
     def close(self) -> None:
-        with self._lock:
+        with self._staged:
             self._closed = True
             tier, self.tier = self.tier, None
+            self._staged.notify_all()
         self.ready.clear()
         if self._spiller.is_alive():
             self._spills.put(None)
@@ -376,7 +383,8 @@ class ExoRuntime:
     # ---- spill ----
 
     def offer(self, prompt_tokens: Any, cache: Sequence[Any] | None) -> None:
-        """Queue an entry EXO lets go of for the spill thread, if it fits the staging budget.
+        """Queue an entry EXO lets go of for the spill thread (dropped and counted when
+        MAX_QUEUED_SPILLS entries are already waiting).
 
         Runs on EXO's thread: only references are taken here (bf16 gets a zero-copy bits view).
         """
@@ -395,15 +403,17 @@ class ExoRuntime:
                 keys, values = keys.view(mx.uint16), values.view(mx.uint16)
             layers.append((keys, values))
         mx.eval(layers)
-        nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-        with self._lock:
-            if self._spill_bytes + nbytes > self._spill_budget:
-                self.dropped_spills += 1
-                report_once("budget", "spill budget (connector.staging_bytes) full: entry dropped")
-                return
-            self._spill_bytes += nbytes
         tokens = np.array(prompt_tokens, dtype=np.int64)
-        self._spills.put(_Spill(tokens, layers, cached, geometry, nbytes))
+        try:
+            self._spills.put_nowait(_Spill(tokens, layers, cached, geometry))
+        except queue.Full:
+            with self._lock:
+                self.dropped_spills += 1
+            report_once(
+                "queue",
+                "%d evicted entries already wait to spill: entry dropped",
+                MAX_QUEUED_SPILLS,
+            )
 
     def _spill_loop(self) -> None:
         while (spill := self._spills.get()) is not None:
@@ -412,12 +422,12 @@ class ExoRuntime:
             except Exception as exc:
                 report_once("spill", "spilling an evicted entry failed (%r)", exc)
             finally:
-                with self._lock:
-                    self._spill_bytes -= spill.nbytes
                 self._spills.task_done()
         self._spills.task_done()
 
     def _spill(self, spill: _Spill) -> None:
+        """Copy the entry's filled blocks (never its spare capacity) one block of one layer at a
+        time into the tier, waiting while `staging_bytes` of copies are not yet encoded."""
         tier, namespace = self.tier, self.namespace(spill.geometry)
         if tier is None or namespace is None:
             return
@@ -426,13 +436,45 @@ class ExoRuntime:
         parts = self.parts(len(spill.layers))
         stored = tier.lookup(namespace, keys, {VAULT: parts})
         dtype = _DTYPES[spill.geometry.dtype][0]
+        window = min(self._spill_budget, tier.max_pending_encode_bytes)
         b = self.block_tokens
-        for layer, (keys_array, values_array) in enumerate(spill.layers):
-            host = (np.asarray(keys_array)[0], np.asarray(values_array)[0])
-            for kind, array in enumerate(host):
-                for index in range(stored, blocks):
-                    block = np.ascontiguousarray(array[:, index * b : (index + 1) * b, :])
-                    tier.store(namespace, keys[index], parts[2 * layer + kind], block, dtype, VAULT)
+        views = [(np.asarray(k)[0], np.asarray(v)[0]) for k, v in spill.layers]  # no copies
+        for index in range(stored, blocks):
+            for layer, pair in enumerate(views):
+                for kind, array in enumerate(pair):
+                    view = array[:, index * b : (index + 1) * b, :]
+                    if not self._reserve(view.nbytes, window):
+                        return
+                    block = np.ascontiguousarray(view)  # the copy: one block of one layer
+                    release = functools.partial(self._release, block.nbytes)
+                    part = parts[2 * layer + kind]
+                    tier.store(namespace, keys[index], part, block, dtype, VAULT, on_done=release)
+
+    def _reserve(self, nbytes: int, window: int) -> bool:
+        """Wait until `nbytes` more copies fit in `window`; False (entry dropped, counted) when
+        one block alone is larger or the runtime is closing."""
+        if nbytes > window:
+            with self._lock:
+                self.dropped_spills += 1
+            report_once(
+                "budget",
+                "a block of %d bytes does not fit connector.staging_bytes (%d): entry dropped",
+                nbytes,
+                window,
+            )
+            return False
+        with self._staged:
+            while self._staged_bytes + nbytes > window and not self._closed:
+                self._staged.wait(SPILL_WAIT_S)
+            if self._closed:
+                return False
+            self._staged_bytes += nbytes
+            return True
+
+    def _release(self, nbytes: int) -> None:
+        with self._staged:
+            self._staged_bytes -= nbytes
+            self._staged.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued spill is handed to the tier and acknowledged by the vault."""
