@@ -5,12 +5,13 @@ A group's paged buffer is, per layer, a tensor with one dimension indexed by blo
 layout). A block is stored as parts: part p of block b is layer[l].select(dim, b) of every layer
 l of part p, stacked ([layers, *block]); attention has one part, a Mamba layer one per state.
 
-- `BlockMover.store(block_ids)` gathers many blocks at once, with one `index_select` per layer
-  and part over a tensor of block ids, into a region of a reusable host `StagingRing` (pinned
-  when the buffers live on CUDA). The region's numpy views feed the codecs.
+- `BlockMover.store(block_ids)` gathers many blocks at once, with one indexed copy per layer
+  and part over an array of block ids (torch `index_select` on a device; numpy fancy indexing
+  on the CPU, which copies at about memcpy speed), into a region of a reusable host
+  `StagingRing` (pinned when the buffers live on CUDA). The region's numpy views feed the codecs.
 - `BlockMover.staging(n)` hands out staging the codecs decode n blocks into (host, or the
   device for device decode); `BlockMover.scatter(staged, slots, block_ids)` writes the decoded
-  slots into their engine blocks with one `index_copy_` per layer and part. Slots that failed to
+  slots into their engine blocks with one indexed copy per layer and part. Slots that failed to
   decode are simply left out, so their bytes never reach the paged buffer.
 
 Nothing here issues torch operations per block: the work per call is a constant number of
@@ -231,6 +232,17 @@ class BlockMover:
             self.dtypes.append(tensor.dtype)
         self.store_ring = store_ring
         self.load_ring = load_ring
+        # On the CPU, numpy's fancy indexing copies blocks at about memcpy speed (torch's
+        # index_select / index_copy_ measured 2-4x slower on bf16 here): the same batched
+        # gather / scatter, with each layer as a numpy view whose first axis is the block id.
+        self._host_layers = (
+            [
+                [np.moveaxis(numpy_words(tensor), dim, 0) for tensor, dim in layers]
+                for layers in self.parts
+            ]
+            if self.device.type == "cpu"
+            else None
+        )
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -270,6 +282,13 @@ class BlockMover:
             return None
         n = len(block_ids)
         host = self._views(region.data, n)
+        if self._host_layers is not None:
+            host_ids = np.asarray(block_ids, dtype=np.int64)
+            for out, layers in zip(host, self._host_layers, strict=True):
+                words = numpy_words(out)
+                for layer, array in enumerate(layers):
+                    words[:, layer] = array[host_ids]
+            return Staged(host, region)
         ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
         if self._copy_stream is None:
             for part, out in enumerate(host):
@@ -324,8 +343,17 @@ class BlockMover:
         """
         if not block_ids:
             return
-        ids = torch.tensor(block_ids, dtype=torch.long)
         all_slots = list(slots) == list(range(staged.count))
+        if self._host_layers is not None:
+            host_ids = np.asarray(block_ids, dtype=np.int64)
+            for source, layers in zip(staged.tensors, self._host_layers, strict=True):
+                words = numpy_words(source)
+                if not all_slots:
+                    words = words[np.asarray(slots, dtype=np.int64)]
+                for layer, array in enumerate(layers):
+                    array[host_ids] = words[:, layer]
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long)
         picked = None if all_slots else torch.tensor(slots, dtype=torch.long)
         stream = self._load_stream
         if stream is None:
