@@ -206,7 +206,7 @@ def main() -> None:
     step_blocks = max(1, args.step_tokens // args.block)
     batch_blocks = max(1, staging // 2 // mover.block_bytes)
     rows = []
-    with running_vault(args.in_process) as address:
+    with running_vault(args.in_process, False) as (address, _):
         for codec_name in args.codec:
             codec = get_codec(codec_name, args.head_dim)
             namespace = codec_name.encode().ljust(16, b"-")
