@@ -135,12 +135,16 @@ def restore_all(
 def promote_and_decode(
     address: str, namespace: bytes, keys: list[bytes], mover: BlockMover
 ) -> tuple[float, int, float, float]:
-    """(bare Promote seconds, payload bytes, host decode s, device decode s) of every block."""
+    """(bare Promote seconds (median of 3), payload bytes, host decode s, device decode s) of
+    every block."""
     with VaultClient(address) as client:
         client.promote(namespace, keys[:1], [0])  # a warm connection, as the tier has
-        started = time.perf_counter()
-        found = client.promote(namespace, keys, [0])
-        promote_s = time.perf_counter() - started
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            found = client.promote(namespace, keys, [0])
+            times.append(time.perf_counter() - started)
+        promote_s = statistics.median(times)
     payloads = [found[(index, 0)] for index in range(len(keys))]
     host = mover.staging(1)
     out = host.arrays()[0][0]
@@ -226,8 +230,12 @@ def main() -> None:
                     assert not failed, f"{len(failed)} blocks failed to restore"
                     cosine = min(
                         torch.nn.functional.cosine_similarity(
-                            layer.float().flatten(), ref.float().flatten(), dim=0
+                            layer.double().flatten(), ref.double().flatten(), dim=0
                         ).item()
+                        for layer, ref in zip(layers, reference, strict=True)
+                    )
+                    exact = all(
+                        torch.equal(layer, ref)
                         for layer, ref in zip(layers, reference, strict=True)
                     )
                     decode_s = device_decode_s if decode == "device" else host_decode_s
@@ -251,11 +259,9 @@ def main() -> None:
                         "memcpy_gbps": round(memcpy, 3),
                         "decode_over_memcpy": round(raw_bytes / decode_s / 1e9 / memcpy, 4),
                         "min_cosine": round(cosine, 5),
+                        "exact": exact,
                     }
-                    if codec_name == "none":
-                        assert cosine == 1.0 or all(
-                            torch.equal(a, b) for a, b in zip(layers, reference, strict=True)
-                        ), "a lossless restore changed the KV"
+                    assert exact or codec_name != "none", "a lossless restore changed the KV"
                     rows.append(row)
                     if args.json:
                         print(json.dumps(row), flush=True)
