@@ -11,6 +11,7 @@ Cluster backend by hash slot.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +33,8 @@ class ShardedBackend:
         self.address = address
         self.unrouted_puts = 0
         """Puts with no owner (a cluster whose slot map is unknown): dropped."""
+        self._unrouted_since_flush = False
+        self._unrouted_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="tierkv-shards")
 
     def owner(self, key: bytes) -> Backend | None:
@@ -44,7 +47,9 @@ class ShardedBackend:
     def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
         backend = self.owner(key)
         if backend is None:
-            self.unrouted_puts += 1
+            with self._unrouted_lock:
+                self.unrouted_puts += 1
+                self._unrouted_since_flush = True
             return
         backend.put(namespace, key, part, payload)
 
@@ -86,7 +91,9 @@ class ShardedBackend:
         for backend in self.members():
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             flushed = backend.flush(remaining) and flushed
-        return flushed
+        with self._unrouted_lock:
+            lost, self._unrouted_since_flush = self._unrouted_since_flush, False
+        return flushed and not lost
 
     def stats(self) -> list[VaultStats]:
         return [row for backend in self.members() for row in backend.stats()]
