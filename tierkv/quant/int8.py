@@ -79,15 +79,15 @@ def _scale_groups(words, code, group_size, scales, g_lo, g_hi):
 
 
 @njit(cache=True, nogil=True)
-def _quantize_groups(words, code, group_size, scales, k, out, base, g_lo, g_hi):
-    """Write the fp16 scales and int8 values of groups [g_lo, g_hi) into out[base:]."""
+def _quantize_groups(words, code, group_size, scales, k, out, g_lo, g_hi):
+    """Write the fp16 scales and int8 values of groups [g_lo, g_hi) into the body `out`."""
     n_groups = scales.size
     pow2k, inv_pow2k = pow2(k), pow2(-k)
-    q_base = base + 2 + 2 * n_groups
+    q_base = 2 + 2 * n_groups
     buf = np.empty(group_size, np.float32)
     for g in range(g_lo, g_hi):
         h = scale_to_half(scales[g], inv_pow2k)
-        write_u16(out, base + 2 + 2 * g, h)
+        write_u16(out, 2 + 2 * g, h)
         step = step_of(h, pow2k)
         group = words[g * group_size : (g + 1) * group_size]
         q = out[q_base + g * group_size : q_base + g * group_size + group.size]
@@ -117,28 +117,28 @@ def _dequantize_groups(body, code, group_size, out_words, g_lo, g_hi):
 
 
 @njit(cache=True, nogil=True)
-def _write_exponent(scales, out, base):
+def _write_exponent(scales, out):
     """Choose the block exponent from the largest scale and store it; returns it."""
     k = block_exponent(scales.max()) if scales.size else 0
-    write_u16(out, base, np.uint16(np.int16(k)))
+    write_u16(out, 0, np.uint16(np.int16(k)))
     return k
 
 
 @njit(cache=True, nogil=True)
-def encode_serial(words, code, group_size, out, base):
-    """Quantize `words` into out[base:]; returns the number of groups holding NaN/Inf (0 = ok)."""
+def encode_serial(words, code, group_size, out):
+    """Quantize `words` into the body `out`; returns how many groups hold NaN/Inf (0 = ok)."""
     n_groups = (words.size + group_size - 1) // group_size
     scales = np.empty(n_groups, np.float32)
     bad = _scale_groups(words, code, group_size, scales, 0, n_groups)
     if bad:
         return bad
-    k = _write_exponent(scales, out, base)
-    _quantize_groups(words, code, group_size, scales, k, out, base, 0, n_groups)
+    k = _write_exponent(scales, out)
+    _quantize_groups(words, code, group_size, scales, k, out, 0, n_groups)
     return 0
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def encode_parallel(words, code, group_size, out, base):
+def encode_parallel(words, code, group_size, out):
     """encode_serial split across threads."""
     n_groups = (words.size + group_size - 1) // group_size
     per_chunk = max(1, CHUNK_VALUES // group_size)
@@ -150,10 +150,10 @@ def encode_parallel(words, code, group_size, out, base):
         bad += _scale_groups(words, code, group_size, scales, lo, hi)
     if bad:
         return bad
-    k = _write_exponent(scales, out, base)
+    k = _write_exponent(scales, out)
     for c in prange(n_chunks):
         lo, hi = c * per_chunk, min(n_groups, (c + 1) * per_chunk)
-        _quantize_groups(words, code, group_size, scales, k, out, base, lo, hi)
+        _quantize_groups(words, code, group_size, scales, k, out, lo, hi)
     return 0
 
 
@@ -196,7 +196,7 @@ class Int8Codec:
         header = pack_header(self.name, dtype, shape, self.group_size, body_len)
         payload, body = new_payload(header, body_len)
         code = DTYPE_CODES[dtype]
-        bad = encode_kernel(words.nbytes, words, code, self.group_size, body, 0)
+        bad = encode_kernel(words.nbytes, words, code, self.group_size, body)
         if bad:
             raise NonFiniteError(f"block holds NaN/Inf in {bad} of its groups of {self.group_size}")
         return payload
