@@ -125,3 +125,16 @@ def test_cli_engine_exo_json(exo_api: tuple[str, list[str]]) -> None:
     assert report["engine"] == "exo" and len(report["runs"]) == 4
     assert report["outputs_match"]
     assert [run["cached_tokens"] for run in report["runs"]][-1] > 0
+
+
+def test_cli_engine_exo_prompt_file(exo_api: tuple[str, list[str]], tmp_path: Any) -> None:
+    url, prompts = exo_api
+    text = " ".join(f"word{i % 37}" for i in range(90))
+    path = tmp_path / "prompt.txt"
+    path.write_text(text)
+    args = ["bench", "--engine", "exo", "--exo-api", url, "--model", "tiny"]
+    out = CliRunner().invoke(app, [*args, "--prompt-file", str(path), "--json"])
+    assert out.exit_code == 0, out.output
+    assert prompts[0] == prompts[1] == prompts[3] == text  # the file's text is the prompt
+    report = json.loads(out.stdout)
+    assert report["prompt_tokens"] == 90 and report["outputs_match"]
