@@ -302,3 +302,24 @@ def test_warmup_builds_the_multi_threaded_kernels_without_running_them() -> None
     warmup()
     for kernel in kernels.Threaded.every:
         assert kernel.parallel.signatures, kernel.parallel.__name__
+
+
+def test_warmup_compiles_only_what_it_is_asked_for() -> None:
+    """The named codecs and dtypes only; no multi-threaded builds for blocks too small to use
+    them, no fidelity kernels unless asked (a fresh process: nothing compiled before)."""
+    probe = """
+from tierkv.quant import warmup
+from tierkv.quant.kernels import Threaded
+warmup(("int8", "none"), ("fp16",), with_fidelity=False, largest_block_bytes=1 << 20)
+print(sum(len(k.serial.signatures) for k in Threaded.every),
+      sum(len(k.parallel.signatures) for k in Threaded.every))
+warmup(("int8",), ("fp16",), with_fidelity=False)
+print(sum(len(k.parallel.signatures) for k in Threaded.every))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=600, check=True
+    )
+    (serial, parallel_small), (parallel,) = (
+        [int(word) for word in line.split()] for line in done.stdout.splitlines()
+    )
+    assert serial > 0 and parallel_small == 0 and parallel > 0

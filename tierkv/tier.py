@@ -103,7 +103,7 @@ class ColdTier:
         )
         self._encoding: set[Future[None]] = set()
         self.warmup_s = 0.0
-        """Seconds `from_config` spent compiling or loading the codec kernels."""
+        """Seconds `warm_up` spent compiling or loading the codec kernels."""
 
     @classmethod
     def from_config(cls, cfg: TierKVConfig, warm_dtypes: Sequence[str] = DTYPES) -> ColdTier:
@@ -120,15 +120,23 @@ class ColdTier:
             if found
         }
         codec = get_codec(cfg.turbo_quant.codec_name, group_size=cfg.turbo_quant.kv_dim)
-        min_cosine = cfg.turbo_quant.min_cosine
-        warmup_s = (
-            warmup_codecs((codec.name, "none"), warm_dtypes, with_fidelity=min_cosine > 0)
-            if warm_dtypes
-            else 0.0
-        )
-        tier = cls(codec, vaults, min_cosine=min_cosine)
-        tier.warmup_s = warmup_s
+        tier = cls(codec, vaults, min_cosine=cfg.turbo_quant.min_cosine)
+        if warm_dtypes:
+            tier.warm_up(warm_dtypes)
         return tier
+
+    def warm_up(self, dtypes: Sequence[str], largest_block_bytes: int | None = None) -> float:
+        """Compile (or load from Numba's cache) what storing and loading blocks of `dtypes`
+        needs: this tier's codec, the lossless one, the fidelity check with min_cosine, and the
+        multi-threaded builds unless `largest_block_bytes` is too small to use them. Returns
+        and remembers (`warmup_s`) the seconds taken."""
+        self.warmup_s = warmup_codecs(
+            (self.codec.name, "none"),
+            dtypes,
+            with_fidelity=self.min_cosine > 0,
+            largest_block_bytes=largest_block_bytes,
+        )
+        return self.warmup_s
 
     def store(
         self,

@@ -11,7 +11,7 @@ import numpy as np
 
 from tierkv.quant import int8, lossless, turbo
 from tierkv.quant.fidelity import fidelity
-from tierkv.quant.kernels import Threaded
+from tierkv.quant.kernels import PARALLEL_MIN_BYTES, Threaded
 from tierkv.quant.payload import (
     CODEC_NAMES,
     DTYPE_BYTES,
@@ -114,12 +114,15 @@ def warmup(
     dtypes: Iterable[str] = DTYPES,
     *,
     with_fidelity: bool = True,
+    largest_block_bytes: int | None = None,
     on_step: Callable[[str, int, int], None] | None = None,
 ) -> float:
     """Compile (or load from Numba's cache) the kernels of `codecs` for `dtypes`, and of
     `fidelity` if `with_fidelity` (encode_block's min_cosine check uses it), so no request pays
-    for it; returns the seconds taken. `on_step(what, done, total)` reports progress ("int8
-    fp16", ..., "multi-threaded builds", then "done")."""
+    for it; returns the seconds taken. The multi-threaded builds are compiled too unless
+    `largest_block_bytes` says no block is large enough to use them (None: compile them).
+    `on_step(what, done, total)` reports progress ("int8 fp16", ..., "multi-threaded builds",
+    then "done")."""
     start = time.perf_counter()
     steps = [(name, dtype) for name in dict.fromkeys(codecs) for dtype in dict.fromkeys(dtypes)]
     total = len(steps) + 1
@@ -135,8 +138,9 @@ def warmup(
             fidelity(array, array, dtype)
     if on_step:
         on_step("multi-threaded builds", len(steps), total)
-    for kernel in Threaded.every:
-        kernel.compile_parallel()
+    if largest_block_bytes is None or largest_block_bytes >= PARALLEL_MIN_BYTES:
+        for kernel in Threaded.every:
+            kernel.compile_parallel()
     if on_step:
         on_step("done", total, total)
     return time.perf_counter() - start

@@ -99,18 +99,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         from tierkv.tier import ColdTier
 
         self.config = cfg
-        # Only workers encode and decode: they compile the configured codec for the model's dtype.
+        # Only workers encode and decode: they compile the configured codec for the model's
+        # dtype in register_kv_caches, once they know how large a block is.
         model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-        warm = () if role == KVConnectorRole.SCHEDULER else (_DTYPE_NAMES.get(model_dtype, "fp16"),)
-        self.tier = ColdTier.from_config(cfg, warm_dtypes=warm)
-        if warm:
-            log.info(
-                "tierkv: %s and lossless kernels for %s ready in %.1f s (compiled once per "
-                "machine into Numba's cache)",
-                self.tier.codec.name,
-                warm[0],
-                self.tier.warmup_s,
-            )
+        self._kv_dtype = _DTYPE_NAMES.get(model_dtype, "fp16")
+        self.tier = ColdTier.from_config(cfg, warm_dtypes=())
         self.scheduler_side: TierScheduler | None = None
         self.worker_side: TierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -146,7 +139,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         return self.worker_side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._worker().register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        worker = self._worker()
+        worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        largest = worker.largest_block_bytes()
+        seconds = self.tier.warm_up((self._kv_dtype,), largest)
+        log.info(
+            "tierkv: %s and lossless kernels for %s blocks of up to %d bytes ready in %.1f s "
+            "(compiled once per machine into Numba's cache)",
+            self.tier.codec.name,
+            self._kv_dtype,
+            largest,
+            seconds,
+        )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert isinstance(kv_connector_metadata, TierKVMetadata)

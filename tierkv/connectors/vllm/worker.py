@@ -125,6 +125,13 @@ class TierWorker:
         if self.device_decode is None:
             self.device_decode = pin and self.tier.codec.name != "none"
 
+    def largest_block_bytes(self) -> int:
+        """Bytes of the largest array a block part is stored as (all its layers, stacked)."""
+        return max(
+            (views.part_bytes(part) for views in self._views.values() for part in views.plan.parts),
+            default=0,
+        )
+
     # ---- stores ----------------------------------------------------------------------------
 
     def store_blocks(self, meta: TierKVMetadata) -> None:
