@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
 
 from tierkv.cli import app
 from tierkv.config import (
@@ -238,21 +239,21 @@ def _figure(value: float | None, fmt: str) -> str:
     return "lossless" if value is None or not math.isfinite(value) else format(value, fmt)
 
 
-def results_table(results: list[BenchResult]) -> Table:
+def results_table(results: list[BenchResult]) -> Group:
     """One column per codec, one row per figure (fits an 80-column terminal with every codec);
-    speeds in GB/s, with numpy memcpy of the same bytes in the title."""
+    speeds in GB/s, with numpy memcpy of the same bytes in the title line. Title and caption
+    are lines of their own, so a narrow table (one codec) does not wrap them."""
     first = results[0]
-    table = Table(
-        title=(
-            f"{first.tokens} tokens of {first.model_shape}, {first.dtype}, "
-            f"{first.raw_bytes / 1e6:,.0f} MB; memcpy {first.memcpy_gbps:.2f} GB/s"
-        ),
-        caption="encode, decode: GB/s of raw bytes; put, promote: GB/s of stored bytes; "
-        "restore = lookup + promote + decode on loopback, GbE s = the same restore with the stored "
-        "bytes at that line rate; fidelity of the worst block",
-        box=box.SIMPLE_HEAD,
-        pad_edge=False,
+    title = (
+        f"{first.tokens} tokens of {first.model_shape}, {first.dtype}, "
+        f"{first.raw_bytes / 1e6:,.0f} MB; memcpy {first.memcpy_gbps:.2f} GB/s"
     )
+    caption = (
+        "encode, decode: GB/s of raw bytes; put, promote: GB/s of stored bytes; "
+        "restore = lookup + promote + decode on loopback, GbE s = the same restore with the stored "
+        "bytes at that line rate; fidelity of the worst block"
+    )
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     rows: list[tuple[str, Callable[[BenchResult], str]]] = [
         ("stored MB", lambda r: f"{r.stored_bytes / 1e6:,.0f}"),
         ("ratio", lambda r: f"{r.ratio:.2f}×"),
@@ -280,7 +281,7 @@ def results_table(results: list[BenchResult]) -> Table:
         table.add_column(result.codec, justify="right", no_wrap=True)
     for label, cell in rows:
         table.add_row(label, *(cell(result) for result in results))
-    return table
+    return Group(Text(title), table, Text(caption))
 
 
 def _spread(values: list[float]) -> str:
