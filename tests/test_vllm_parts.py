@@ -155,6 +155,7 @@ def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
         assert worker.stats.data["loaded_blocks"] == 3
         restored = sum(cache[:, 0].numel() * cache.element_size() for cache in caches.values())
         assert worker.stats.data["loaded_bytes"] == 3 * restored
+        assert worker.largest_block_bytes() == restored  # what a warm-up sizes its kernels by
         assert worker.stats.data["load_failed_blocks"] == 1
     finally:
         worker.shutdown()
