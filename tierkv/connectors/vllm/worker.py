@@ -128,7 +128,11 @@ class TierWorker:
     def largest_block_bytes(self) -> int:
         """Bytes of the largest array a block part is stored as (all its layers, stacked)."""
         return max(
-            (views.part_bytes(part) for views in self._views.values() for part in views.plan.parts),
+            (
+                mover.part_bytes(part)
+                for mover in self._movers.values()
+                for part in range(len(mover.parts))
+            ),
             default=0,
         )
 
