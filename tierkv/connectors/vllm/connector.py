@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 # Under vLLM's logger, so these lines are printed with vLLM's own.
@@ -235,6 +236,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler().build_connector_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().loads_reported(
+            set(connector_output.invalid_block_ids or ()),
+            set(connector_output.failed_recving or ()),
+        )
 
     def request_finished(
         self, request: Request, block_ids: list[int]

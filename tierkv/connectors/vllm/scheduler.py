@@ -132,6 +132,8 @@ class TierScheduler:
         self._group_ids = {plan.group_id for plan in self.plans}
         self._tracked: dict[str, _Tracked] = {}
         self._live: set[str] = set()  # requests vLLM asked about and that have not finished
+        self._loaded_into: dict[str, set[int]] = {}  # request -> engine blocks it restored into
+        self._failed_loads: set[str] = set()  # requests whose restore failed: recompute them
         # vLLM block hash -> tierkv key, and the (group, key) pairs recently sent; both bounded.
         self._hash_keys: OrderedDict[bytes, bytes] = OrderedDict()
         self._stored: OrderedDict[tuple[int, bytes], None] = OrderedDict()
@@ -169,6 +171,8 @@ class TierScheduler:
         req_id = request.request_id
         self._live.add(req_id)
         self._track(request)
+        if req_id in self._failed_loads:
+            return 0, False
         pending = self._pending_loads.get(req_id)
         if pending is None or pending.num_computed_tokens != num_computed_tokens:
             lookup = self._lookups.get(req_id)
@@ -249,6 +253,18 @@ class TierScheduler:
                     )
                 )
         self._loads.append(LoadJob(request.request_id, loads, pending.sync))
+        self._loaded_into[request.request_id] = {i for load in loads for i in load.block_ids}
+
+    def loads_reported(self, invalid_block_ids: set[int], failed_req_ids: set[str]) -> None:
+        """Note the requests whose restore failed (the workers' load errors of a step).
+
+        vLLM asks again about a request whose background load failed, and the vaults would
+        offer the same blocks, which would likely fail the same way: a corrupt block again and
+        again, a vault that answers lookups but not promotes. Such a request is recomputed.
+        """
+        for req_id, block_ids in self._loaded_into.items():
+            if req_id in failed_req_ids or block_ids & invalid_block_ids:
+                self._failed_loads.add(req_id)
 
     # ---- stores ----------------------------------------------------------------------------
 
@@ -294,6 +310,8 @@ class TierScheduler:
                     self._store_if_known(pool.blocks[block_id])
         self._tracked.pop(request.request_id, None)
         self._live.discard(request.request_id)
+        self._loaded_into.pop(request.request_id, None)
+        self._failed_loads.discard(request.request_id)
 
     def _collect_evictions(self) -> None:
         """Queue stores for known blocks among the next `watermark` blocks vLLM will reuse."""
