@@ -24,7 +24,9 @@ import pytest
 from conftest import SLOW_BOX_MARGIN_S, VaultHandle
 from fake_exo.tiny_mlx import random_tokens, tiny_llama
 from fake_exo.tree import FIXTURE_SRC
-from mlx_lm.models.cache import RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.llama import Model as LlamaModel
+from mlx_lm.models.llama import ModelArgs
 
 from tierkv.connectors.exo import boot, hook
 
@@ -250,17 +252,41 @@ def test_with_the_vault_down_exo_gives_the_same_tokens_as_without_tierkv(
     assert with_tierkv.tokens == without.tokens
 
 
+def quantizable_llama() -> Any:
+    """A tiny Llama whose heads are 32 wide, the least MLX quantizes in groups."""
+    mx.random.seed(0)
+    args = ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=128,
+        tie_word_embeddings=False,
+    )
+    return LlamaModel(args)
+
+
+@pytest.mark.parametrize("kind", ["RotatingKVCache", "QuantizedKVCache"])
 def test_other_cache_kinds_are_left_to_exo_and_reported_once(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     vault: VaultHandle,
     caplog: pytest.LogCaptureFixture,
+    kind: str,
 ) -> None:
+    """Rotating and quantized (EXO's KV_CACHE_BITS) caches stay on EXO's own path."""
     exo = start_exo(tmp_path, monkeypatch, vault.address)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
-    model = tiny_llama()
-    model.make_cache = lambda: [RotatingKVCache(max_size=512) for _ in model.layers]
+    if kind == "RotatingKVCache":
+        model = tiny_llama()
+        model.make_cache = lambda: [RotatingKVCache(max_size=512) for _ in model.layers]
+    else:
+        model = quantizable_llama()
+        model.make_cache = lambda: [QuantizedKVCache(32, 8) for _ in model.layers]
     prefix_cache = exo.cache.KVPrefixCache(None)
     monkeypatch.setattr(hook, "_reported", set())
     with caplog.at_level(logging.WARNING, logger="tierkv.exo"):
@@ -272,8 +298,37 @@ def test_other_cache_kinds_are_left_to_exo_and_reported_once(
             assert again.prefilled == 60
     assert runtime.flush(10)
     assert runtime.tier is not None and runtime.tier.stats()["queued_blocks"] == 0
-    reports = [r for r in caplog.records if "RotatingKVCache" in r.getMessage()]
+    reports = [r for r in caplog.records if kind in r.getMessage()]
     assert len(reports) == 1
+
+
+def test_recurrent_state_entries_are_left_to_exo(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An entry with SSM layers (ArraysCache) and their snapshots is evicted without a spill."""
+    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    model = tiny_llama()
+    prompt = random_tokens(60, seed=31)
+    attention = [KVCache() for _ in model.layers]
+    model(prompt[None], cache=attention)
+    state = ArraysCache(2)
+    state.state = [mx.zeros((1, 4, 8)), mx.ones((1, 2, 8, 8))]
+    cache = [state, attention[1]]
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    snapshots = [exo.cache.snapshot_ssm_states(cache)]
+    monkeypatch.setattr(hook, "_reported", set())
+    with caplog.at_level(logging.WARNING, logger="tierkv.exo"):
+        prefix_cache.add_kv_cache(prompt, cache, ssm_snapshots=snapshots)
+        evict_everything(exo, monkeypatch, prefix_cache)
+    assert prefix_cache.caches == [] and prefix_cache._snapshots == []
+    assert runtime.flush(10)
+    assert runtime.tier is not None and runtime.tier.stats()["queued_blocks"] == 0
+    assert any("ArraysCache" in r.getMessage() for r in caplog.records)
 
 
 def test_a_full_spill_budget_drops_the_entry_and_counts_it(
