@@ -139,9 +139,9 @@ def _record_stored_and_restored(worker_side: Any) -> dict[str, dict[tuple[bytes,
     tier, load_group = worker_side.tier, worker_side._load_group
     store = tier.store
 
-    def store_and_record(namespace, key, part, array, dtype, vault="kv"):
+    def store_and_record(namespace, key, part, array, *args, **kwargs):
         recorded["stored"][key, part] = np.array(array).view(np.uint16)
-        store(namespace, key, part, array, dtype, vault)
+        store(namespace, key, part, array, *args, **kwargs)
 
     def load_and_record(load):
         failed = load_group(load)
