@@ -317,7 +317,7 @@ def test_recurrent_state_entries_are_left_to_exo(
     attention = [KVCache() for _ in model.layers]
     model(prompt[None], cache=attention)
     state = ArraysCache(2)
-    state.state = [mx.zeros((1, 4, 8)), mx.ones((1, 2, 8, 8))]
+    state.cache = [mx.zeros((1, 4, 8)), mx.ones((1, 2, 8, 8))]
     cache = [state, attention[1]]
     prefix_cache = exo.cache.KVPrefixCache(None)
     snapshots = [exo.cache.snapshot_ssm_states(cache)]
