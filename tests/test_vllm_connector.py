@@ -144,14 +144,15 @@ def _record_stored_and_restored(worker_side: Any) -> dict[str, dict[tuple[bytes,
         store(namespace, key, part, array, *args, **kwargs)
 
     def load_and_record(load):
-        failed = load_group(load)
-        views = worker_side._views[load.group_id]
+        result = load_group(load)
+        failed = result[0]
+        mover = worker_side._movers[load.group_id]
         for index, (key, block_id) in enumerate(zip(load.keys, load.block_ids, strict=True)):
-            for part in views.plan.parts:
+            for part, layers in enumerate(mover.parts):
                 if index not in failed:
-                    block = torch.stack(views.layer_blocks(part, block_id))
+                    block = torch.stack([tensor.select(dim, block_id) for tensor, dim in layers])
                     recorded["restored"][key, part] = block.view(torch.int16).numpy().view("u2")
-        return failed
+        return result
 
     tier.store, worker_side._load_group = store_and_record, load_and_record
     return recorded
