@@ -28,7 +28,10 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 from mlx_lm.models.llama import Model as LlamaModel
 from mlx_lm.models.llama import ModelArgs
 
+import tierkv.config as config_module
 from tierkv.connectors.exo import boot, hook
+from tierkv.keys import weights_fingerprint
+from tierkv.quant import read_header
 
 pytestmark = pytest.mark.mlx
 
@@ -54,6 +57,7 @@ def start_exo(
     write_through: bool = False,
     block_tokens: int = BLOCK,
     staging_bytes: str = "64MiB",
+    extra_config: str = "",
 ) -> Exo:
     """Point tierkv's config at `vault_address`, arm the boot hook, import the fixture package and
     start a runner through EXO's entry point (which binds the shard)."""
@@ -62,6 +66,7 @@ def start_exo(
         f'[cluster]\nkv_cold = "{vault_address}"\n[client]\ndeadline_ms = 300\n'
         f'[connector]\nstaging_bytes = "{staging_bytes}"\n'
         f"[exo]\nblock_tokens = {block_tokens}\nwrite_through = {str(write_through).lower()}\n"
+        + extra_config
     )
     monkeypatch.setenv("TIERKV_CONFIG", str(config))
     monkeypatch.syspath_prepend(str(FIXTURE_SRC))
@@ -202,6 +207,51 @@ def test_weights_replaced_in_place_change_the_namespace(
         start_runner(exo)  # a new runner for the same model
     assert runtime.namespace(geometry) not in (first, second)
     assert "cannot fingerprint the weight files of tests/tiny-llama" in caplog.text
+
+
+@pytest.mark.parametrize("verdict", ["k8v4", None])
+def test_codec_auto_stores_with_the_models_verdict_else_lossless(
+    verdict: str | None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    model_dir = tmp_path / "models" / "tests--tiny-llama"
+    model_dir.mkdir(parents=True)
+    (model_dir / "model.safetensors").write_bytes(b"tiny weights" * 1000)
+    monkeypatch.setenv("FAKE_EXO_MODELS_DIR", str(model_dir.parent))
+    fingerprint = weights_fingerprint(model_dir)
+    verdicts = f'[codec_verdicts]\n"{fingerprint}" = "{verdict}"\n' if verdict else ""
+    monkeypatch.setattr(config_module, "_told_auto", set())
+    with caplog.at_level(logging.INFO, logger="tierkv.config"):
+        exo = start_exo(
+            tmp_path,
+            monkeypatch,
+            vault.address,
+            extra_config='[turbo_quant]\nenabled = true\ncodec = "auto"\nkv_dim = 16\n' + verdicts,
+        )
+        runtime = hook.runtime()
+        assert runtime.ready.wait(READY_TIMEOUT_S)
+    assert runtime.tier is not None and runtime.tier.codec.name == (verdict or "none")
+    said = "verdict for this model is k8v4" if verdict else f"no verdict for model {fingerprint}"
+    assert caplog.text.count(said) == 1
+
+    model = tiny_llama(dtype=mx.bfloat16)
+    prompt = random_tokens(40, seed=3)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+    evict_everything(exo, monkeypatch, prefix_cache)
+    assert runtime.flush(10)
+    stored = {
+        part: read_header(payload).codec
+        for (_, _, part), (payload, _) in vault.store._entries.items()
+    }
+    expected = {0: "int8", 1: "tq4"} if verdict else {0: "none", 1: "none"}
+    assert stored == {part: expected[part % 2] for part in range(4)}  # keys even, values odd
+    longer = mx.concatenate([prompt, random_tokens(8, seed=4)])
+    restored = exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=3)
+    assert restored.prefilled == 48 - 32
 
 
 def test_a_local_hit_as_long_as_the_vault_prefix_is_left_alone(

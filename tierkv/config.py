@@ -7,13 +7,16 @@ type, bad size or address) raises `ConfigError` naming the file, the key and wha
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -23,6 +26,19 @@ ROLES = ("inference", "kv_cold", "ssm_cold")
 VAULT_ROLES = ("kv_cold", "ssm_cold")
 TURBO_QUANT_CODECS = ("int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
 """The lossy codecs of tierkv.quant that `[turbo_quant] codec` may name."""
+CODEC_BITS = {
+    "none": "16",
+    "int8": "8",
+    "tq4": "4",
+    "tq3.5": "3.5",
+    "tq3": "3",
+    "tq2.5": "2.5",
+    "tq2": "2",
+}
+"""Each codec of tierkv.quant by its bits per value in a K/V pair's short name ("16": lossless)."""
+AUTO_CODEC = "auto"
+"""`[turbo_quant] codec = "auto"`: the verdict `tierkv eval` recorded for the model, else none."""
+_PAIR_RE = re.compile(r"^k([0-9.]+)v([0-9.]+)$")
 STORE_MODES = ("on_eviction", "on_finish")
 FSYNC_MODES = ("never", "interval", "always")
 """When a vault's disk tier syncs its writes: see the README's table of what each loses."""
@@ -68,6 +84,31 @@ def parse_size(value: int | str) -> int:
             f" GiB, TiB), got {value!r}"
         )
     return int(float(match.group(1).replace("_", "")) * _SIZE_UNITS[unit])
+
+
+def kv_pair_name(keys: str, values: str) -> str:
+    """The short name of keys stored with codec `keys` and values with `values` ("k8v4" for
+    int8 + tq4); the plain codec name when both are the same. ValueError for an unknown codec."""
+    for codec in (keys, values):
+        if codec not in CODEC_BITS:
+            raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(CODEC_BITS)}")
+    return keys if keys == values else f"k{CODEC_BITS[keys]}v{CODEC_BITS[values]}"
+
+
+def kv_pair_codecs(name: str) -> tuple[str, str] | None:
+    """(keys codec, values codec) of a K/V pair's short name like "k8v4"; None for other names.
+
+    ValueError when `name` looks like a pair but names bits no codec has."""
+    match = _PAIR_RE.match(name)
+    if match is None:
+        return None
+    by_bits = {bits: codec for codec, bits in CODEC_BITS.items()}
+    keys, values = (by_bits.get(bits) for bits in match.groups())
+    if keys is None or values is None:
+        raise ValueError(
+            f"K/V pair {name!r}: bits must be one of {', '.join(by_bits)} (16 = lossless)"
+        )
+    return keys, values
 
 
 def format_size(size: int) -> str:
@@ -286,7 +327,8 @@ class TurboQuantConfig:
 
     @property
     def codec_name(self) -> str:
-        """The codec blocks are stored with: "none" (lossless) unless enabled."""
+        """The codec blocks are stored with: "none" (lossless) unless enabled; "auto" until
+        `resolve_auto_codec` replaces it with the model's verdict."""
         return self.codec if self.enabled else "none"
 
 
@@ -319,6 +361,8 @@ class TierKVConfig:
     turbo_quant: TurboQuantConfig = field(default_factory=TurboQuantConfig)
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     exo: ExoConfig = field(default_factory=ExoConfig)
+    codec_verdicts: dict[str, str] = field(default_factory=dict)
+    """`[codec_verdicts]`: model fingerprint -> the codec `tierkv eval --write-config` chose."""
 
 
 # ---- validation ------------------------------------------------------------------------------
@@ -374,6 +418,33 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
         return str(value)
 
     return check
+
+
+def _codec_choice(value: Any) -> str:
+    """`[turbo_quant] codec`: a lossy codec, "auto", a K/V pair ("k8v4" or {k = .., v = ..})."""
+    if isinstance(value, Mapping):
+        if set(value) != {"k", "v"}:
+            raise ValueError(f"a K/V pair is a table with keys k and v, got {dict(value)!r}")
+        return kv_pair_name(value["k"], value["v"])
+    if value == AUTO_CODEC or value in TURBO_QUANT_CODECS:
+        return str(value)
+    pair = kv_pair_codecs(value) if isinstance(value, str) else None
+    if pair is not None:
+        return kv_pair_name(*pair)
+    raise ValueError(
+        f"expected one of {', '.join(TURBO_QUANT_CODECS)}, {AUTO_CODEC}, a K/V pair like "
+        f'"k8v4" or {{ k = "int8", v = "tq4" }}; got {value!r}'
+    )
+
+
+def _verdict_codec(value: Any) -> str:
+    """A `[codec_verdicts]` value: "none" or anything `[turbo_quant] codec` accepts but auto."""
+    if value == "none":
+        return "none"
+    codec = _codec_choice(value)
+    if codec == AUTO_CODEC:
+        raise ValueError("a verdict names a codec, not auto")
+    return codec
 
 
 def _positive_size(value: Any) -> int:
@@ -493,7 +564,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         {
             "enabled": _bool,
             "kv_dim": _kv_dim,
-            "codec": _one_of(TURBO_QUANT_CODECS),
+            "codec": _codec_choice,
             "min_cosine": _cosine,
         },
     ),
@@ -529,9 +600,13 @@ def config_from_mapping(data: Mapping[str, Any], source: str) -> TierKVConfig:
     """
     sections: dict[str, Any] = {}
     for section, raw in _nest_dotted_keys(data, source).items():
+        if section == "codec_verdicts":
+            sections[section] = _verdicts(raw, source)
+            continue
         if section not in _SECTIONS:
             raise ConfigError(
-                f"{source}: unknown section [{section}]; expected one of {', '.join(_SECTIONS)}"
+                f"{source}: unknown section [{section}]; expected one of "
+                f"{', '.join(_SECTIONS)}, codec_verdicts"
             )
         cls, checkers = _SECTIONS[section]
         values: dict[str, Any] = {}
@@ -547,6 +622,16 @@ def config_from_mapping(data: Mapping[str, Any], source: str) -> TierKVConfig:
                 raise ConfigError(f"{source}: {section}.{name}: {exc}") from None
         sections[section] = cls(**values)
     return TierKVConfig(source=source, **sections)
+
+
+def _verdicts(raw: Mapping[str, Any], source: str) -> dict[str, str]:
+    verdicts = {}
+    for fingerprint, value in raw.items():
+        try:
+            verdicts[str(fingerprint)] = _verdict_codec(value)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: codec_verdicts.{fingerprint}: {exc}") from None
+    return verdicts
 
 
 def _candidate_paths(path: str | Path | None) -> list[tuple[Path, bool]]:
@@ -579,3 +664,35 @@ def load_config(path: str | Path | None = None) -> TierKVConfig:
             raise ConfigError(f"{candidate}: cannot read TOML: {exc}") from None
         return config_from_mapping(document.unwrap(), str(candidate))
     return TierKVConfig()
+
+
+_told_auto: set[str | None] = set()
+
+
+def resolve_auto_codec(
+    cfg: TierKVConfig, model_fingerprint: Callable[[], str | None]
+) -> TierKVConfig:
+    """`cfg` with `[turbo_quant] codec = "auto"` replaced by the verdict `[codec_verdicts]` holds
+    for the model whose weights `model_fingerprint()` fingerprints (called only for auto),
+    lossless when there is none (said once per model in the log). Any other codec setting comes
+    back unchanged."""
+    if cfg.turbo_quant.codec_name != AUTO_CODEC:
+        return cfg
+    fingerprint = model_fingerprint()
+    verdict = cfg.codec_verdicts.get(fingerprint) if fingerprint else None
+    if fingerprint not in _told_auto:
+        _told_auto.add(fingerprint)
+        if verdict is None:
+            log.warning(
+                "tierkv: codec = auto, but %s holds no verdict for model %s; storing lossless "
+                "(run `tierkv eval --write-config` to record one)",
+                cfg.source,
+                fingerprint or "(weights not found)",
+            )
+        else:
+            log.warning(
+                "tierkv: codec = auto: %s's verdict for this model is %s", cfg.source, verdict
+            )
+    codec = verdict or "none"
+    turbo = replace(cfg.turbo_quant, codec=codec, enabled=codec != "none")
+    return replace(cfg, turbo_quant=turbo)

@@ -147,12 +147,15 @@ class ColdTier:
         dtype: str | None = None,
         vault: str = "kv",
         on_done: Callable[[], None] | None = None,
+        kv_split: tuple[int, int] | None = None,
     ) -> None:
         """Encode `block` and send it to `vault` in the background; never blocks.
 
         The tier owns `block` until it calls `on_done()` (once, when the block has been encoded,
         dropped or failed; pass a staging copy, not engine memory). When more than the
         pending-encode budget is already waiting, the block is dropped and counted.
+        `kv_split`: (axis, keys along it) where the block's keys end and its values begin; a
+        K/V pair codec needs it (without one the block is not stored).
         """
         client = self._client(vault)
         with self._lock:
@@ -167,7 +170,16 @@ class ColdTier:
             return
         codec = self.codec if vault == "kv" else self._lossless
         future = self._encoders.submit(
-            self._encode_and_put, codec, client, namespace, key, part, block, dtype, on_done
+            self._encode_and_put,
+            codec,
+            client,
+            namespace,
+            key,
+            part,
+            block,
+            dtype,
+            on_done,
+            kv_split,
         )
         with self._lock:
             self._encoding.add(future)
@@ -307,9 +319,10 @@ class ColdTier:
         block: np.ndarray,
         dtype: str | None,
         on_done: Callable[[], None] | None,
+        kv_split: tuple[int, int] | None,
     ) -> None:
         try:
-            payload = encode_block(codec, block, dtype, self.min_cosine)
+            payload = encode_block(codec, block, dtype, self.min_cosine, kv_split)
         except NonFiniteError:
             with self._lock:
                 self._stats.skipped_nonfinite += 1

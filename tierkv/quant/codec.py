@@ -9,9 +9,11 @@ from typing import Protocol
 
 import numpy as np
 
+from tierkv.config import kv_pair_codecs
 from tierkv.quant import int8, lossless, turbo
 from tierkv.quant.fidelity import fidelity
 from tierkv.quant.kernels import PARALLEL_MIN_BYTES, Threaded
+from tierkv.quant.pair import PairCodec, decode_pair_into, is_pair
 from tierkv.quant.payload import (
     CODEC_NAMES,
     DTYPE_BYTES,
@@ -57,9 +59,17 @@ _DECODERS: dict[str, _Decoder] = {
 
 
 def get_codec(name: str, group_size: int = 128) -> Codec:
-    """The codec called `name` (one of CODEC_NAMES) for groups of `group_size` values."""
+    """The codec called `name` (one of CODEC_NAMES, or a K/V pair like "k8v4") for groups of
+    `group_size` values."""
+    pair = kv_pair_codecs(name)
+    if pair is not None:
+        keys, values = (get_codec(codec, group_size) for codec in pair)
+        return keys if keys.name == values.name else PairCodec(keys, values)
     if name not in _FACTORIES:
-        raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")
+        raise ValueError(
+            f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)} or a K/V pair "
+            'like "k8v4"'
+        )
     return _FACTORIES[name](group_size)
 
 
@@ -69,6 +79,9 @@ def decode_into(payload: bytes | bytearray | memoryview, out: np.ndarray) -> Non
     `out` must be C-contiguous with the payload's element size and element count; the kernels
     release the GIL. Raises PayloadError for a malformed payload or a mismatching `out`.
     """
+    if is_pair(payload):
+        decode_pair_into(payload, out, decode_into)
+        return
     header, body = checked_body(payload)
     words = output_words(out, header)
     body_array = np.frombuffer(body, np.uint8)
@@ -90,11 +103,21 @@ def checked_body(payload: bytes | bytearray | memoryview) -> tuple[PayloadHeader
 
 
 def encode_block(
-    codec: Codec, src: np.ndarray, dtype: str | None = None, min_cosine: float = 0.0
+    codec: Codec,
+    src: np.ndarray,
+    dtype: str | None = None,
+    min_cosine: float = 0.0,
+    kv_split: tuple[int, int] | None = None,
 ) -> bytes:
     """`codec.encode(src)`, or the lossless payload when the decoded block's cosine similarity to
-    `src` is under `min_cosine` (0 = never fall back). NonFiniteError propagates."""
-    payload = codec.encode(src, dtype)
+    `src` is under `min_cosine` (0 = never fall back). NonFiniteError propagates.
+
+    `kv_split`: (axis, keys along it) where the block's keys end and its values begin, for a K/V
+    pair codec (which refuses a block without one). Other codecs ignore it."""
+    if isinstance(codec, PairCodec):
+        payload = codec.encode(src, dtype, kv_split)
+    else:
+        payload = codec.encode(src, dtype)
     if min_cosine <= 0.0 or codec.name == "none":
         return payload
     words, dtype = input_words(src, dtype)

@@ -41,7 +41,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
-from tierkv.config import TierKVConfig, load_config
+from tierkv.config import TierKVConfig, load_config, resolve_auto_codec
 from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
 from tierkv.keys import chain_block_keys, namespace_fingerprint, weights_fingerprint
 from tierkv.tier import ColdTier
@@ -319,7 +319,7 @@ class ExoRuntime:
 
     def _start(self, config_loader: Callable[[], TierKVConfig]) -> None:
         try:
-            cfg = config_loader()
+            cfg = resolve_auto_codec(config_loader(), lambda: _shard.weights if _shard else None)
             if not cfg.cluster.kv_cold:
                 report_once("config", "no kv_cold vault in %s; EXO runs without tierkv", cfg.source)
                 return
@@ -448,7 +448,17 @@ class ExoRuntime:
                     block = np.ascontiguousarray(view)  # the copy: one block of one layer
                     release = functools.partial(self._release, block.nbytes)
                     part = parts[2 * layer + kind]
-                    tier.store(namespace, keys[index], part, block, dtype, VAULT, on_done=release)
+                    split = (0, block.shape[0] if kind == 0 else 0)  # all keys or all values
+                    tier.store(
+                        namespace,
+                        keys[index],
+                        part,
+                        block,
+                        dtype,
+                        VAULT,
+                        on_done=release,
+                        kv_split=split,
+                    )
 
     def _reserve(self, nbytes: int, window: int) -> bool:
         """Wait until `nbytes` more copies fit in `window`; False (entry dropped, counted) when

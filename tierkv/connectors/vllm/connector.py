@@ -22,8 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tierkv.config import TierKVConfig, config_from_mapping, load_config
-from tierkv.connectors.vllm.groups import plan_groups
+from tierkv.config import TierKVConfig, config_from_mapping, load_config, resolve_auto_codec
+from tierkv.connectors.vllm.groups import model_fingerprint, plan_groups
 from tierkv.connectors.vllm.scheduler import TierKVMetadata, TierScheduler
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import TierWorker
@@ -85,7 +85,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             )
         if not vllm_config.cache_config.enable_prefix_caching:
             raise ValueError("TierKVConnector needs prefix caching (enable_prefix_caching=True)")
-        cfg = connector_config(transfer.kv_connector_extra_config)
+        model = vllm_config.model_config
+        cfg = resolve_auto_codec(
+            connector_config(transfer.kv_connector_extra_config),
+            lambda: model_fingerprint(model.model, model.revision),
+        )
         plans = plan_groups(vllm_config, kv_cache_config, cfg.turbo_quant.codec_name)
         addresses = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
         for plan in plans:

@@ -40,6 +40,9 @@ class GroupPlan:
     block_size: int
     namespaces: tuple[bytes, ...]
     """One per tensor-parallel rank."""
+    kv_widths: tuple[int, int] = (0, 0)
+    """Attention: (keys, values) values per token and head, keys first along a block's last
+    axis (vLLM's [..., head_size | head_size_v]); what a K/V pair codec splits on."""
 
     @property
     def states_per_layer(self) -> int:
@@ -77,7 +80,7 @@ def plan_groups(
         "model": model_config.model,
         "revision": model_config.revision,
         "model_config": _config_hash(model_config.hf_config),
-        "weights": _weights_fingerprint(model_config.model, model_config.revision),
+        "weights": model_fingerprint(model_config.model, model_config.revision),
         "vllm": ".".join(vllm_version.split(".")[:2]),
         "device": current_platform.device_type,
         "layout_env": os.environ.get("VLLM_KV_CACHE_LAYOUT"),
@@ -91,6 +94,7 @@ def plan_groups(
         spec = group.kv_cache_spec
         if not spec.prefix_cacheable:
             continue
+        kv_widths = (0, 0)
         if isinstance(spec, MambaSpec):
             vault = "ssm"
             states = tuple(
@@ -101,6 +105,7 @@ def plan_groups(
             spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)
         ):
             vault, states = "kv", ()
+            kv_widths = (spec.head_size, spec.head_size_v)
         else:
             raise ValueError(
                 f"tierkv cannot store KV-cache group {group_id} ({type(spec).__name__}); "
@@ -124,6 +129,7 @@ def plan_groups(
                 state_layout=states,
                 block_size=spec.block_size,
                 namespaces=namespaces,
+                kv_widths=kv_widths,
             )
         )
     if len({plan.block_size for plan in plans}) > 1:
@@ -132,7 +138,7 @@ def plan_groups(
     return plans
 
 
-def _weights_fingerprint(model: str, revision: str | None) -> str | None:
+def model_fingerprint(model: str, revision: str | None = None) -> str | None:
     """`weights_fingerprint` of the model's directory: `model` itself, or its snapshot in the
     Hugging Face cache (vLLM has downloaded it before the connector starts; nothing is fetched)."""
     if os.path.isdir(model):

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tierkv.config import kv_pair_codecs
 from tierkv.connectors.vllm.groups import GroupPlan
 from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
@@ -108,6 +109,7 @@ class TierWorker:
         self.device_decode = device_decode
         self.stats = TierKVStats()
         self._movers: dict[int, BlockMover] = {}
+        self._kv_splits: dict[int, tuple[int, int] | None] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="tierkv-store")
         self._loading: dict[str, Future[_LoadResult]] = {}
@@ -118,12 +120,19 @@ class TierWorker:
         pin = any(device.type == "cuda" for device in devices)
         store_ring = StagingRing(self.staging_bytes, pin=pin)
         load_ring = StagingRing(self.staging_bytes, pin=pin)
-        self._movers = {
-            group_id: BlockMover(block_parts(plan, kv_caches, num_blocks), store_ring, load_ring)
+        parts = {
+            group_id: block_parts(plan, kv_caches, num_blocks)
             for group_id, plan in self.plans.items()
         }
-        if self.device_decode is None:
-            self.device_decode = pin and self.tier.codec.name != "none"
+        self._movers = {
+            group_id: BlockMover(found, store_ring, load_ring) for group_id, found in parts.items()
+        }
+        self._kv_splits = {
+            group_id: kv_split(self.plans[group_id], found[0]) for group_id, found in parts.items()
+        }
+        if self.device_decode is None:  # torch_ops decodes single-codec payloads, not K/V pairs
+            codec = self.tier.codec.name
+            self.device_decode = pin and codec != "none" and kv_pair_codecs(codec) is None
 
     def largest_block_bytes(self) -> int:
         """Bytes of the largest array a block part is stored as (all its layers, stacked)."""
@@ -165,12 +174,15 @@ class TierWorker:
         self, plan: GroupPlan, mover: BlockMover, jobs: Sequence[StoreJob], staged: Staged
     ) -> None:
         namespace = plan.namespaces[self.tp_rank]
+        split = self._kv_splits.get(plan.group_id)
 
         def send(
             index: int, part: int, array: np.ndarray, dtype: str, on_done: Callable[[], None]
         ) -> None:
             key = jobs[index].key
-            self.tier.store(namespace, key, part, array, dtype, plan.vault, on_done=on_done)
+            self.tier.store(
+                namespace, key, part, array, dtype, plan.vault, on_done=on_done, kv_split=split
+            )
 
         hand_over(staged, mover.codec_dtypes, send)
 
@@ -270,6 +282,22 @@ class TierWorker:
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
         self._handoff.shutdown(wait=True)
+
+
+def kv_split(plan: GroupPlan, layers: Sequence[tuple[torch.Tensor, int]]) -> tuple[int, int] | None:
+    """Where keys end and values begin in a stored attention block (every layer's block,
+    stacked): vLLM's [..., head_size | head_size_v] content axis, else a K/V axis of 2 (K/V-first
+    layouts); None when neither is found (a K/V pair codec then stores nothing)."""
+    if not layers or plan.state_layout:
+        return None
+    tensor, block_dim = layers[0]
+    shape = [size for dim, size in enumerate(tensor.shape) if dim != block_dim]
+    keys, values = plan.kv_widths
+    if keys and shape[-1] == keys + values:
+        return -1, keys
+    if 2 in shape:
+        return 1 + shape.index(2), 1  # 1 + : the stacked block's leading layer axis
+    return None
 
 
 def _state_views(page: torch.Tensor, layout: Sequence[tuple[tuple[int, ...], str]]):
