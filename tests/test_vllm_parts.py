@@ -352,3 +352,52 @@ def test_tensor_parallel_ranks_store_apart_and_agree_on_the_shortest_hit(vault):
         for worker in workers:
             worker.shutdown()
         tier.close()
+
+
+@pytest.mark.parametrize(
+    ("cache_shape", "kv_widths", "split"),
+    [
+        ((6, 2, 4, 32), (16, 16), (3, 16)),  # vLLM 0.32: [blocks, heads, tokens, K | V]
+        ((2, 6, 4, 2, 16), (16, 16), (1, 1)),  # K/V first: [K|V, blocks, heads, tokens, dim]
+    ],
+)
+def test_a_pair_codec_gets_keys_and_values_apart_in_every_layout(
+    vault, cache_shape, kv_widths, split
+):
+    """The worker tells the tier where keys end; the stored payload is a K/V pair split there,
+    and it restores into the engine's layout."""
+    import torch
+
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.worker import TierWorker
+    from tierkv.quant import decode_into, get_codec
+    from tierkv.quant.pair import parse_pair
+    from tierkv.tier import ColdTier
+    from tierkv.vault.client import VaultClient
+
+    plan = GroupPlan(0, "kv", ("layer0", "layer1"), (), 4, (bytes(16),), kv_widths=kv_widths)
+    caches = {name: torch.randn(cache_shape).to(torch.bfloat16) for name in plan.layer_names}
+    tier = ColdTier(get_codec("k8v4", 16), {"kv": VaultClient(vault.address)})
+    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 20)
+    try:
+        worker.register_kv_caches(caches, num_blocks=6)
+        worker.store_blocks(TierKVMetadata(stores=[StoreJob(0, 2, bytes([1]) * 16)]))
+        assert tier.flush(10)
+    finally:
+        worker.shutdown()
+        tier.close()
+    ((payload, _),) = vault.store._entries.values()
+    header = parse_pair(payload)[0]
+    assert (header.keys, header.values, header.axis, header.keys_count) == ("int8", "tq4", *split)
+    block_dim = cache_shape.index(6)
+    stored = torch.stack([cache.select(block_dim, 2) for cache in caches.values()])
+    restored = torch.empty_like(stored)
+    decode_into(payload, restored.view(torch.int16).numpy())
+    assert torch.allclose(restored.float(), stored.float(), atol=0.5, rtol=0.2)
+    expected = torch.empty_like(stored)
+    words = stored.view(torch.int16).numpy()
+    decode_into(
+        get_codec("k8v4", 16).encode(words, "bf16", split), expected.view(torch.int16).numpy()
+    )
+    assert torch.equal(restored, expected)
