@@ -180,17 +180,23 @@ def test_prompts_with_images_are_neither_spilled_nor_restored(
     assert again.prefilled == 120
 
 
+def model_weights(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: bytes) -> Path:
+    """A weight file of the tiny model where the EXO fixture's `build_model_path` finds it."""
+    model_dir = tmp_path / "models" / "tests--tiny-llama"
+    model_dir.mkdir(parents=True)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(content * 1000)
+    monkeypatch.setenv("FAKE_EXO_MODELS_DIR", str(model_dir.parent))
+    return weights
+
+
 def test_weights_replaced_in_place_change_the_namespace(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     vault: VaultHandle,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    model_dir = tmp_path / "models" / "tests--tiny-llama"
-    model_dir.mkdir(parents=True)
-    weights = model_dir / "model.safetensors"
-    weights.write_bytes(b"first fine-tune" * 1000)
-    monkeypatch.setenv("FAKE_EXO_MODELS_DIR", str(model_dir.parent))
+    weights = model_weights(tmp_path, monkeypatch, b"first fine-tune")
     exo = start_exo(tmp_path, monkeypatch, vault.address)
     runtime = hook.runtime()
     geometry = hook.Geometry(kv_heads=2, key_dim=16, value_dim=16, dtype=mx.bfloat16)
@@ -217,11 +223,7 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
     vault: VaultHandle,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    model_dir = tmp_path / "models" / "tests--tiny-llama"
-    model_dir.mkdir(parents=True)
-    (model_dir / "model.safetensors").write_bytes(b"tiny weights" * 1000)
-    monkeypatch.setenv("FAKE_EXO_MODELS_DIR", str(model_dir.parent))
-    fingerprint = weights_fingerprint(model_dir)
+    fingerprint = weights_fingerprint(model_weights(tmp_path, monkeypatch, b"tiny").parent)
     verdicts = f'[codec_verdicts]\n"{fingerprint}" = "{verdict}"\n' if verdict else ""
     monkeypatch.setattr(config_module, "_told_auto", set())
     with caplog.at_level(logging.INFO, logger="tierkv.config"):

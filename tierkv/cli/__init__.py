@@ -40,3 +40,4 @@ from tierkv.cli import vault  # noqa: E402, F401
 from tierkv.cli import status  # noqa: E402, F401
 from tierkv.cli import bench  # noqa: E402, F401
 from tierkv.cli import serve  # noqa: E402, F401
+from tierkv.cli import eval  # noqa: E402, F401
