@@ -233,8 +233,6 @@ def eval_in_this_process(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tierkv.quant import get_codec
-
     tokenizer = AutoTokenizer.from_pretrained(model)
     token_ids = []
     for text, keep in prompts:
@@ -248,6 +246,8 @@ def eval_in_this_process(
         kv_cache_bytes=kv_cache_bytes,
         max_logprobs=TOP_K,
     )
+    from tierkv.quant import get_codec  # Numba only once vLLM has started (see in_engine_process)
+
     vocab = llm.llm_engine.model_config.get_vocab_size()
     params = SamplingParams(max_tokens=new_tokens, temperature=0, logprobs=TOP_K)
     tier = worker_connector().tier
@@ -261,7 +261,9 @@ def eval_in_this_process(
 
         before = tier.stats()
         cold = run(f"tierkv-eval-{codec}")
-        llm.generate([TokensPrompt(prompt_token_ids=[2, 3])], SamplingParams(max_tokens=1))
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=[2, 3])], SamplingParams(max_tokens=1), use_tqdm=False
+        )
         if not tier.flush(timeout=600):  # ^ one more step: the finished prompts' blocks go out
             raise RuntimeError("the vault did not acknowledge the prompts' blocks")
         after = tier.stats()
