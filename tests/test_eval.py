@@ -146,7 +146,7 @@ def test_llama_eval_none_is_exact_and_a_destructive_codec_is_caught_by_the_gate(
     found = engine_report(model, 16, 0.0, json.loads(line.removeprefix("RESULT ")))
     none, pair, zero = found.codecs
     assert (none.identical, none.mean_kl) == (1.0, 0.0)
-    assert none.restored_fraction > 0.6  # every full block of every prompt came from the vault
+    assert none.restored_fraction > 0.3  # most of every prompt came from the vault
     assert 0.9 < none.stored_ratio <= 1.0
     assert pair.stored_ratio > 1.5 and pair.restored_fraction == none.restored_fraction
     assert not zero.passes(0.95, 0.01) and zero.identical < 1.0

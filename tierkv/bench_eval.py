@@ -256,8 +256,14 @@ def eval_in_this_process(
         tier.codec = get_codec(codec, kv_dim)
 
         def run(salt: str) -> list[Any]:
-            requests = [TokensPrompt(prompt_token_ids=ids, cache_salt=salt) for ids in token_ids]
-            return llm.generate(requests, params, use_tqdm=False)
+            # One prompt at a time: batched prefills are chunked differently in the cold and the
+            # restored run, which moves the logits by a rounding error of the engine's own.
+            return [
+                llm.generate(
+                    [TokensPrompt(prompt_token_ids=ids, cache_salt=salt)], params, use_tqdm=False
+                )[0]
+                for ids in token_ids
+            ]
 
         before = tier.stats()
         cold = run(f"tierkv-eval-{codec}")
