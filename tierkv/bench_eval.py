@@ -275,8 +275,8 @@ def eval_in_this_process(
         after = tier.stats()
         llm.reset_prefix_cache()
         restored = run(f"tierkv-eval-{codec}")
-        stored = after["sent_payload_bytes"] - before["sent_payload_bytes"]
-        raw = after["sent_raw_bytes"] - before["sent_raw_bytes"]
+        stored = after["queued_payload_bytes"] - before["queued_payload_bytes"]
+        raw = after["queued_raw_bytes"] - before["queued_raw_bytes"]
         results.append(
             {
                 "codec": codec,

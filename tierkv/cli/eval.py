@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -20,7 +19,7 @@ from tierkv.bench_eval import (
     write_verdict,
 )
 from tierkv.cli import app
-from tierkv.cli.bench import WIDE, _size_option
+from tierkv.cli.bench import _size_option
 from tierkv.config import CODEC_BITS, ConfigError, kv_pair_codecs, load_config
 
 console = Console(stderr=True)
@@ -112,9 +111,7 @@ def eval_command(
         found["verdict"] = verdict.codec if verdict else None
         print(json.dumps(found, indent=2))
     else:
-        Console(width=None if sys.stdout.isatty() else WIDE).print(
-            eval_table(report, min_identical, max_kl)
-        )
+        Console().print(eval_table(report, min_identical, max_kl))
     if write_config is None:
         return
     if verdict is None:
