@@ -256,8 +256,8 @@ def eval_in_this_process(
         tier.codec = get_codec(codec, kv_dim)
 
         def run(salt: str) -> list[Any]:
-            # One prompt at a time: batched prefills are chunked differently in the cold and the
-            # restored run, which moves the logits by a rounding error of the engine's own.
+            # One prompt at a time: a prompt's cold and restored runs then differ only in where
+            # its prefill starts, not in which other prompts share the batch.
             return [
                 llm.generate(
                     [TokensPrompt(prompt_token_ids=ids, cache_salt=salt)], params, use_tqdm=False
