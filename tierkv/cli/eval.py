@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.bench import vault_addresses
-from tierkv.bench_eval import (
-    ARTICLE_TOKENS,
-    EvalReport,
-    builtin_prompts,
-    vllm_eval,
-    write_verdict,
-)
 from tierkv.cli import app
 from tierkv.cli.bench import _size_option
 from tierkv.config import CODEC_BITS, ConfigError, kv_pair_codecs, load_config
+
+if TYPE_CHECKING:
+    from tierkv.bench_eval import EvalReport
 
 console = Console(stderr=True)
 DEFAULT_CODECS = "none,int8,k8v4,tq4,tq3.5,tq3"
@@ -70,6 +65,9 @@ def eval_command(
     vault and generate again: how often the continuation stays identical, where it first
     differs, the KL divergence of the next-token distributions and the bytes saved.
     """
+    from tierkv.bench import vault_addresses  # the codecs (Numba): not for `tierkv --help`
+    from tierkv.bench_eval import builtin_prompts, vllm_eval, write_verdict
+
     try:
         cfg = load_config(config)
     except ConfigError as exc:
@@ -165,6 +163,8 @@ def _read_prompts(path: Path, tokens: int) -> list[tuple[str, int]]:
 
 def eval_table(report: EvalReport, min_identical: float, max_kl: float) -> Table:
     """One row per codec, the gate's verdict in the caption."""
+    from tierkv.bench_eval import ARTICLE_TOKENS
+
     verdict = report.verdict(min_identical, max_kl)
     prompts = len(report.codecs[0].prompts) if report.codecs else 0
     table = Table(
