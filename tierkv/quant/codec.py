@@ -155,7 +155,7 @@ def warmup(
         array = np.ones((2, 128), np.float32 if dtype == "fp32" else np.float16)
         if dtype == "bf16":
             array = array.view(np.uint16)
-        payload = get_codec(name, 128).encode(array, dtype)
+        payload = encode_block(get_codec(name, 128), array, dtype, kv_split=(1, 64))  # pairs too
         decode_into(payload, np.empty_like(array))
         if with_fidelity:
             fidelity(array, array, dtype)
