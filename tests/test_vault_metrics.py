@@ -4,6 +4,7 @@ rejections by reason, bulk connections; and `tierkv vault --metrics-port` as a p
 from __future__ import annotations
 
 import contextlib
+import ssl
 import subprocess
 import sys
 import time
@@ -14,16 +15,21 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import pick_free_port
+from tierkv.config import SecurityConfig
 from tierkv.vault.client import VaultClient, VaultRefused
-from tierkv.vault.metrics import rejection_reason
+from tierkv.vault.metrics import metrics_host, rejection_reason
 from tierkv.vault.server import VaultBindError, serve
 
 NS = b"metrics-test"
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of /metrics: (name, sorted labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+def scrape(
+    address: str, tls: ssl.SSLContext | None = None
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics at `address` (HOST:PORT; HTTPS with `tls`): (name, sorted
+    labels) -> value."""
+    url = f"{'https' if tls else 'http'}://{address}/metrics"
+    with urllib.request.urlopen(url, timeout=10, context=tls) as reply:
         text = reply.read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
@@ -33,11 +39,11 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def scrape_until(
-    port: int, sample: tuple[str, tuple[tuple[str, str], ...]], timeout: float = 30.0
+    address: str, sample: tuple[str, tuple[tuple[str, str], ...]], timeout: float = 30.0
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """`scrape(port)` once it has `sample`."""
+    """`scrape(address)` once it has `sample`."""
     deadline = time.monotonic() + timeout
-    while sample not in (metrics := scrape(port)) and time.monotonic() < deadline:
+    while sample not in (metrics := scrape(address)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return metrics
 
@@ -58,14 +64,14 @@ def test_metrics_count_what_the_vault_did(bulk: bool) -> None:
         assert len(client.promote(NS, [key(0), key(1), key(5)], [0])) == 2
         promote = (("method", "promote"), ("path", path))
         # The vault counts a call once its reply is sent, which the client may see first.
-        metrics = scrape_until(server.metrics_port, ("tierkv_vault_call_seconds_count", promote))
+        metrics = scrape_until(server.metrics_address, ("tierkv_vault_call_seconds_count", promote))
         assert metrics[("tierkv_vault_open_connections", ())] == (1 if bulk else 0)
         # Over the cap: rejected (last: the bulk path drops the connection of so large a frame
         # and the client turns to gRPC).
         client.put(NS, key(9), 0, b"y" * 20_000)
         assert client.flush(timeout=30)
         too_large = ("tierkv_vault_rejected_blocks_total", (("reason", "too_large"),))
-        metrics = scrape_until(server.metrics_port, too_large)
+        metrics = scrape_until(server.metrics_address, too_large)
         assert metrics[too_large] == 1
         assert metrics[("tierkv_vault_entries", (("tier", "ram"),))] == 3
         held = server.store.stats().bytes_used  # payloads and their bookkeeping
@@ -90,7 +96,7 @@ def test_metrics_show_the_disk_tier(tmp_path: Path) -> None:
     disk = DiskTier(tmp_path, 1 << 30, "never")
     server = serve("127.0.0.1:0", max_bytes=0, metrics_port=0, disk=disk)
     try:
-        metrics = scrape(server.metrics_port)
+        metrics = scrape(server.metrics_address)
         assert metrics[("tierkv_vault_entries", (("tier", "disk"),))] == 0
         assert metrics[("tierkv_vault_cap_bytes", (("tier", "disk"),))] == 1 << 30
     finally:
@@ -101,7 +107,7 @@ def test_metrics_show_the_disk_tier(tmp_path: Path) -> None:
 def test_no_metrics_unless_asked() -> None:
     server = serve("127.0.0.1:0", max_bytes=0)
     try:
-        assert server.metrics_port == 0
+        assert server.metrics_address == ""
     finally:
         server.stop()
 
@@ -110,9 +116,40 @@ def test_a_taken_metrics_port_is_a_bind_error() -> None:
     first = serve("127.0.0.1:0", max_bytes=0, metrics_port=0)
     try:
         with pytest.raises(VaultBindError, match=r"cannot serve metrics on 127\.0\.0\.1:"):
-            serve("127.0.0.1:0", max_bytes=0, metrics_port=first.metrics_port)
+            taken = int(first.metrics_address.rsplit(":", 1)[1])
+            serve("127.0.0.1:0", max_bytes=0, metrics_port=taken)
     finally:
         first.stop()
+
+
+def test_metrics_stay_on_loopback_unless_the_vault_is_open_or_needs_client_certificates() -> None:
+    # /metrics checks no token: beyond loopback it is served only --insecure or over mutual TLS.
+    assert metrics_host("10.1.2.3", insecure=False, mutual_tls=False) == "127.0.0.1"
+    assert metrics_host("0.0.0.0", insecure=False, mutual_tls=False) == "127.0.0.1"
+    assert metrics_host("::", insecure=False, mutual_tls=False) == "::1"
+    assert metrics_host("10.1.2.3", insecure=True, mutual_tls=False) == "10.1.2.3"
+    assert metrics_host("10.1.2.3", insecure=False, mutual_tls=True) == "10.1.2.3"
+    assert metrics_host("127.0.0.1", insecure=False, mutual_tls=False) == "127.0.0.1"
+    assert metrics_host("::1", insecure=False, mutual_tls=False) == "::1"
+
+
+def test_metrics_over_mutual_tls_need_a_client_certificate(tmp_path: Path) -> None:
+    from tests.tls_certs import make_certs
+
+    certs = make_certs(tmp_path)
+    security = SecurityConfig(
+        tls_cert=str(certs.server_cert), tls_key=str(certs.server_key), client_ca=str(certs.ca)
+    )
+    server = serve("127.0.0.1:0", max_bytes=1 << 20, security=security, metrics_port=0)
+    try:
+        tls = ssl.create_default_context(cafile=str(certs.ca))
+        with pytest.raises(OSError):  # no client certificate: the handshake fails
+            scrape(server.metrics_address, tls)
+        tls.load_cert_chain(str(certs.client_cert), str(certs.client_key))
+        metrics = scrape(server.metrics_address, tls)
+        assert metrics[("tierkv_vault_cap_bytes", (("tier", "ram"),))] == 1 << 20
+    finally:
+        server.stop()
 
 
 def test_rejection_reasons_have_few_labels() -> None:
@@ -137,11 +174,11 @@ def test_vault_command_serves_metrics(tmp_path: Path) -> None:
     try:
         assert process.stdout is not None
         line = process.stdout.readline()
-        assert f"metrics on port {metrics_port}" in line, line + process.stderr.read()  # type: ignore[union-attr]
+        assert f"metrics on 127.0.0.1:{metrics_port}" in line, line + process.stderr.read()  # type: ignore[union-attr]
         deadline = time.monotonic() + 30
         while True:
             try:
-                metrics = scrape(metrics_port)
+                metrics = scrape(f"127.0.0.1:{metrics_port}")
                 break
             except OSError:
                 if time.monotonic() > deadline:
@@ -169,7 +206,7 @@ def test_failed_authentication_is_counted_per_path() -> None:
         with contextlib.suppress(BulkError):
             BulkConnection("127.0.0.1", server.bulk_port, 5.0, token=wrong).close()
         bulk_failures = ("tierkv_vault_auth_failures_total", (("path", "bulk"),))
-        metrics = scrape_until(server.metrics_port, bulk_failures)
+        metrics = scrape_until(server.metrics_address, bulk_failures)
         assert metrics[bulk_failures] == 1
         assert metrics[("tierkv_vault_auth_failures_total", (("path", "grpc"),))] >= 1
     finally:

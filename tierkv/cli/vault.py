@@ -87,7 +87,10 @@ def vault(
             min=0,
             max=65535,
             metavar="PORT",
-            help="Serve Prometheus metrics as /metrics on this port of the listen host.",
+            help=(
+                "Serve Prometheus metrics as /metrics on this port: of the listen host when it is "
+                "loopback, --insecure or mutual TLS, else of loopback (it checks no token)."
+            ),
             show_default="vault.metrics_port, else no metrics",
         ),
     ] = None,
@@ -203,7 +206,7 @@ def vault(
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, request_stop)
     cap_text = "unlimited" if cap == 0 else format_size(cap)
-    metrics_text = f", metrics on port {server.metrics_port}" if server.metrics_port else ""
+    metrics_text = f", metrics on {server.metrics_address}" if server.metrics_address else ""
     typer.echo(
         f"tierkv vault: {role} listening on {server.address} (bulk data on port "
         f"{server.bulk_port}{metrics_text}), cap {cap_text} ({origin}); {_access_text(tokens, cfg)}"

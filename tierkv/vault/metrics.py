@@ -18,9 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tierkv.vault.auth import is_loopback
+
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
+    from tierkv.config import SecurityConfig
     from tierkv.vault.store import StoreStats
 
 PATHS = ("grpc", "bulk")
@@ -37,6 +40,16 @@ _REASONS = {
     "limits.max_namespace_bytes": "namespace_too_long",
 }
 """A phrase of each rejection reason the store, the limits or the servicer give -> its label."""
+
+
+def metrics_host(listen_host: str, *, insecure: bool, mutual_tls: bool) -> str:
+    """Where /metrics listens for a vault on `listen_host`: that host when it is loopback, when
+    the vault was started --insecure, or when scrapers must present a client certificate (mutual
+    TLS); else this machine's loopback only, since /metrics checks no token and no listener
+    beyond loopback goes unauthenticated without --insecure."""
+    if insecure or mutual_tls or is_loopback(listen_host):
+        return listen_host
+    return "::1" if ":" in listen_host else "127.0.0.1"
 
 
 def rejection_reason(reason: str) -> str:
@@ -164,10 +177,21 @@ class VaultMetrics:
         """A call or connection on `path` ("grpc" or "bulk") that failed authentication."""
         self._auth_failures.labels(path).inc()
 
-    def serve(self, host: str, port: int) -> int:
+    def serve(self, host: str, port: int, security: SecurityConfig) -> int:
         """Serve /metrics on `host`:`port` (0: any free port) in a thread; the bound port.
-        OSError when the address cannot be bound."""
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+
+        With the vault's certificate (`security.tls_cert`) /metrics is HTTPS, and with
+        `security.client_ca` a scraper must present a certificate signed by it, as on the
+        vault's own ports. OSError when the address cannot be bound."""
+        self._server, self._thread = start_http_server(
+            port,
+            addr=host,
+            registry=self.registry,
+            certfile=security.tls_cert,
+            keyfile=security.tls_key,
+            client_cafile=security.client_ca,
+            client_auth_required=security.client_ca is not None,
+        )
         return int(self._server.server_port)
 
     def stop(self) -> None:

@@ -40,7 +40,7 @@ from tierkv.vault.auth import (
 from tierkv.vault.bulk import BulkServer
 from tierkv.vault.disk import DiskTier
 from tierkv.vault.limits import ByteBudget, StreamGuard, block_problem, request_problem
-from tierkv.vault.metrics import VaultMetrics
+from tierkv.vault.metrics import VaultMetrics, metrics_host
 from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
     MalformedMessage,
@@ -387,8 +387,8 @@ class VaultServer:
         self.bulk_port = bulk.port if bulk else 0
         """TCP port of the bulk data path (bulk.py); 0 = none."""
         self.metrics = servicer.metrics
-        self.metrics_port = 0
-        """TCP port of /metrics on the listen host; 0 = not served."""
+        self.metrics_address = ""
+        """HOST:PORT of /metrics (metrics.metrics_host says which host); "" = not served."""
 
     def stop(self, grace: float | None = 2.0) -> None:
         """Stop accepting calls, let running gRPC ones finish for `grace` seconds, then return.
@@ -425,8 +425,8 @@ def serve(
     LimitsConfig(). With `tokens` every call on both ports needs one of them (auth.py); with
     `security.tls_cert` both ports speak TLS (mutual with `security.client_ca`); `insecure` only
     tells clients (Stats) that the vault was started --insecure. Raises ConfigError for
-    unreadable TLS files. With `metrics_port` (0: any
-    free port), Prometheus metrics are served as /metrics on the same host.
+    unreadable TLS files. With `metrics_port` (0: any free port), Prometheus metrics are served
+    as /metrics, on the same host where metrics.metrics_host allows it, else on loopback.
     """
     if role not in VAULT_ROLES:
         raise ValueError(f"vault role must be one of {', '.join(VAULT_ROLES)}, got {role!r}")
@@ -478,15 +478,18 @@ def serve(
                 f"cannot listen for bulk data on {where}: {exc.strerror or exc}"
             ) from None
         servicer.bulk_port = bulk.port
-    served_metrics_port = 0
+    metrics_address = ""
     if metrics_port is not None:
+        mutual_tls = security.client_ca is not None
+        scrape_host = metrics_host(host, insecure=insecure, mutual_tls=mutual_tls)
         try:
-            served_metrics_port = servicer.metrics.serve(host, metrics_port)
+            served = servicer.metrics.serve(scrape_host, metrics_port, security)
+            metrics_address = format_address(scrape_host, served)
         except OSError as exc:
             server.stop(None)
             if bulk:
                 bulk.stop()
-            where = format_address(host, metrics_port)
+            where = format_address(scrape_host, metrics_port)
             raise VaultBindError(
                 f"cannot serve metrics on {where}: {exc.strerror or exc}"
             ) from None
@@ -494,5 +497,5 @@ def serve(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     vault = VaultServer(server, servicer, health_servicer, format_address(host, bound), bulk)
-    vault.metrics_port = served_metrics_port
+    vault.metrics_address = metrics_address
     return vault
