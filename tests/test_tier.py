@@ -251,18 +251,21 @@ def test_counters_tell_queued_from_acknowledged_rejected_and_dropped(
 
 
 class RecordingVault:
-    """A real VaultClient that records each Promote's key count (and can fail from call N on)."""
+    """A real VaultClient that records each Promote's key count (and can fail from call N on,
+    or answer each call `delay_s` late, as a slow vault does)."""
 
     def __init__(self, client: VaultClient, fail_from_call: int | None = None) -> None:
         self.client = client
         self.calls: list[int] = []
         self.fail_from_call = fail_from_call
+        self.delay_s = 0.0
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.client, name)
 
     def promote(self, namespace: bytes, keys: list[bytes], parts: list[int]) -> dict:
         self.calls.append(len(keys))
+        time.sleep(self.delay_s)
         if self.fail_from_call is not None and len(self.calls) >= self.fail_from_call:
             return {}
         return self.client.promote(namespace, keys, parts)
@@ -289,4 +292,25 @@ def test_a_load_promotes_in_runs_and_a_run_that_returns_nothing_ends_it(
     recorder.calls, recorder.fail_from_call = [], 2
     failed = tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)])
     assert failed == {1, 2, 3} and recorder.calls == [1, 2]  # no third call after an empty run
+    tier.close()
+
+
+def test_no_promote_run_starts_after_the_load_deadline(
+    vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A vault that answers every run slowly, but within its deadline, must not hold a load for
+    # one deadline per run: after load_deadline_s no further run starts and the rest is a miss.
+    import tierkv.tier
+
+    monkeypatch.setattr(tierkv.tier, "PROMOTE_RUN_BYTES", 1)  # one key per run: 4 runs
+    monkeypatch.setattr(tierkv.tier, "FIRST_PROMOTE_RUN_KEYS", 1)
+    data = {slot: array for slot, array in blocks().items() if slot[1] == "kv"}
+    recorder = RecordingVault(VaultClient(vault.address))
+    tier = ColdTier(get_codec("none"), {"kv": recorder}, load_deadline_s=0.5)  # type: ignore[dict-item]
+    store_all(tier, data)
+    recorder.delay_s = 0.4
+    outs = {slot: np.zeros_like(array) for slot, array in data.items()}
+    failed = tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)])
+    assert len(recorder.calls) <= 2  # runs 1 and (if run 1 ended by 0.5 s) 2, never 3 or 4
+    assert failed == set(range(len(recorder.calls), len(KEYS)))
     tier.close()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
@@ -87,8 +88,11 @@ class ColdTier:
         min_cosine: float = 0.0,
         encode_threads: int = 2,
         max_pending_encode_bytes: int = DEFAULT_MAX_PENDING_ENCODE_BYTES,
+        load_deadline_s: float = 30.0,
     ) -> None:
         self.codec = codec
+        self.load_deadline_s = load_deadline_s
+        """No further Promote run of a load starts after this many seconds (see `load`)."""
         self._lossless = get_codec("none", group_size=codec.group_size)
         self.vaults = dict(vaults)
         self.min_cosine = min_cosine
@@ -120,7 +124,12 @@ class ColdTier:
             if found
         }
         codec = get_codec(cfg.turbo_quant.codec_name, group_size=cfg.turbo_quant.kv_dim)
-        tier = cls(codec, vaults, min_cosine=cfg.turbo_quant.min_cosine)
+        tier = cls(
+            codec,
+            vaults,
+            min_cosine=cfg.turbo_quant.min_cosine,
+            load_deadline_s=cfg.client.promote_deadline_ms / 1000,
+        )
         if warm_dtypes:
             tier.warm_up(warm_dtypes)
         return tier
@@ -215,9 +224,11 @@ class ColdTier:
         by `decoder(payload, out)`: by default the Numba codecs into numpy arrays
         (`tierkv.quant.torch_ops.decode_into` decodes into torch tensors on their device). A run
         that returns nothing ends the vault's load (it is down or lost the rest: no point in
-        waiting for the remaining runs). Returns the indices of the keys that could not be
-        restored whole (a part missing, failing its checksum or failing to decode); their
-        outputs must be treated as garbage.
+        waiting for the remaining runs), and no run starts once `load_deadline_s` has passed
+        since the load began, so a vault that answers each run slowly costs at most that plus
+        one Promote deadline, not one deadline per run. Returns the indices of the keys that
+        could not be restored whole (a part missing, failing its checksum or failing to decode);
+        their outputs must be treated as garbage.
         """
         decodes: list[Future[set[int]]] = []
         wanted = sum(len(parts) for parts in parts_by_vault.values())
@@ -351,11 +362,22 @@ class ColdTier:
         parts: Sequence[int],
         arrived: Callable[[list[tuple[int, int, memoryview]]], None],
     ) -> set[tuple[int, int]]:
-        """Promote `keys` run by run, handing each run's payloads to `arrived`; what arrived."""
+        """Promote `keys` run by run, handing each run's payloads to `arrived`, until a run
+        returns nothing or the load deadline has passed; what arrived."""
         got: set[tuple[int, int]] = set()
         received = 0
         start, run = 0, FIRST_PROMOTE_RUN_KEYS
+        deadline = time.monotonic() + self.load_deadline_s
         while start < len(keys):
+            if time.monotonic() > deadline:
+                log.warning(
+                    "tierkv: load of %d blocks passed its %.1f s deadline after %d; "
+                    "recomputing the rest",
+                    len(keys),
+                    self.load_deadline_s,
+                    start,
+                )
+                break
             stop = min(len(keys), start + run)
             found = backend.promote(namespace, keys[start:stop], parts)
             if not found:
