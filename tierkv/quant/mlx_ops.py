@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 from tierkv.quant.codec import checked_body
-from tierkv.quant.payload import PayloadError, PayloadHeader
-from tierkv.quant.turbo import channels_from_mask, index_positions, named_codec
+from tierkv.quant.payload import PayloadHeader
+from tierkv.quant.turbo import index_positions, named_codec
 
 _MX_TYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32}
 _MAX_FINITE = {"fp16": 65504.0, "bf16": float(np.uint32(0x7F7F0000).view(np.float32)), "fp32": None}
@@ -52,17 +52,9 @@ def _int8_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
 
 def _turbo_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
     codec = named_codec(header.codec, header.group_size, header.version)
-    d = codec.group_size
     layout = codec.layout(header.shape)
     k = int(host[:2].view("<i2")[0])
-    if codec.lo is None:
-        channels = np.arange(d, dtype=np.int32)[None, :]
-    else:
-        packed_masks = host[2 : layout.norms_offset].reshape(layout.sel_mod, layout.mask_bytes)
-        mask = np.unpackbits(packed_masks, axis=1, bitorder="little")[:, :d].astype(bool)
-        if np.any(mask.sum(axis=1) != codec.hi.m):
-            raise PayloadError(f"{codec.name} payload has a corrupted channel mask")
-        channels = channels_from_mask(mask)
+    channels = codec.body_channels(host, layout)
     n = layout.n_vectors
     norms_end = layout.norms_offset + 2 * layout.n_instances * n
     norms = mx.array(host[layout.norms_offset : norms_end].copy().view("<f2"))

@@ -27,7 +27,6 @@ from tierkv.quant.payload import (
 from tierkv.quant.turbo import (
     Layout,
     TurboCodec,
-    channels_from_mask,
     index_positions,
     named_codec,
 )
@@ -228,14 +227,7 @@ def _turbo_decode(raw: torch.Tensor, header: PayloadHeader, body: memoryview) ->
     layout = codec.layout(header.shape)
     host = np.frombuffer(body, np.uint8)
     k = int(host[:2].view("<i2")[0])
-    if codec.lo is None:
-        channels = np.arange(d, dtype=np.int32)[None, :]
-    else:
-        packed_masks = host[2 : layout.norms_offset].reshape(layout.sel_mod, layout.mask_bytes)
-        mask = np.unpackbits(packed_masks, axis=1, bitorder="little")[:, :d].astype(bool)
-        if np.any(mask.sum(axis=1) != codec.hi.m):
-            raise PayloadError(f"{codec.name} payload has a corrupted channel mask")
-        channels = channels_from_mask(mask)
+    channels = codec.body_channels(host, layout)
     n = layout.n_vectors
     norms_end = layout.norms_offset + 2 * layout.n_instances * n
     # clone: the norms may start at an odd byte offset, which a float16 view cannot

@@ -571,24 +571,29 @@ class TurboCodec:
             words.nbytes, words, code, d, select, k, body, layout.offsets, *self.kernel_args()
         )
 
+    def body_channels(self, body: np.ndarray, layout: Layout) -> np.ndarray:
+        """The channel order of each selection row of a payload body (uint8): the channels in
+        order for a one-width codec, else the row's high-bit channels (its packed mask) then the
+        rest. PayloadError when a mask does not select exactly `hi.m` channels."""
+        d = self.group_size
+        if self.lo is None:
+            return np.arange(d, dtype=np.int32)[None, :]
+        packed = body[2 : layout.norms_offset].reshape(layout.sel_mod, layout.mask_bytes)
+        mask = np.unpackbits(packed, axis=1, bitorder="little")[:, :d].astype(bool)
+        if np.any(mask.sum(axis=1) != self.hi.m):
+            raise PayloadError(
+                f"{self.name} payload has a corrupted channel mask (each must select "
+                f"{self.hi.m} of {d} channels)"
+            )
+        return channels_from_mask(mask)
+
     def decode_words(
         self, body: np.ndarray, dtype: str, shape: tuple[int, ...], out_words: np.ndarray
     ) -> None:
         """Decode a body (length already checked) into the flat words of the output."""
         d = self.group_size
         layout = self.layout(shape)
-        if self.lo is None:
-            channels = np.arange(d, dtype=np.int32)[None, :]
-        else:
-            packed = body[2 : layout.norms_offset].reshape(layout.sel_mod, layout.mask_bytes)
-            mask = np.unpackbits(packed, axis=1, bitorder="little")[:, :d].astype(bool)
-            if np.any(mask.sum(axis=1) != self.hi.m):
-                raise PayloadError(
-                    f"{self.name} payload has a corrupted channel mask (each must select "
-                    f"{self.hi.m} of {d} channels)"
-                )
-            channels = channels_from_mask(mask)
-        select = (channels, layout.sel_div, layout.sel_mod)
+        select = (self.body_channels(body, layout), layout.sel_div, layout.sel_mod)
         code = DTYPE_CODES[dtype]
         decode_kernel(
             out_words.nbytes, body, code, d, select, out_words, layout.offsets, *self.kernel_args()
