@@ -28,16 +28,10 @@ from redis.cluster import key_slot
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from tierkv.backends.base import (
-    Backend,
-    CircuitBreaker,
-    PendingPut,
-    PutQueue,
-    VaultStats,
-    VaultUnavailable,
-)
+from tierkv.backends.base import Backend, VaultStats, VaultUnavailable
 from tierkv.backends.sharded import ShardedBackend
 from tierkv.config import ClientConfig, SecurityConfig, format_address, redact
+from tierkv.reliability import CircuitBreaker, PendingPut, PutQueue
 from tierkv.vault.wire import block_checksum
 
 log = logging.getLogger(__name__)
@@ -234,13 +228,15 @@ class RedisBackend:
         self._breaker.stop()
         self._client.close()
 
-    def _send(self, batch: list[PendingPut]) -> None:
+    def _send(self, batch: list[PendingPut]) -> int:
+        """Store `batch` (Redis refuses none of it: 0), or raise."""
         pipe = self._client.pipeline(transaction=False)
         for put in batch:
             checksum = block_checksum(put.namespace, put.key, put.part, put.payload)
             value = checksum.to_bytes(_CHECKSUM_BYTES, "little") + put.payload
             pipe.set(redis_key(put.namespace, put.key, put.part), value)
         pipe.execute()
+        return 0
 
     def _record_failure(self) -> None:
         with self._lock:

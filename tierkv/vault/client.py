@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -29,6 +28,7 @@ import grpc.experimental
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
+from tierkv.reliability import CircuitBreaker, PendingPut, PutQueue
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import call_metadata, channel_credentials, client_token, ssl_context
 from tierkv.vault.bulk import BulkConnection, BulkError
@@ -112,70 +112,6 @@ class VaultStats:
     tenant: str = ""  # ours, on a vault of several tenants (the counters are its own)
 
 
-class _PendingPut(NamedTuple):
-    namespace: bytes
-    key: bytes
-    part: int
-    payload: bytes
-
-
-class CircuitBreaker:
-    """Opens after `failures` consecutive failures; a background probe closes it again.
-
-    While open, `allow()` is False. Every `cooldown_s` the probe calls `probe()` (which must
-    honour its own deadline); the first success closes the breaker.
-    """
-
-    def __init__(self, failures: int, cooldown_s: float, probe: Callable[[], bool]) -> None:
-        self._failures_to_open = failures
-        self._cooldown_s = cooldown_s
-        self._probe = probe
-        self._lock = threading.Lock()
-        self._consecutive_failures = 0
-        self._open = False
-        self._probing = False
-        self._stopped = threading.Event()
-
-    @property
-    def state(self) -> str:
-        """ "closed" (calls go through) or "open" (calls answer miss at once)."""
-        return "open" if self._open else "closed"
-
-    def allow(self) -> bool:
-        return not self._open
-
-    def record_success(self) -> None:
-        with self._lock:
-            self._consecutive_failures = 0
-            self._open = False
-
-    def record_failure(self) -> None:
-        with self._lock:
-            self._consecutive_failures += 1
-            if self._consecutive_failures < self._failures_to_open:
-                return
-            self._open = True
-            if self._probing:
-                return
-            self._probing = True
-        threading.Thread(
-            target=self._probe_until_closed, name="tierkv-breaker", daemon=True
-        ).start()
-
-    def stop(self) -> None:
-        """End the background probe (on client close)."""
-        self._stopped.set()
-
-    def _probe_until_closed(self) -> None:
-        while not self._stopped.wait(self._cooldown_s):
-            if self._probe():
-                self.record_success()
-            with self._lock:
-                if not self._open:
-                    self._probing = False
-                    return
-
-
 class _StallGuard:
     """Cancels a streaming call when no message arrives for `idle_s` seconds (a hung vault)."""
 
@@ -247,19 +183,8 @@ class VaultClient:
         self._bulk_retry_at = 0.0
         self._bulk_retry_s = breaker_cooldown_s
 
-        self._cond = threading.Condition()
-        self._pending: deque[_PendingPut] = deque()
-        self._pending_bytes = 0
-        self._in_flight = 0
-        self._in_flight_bytes = 0
-        self._lost_since_flush = False
+        self._lock = threading.Lock()
         self._closed = False
-        self.dropped_puts = 0
-        """Puts dropped before reaching the vault (queue full, breaker open, client closed)."""
-        self.failed_puts = 0
-        """Puts sent on a stream that failed (vault down or deadline)."""
-        self.stored_puts = 0
-        self.rejected_puts = 0
         self.last_rejections: list[str] = []
         """Reasons the vault gave for the rejections of the latest Put stream."""
         self.checksum_failures = 0
@@ -267,10 +192,14 @@ class VaultClient:
         self.failed_calls = 0
         self.transport = "none"
         """What carried the latest successful Put or Promote: "bulk", "grpc" or "none" yet."""
-        self._sender = threading.Thread(
-            target=self._send_loop, name=f"tierkv-put-{address}", daemon=True
+        self._queue = PutQueue(
+            address,
+            self._send_stream,
+            self._breaker,
+            max_pending_bytes,
+            batch_bytes=PUT_STREAM_BYTES,
+            on_failure=self._stream_failed,
         )
-        self._sender.start()
 
     @classmethod
     def from_config(
@@ -296,109 +225,72 @@ class VaultClient:
         return self._breaker.state
 
     @property
+    def dropped_puts(self) -> int:
+        """Puts dropped before reaching the vault (queue full, breaker open, client closed)."""
+        return self._queue.dropped_puts
+
+    @property
+    def failed_puts(self) -> int:
+        """Puts sent on a stream that failed (vault down or deadline)."""
+        return self._queue.failed_puts
+
+    @property
+    def stored_puts(self) -> int:
+        return self._queue.stored_puts
+
+    @property
+    def rejected_puts(self) -> int:
+        return self._queue.rejected_puts
+
+    @property
     def in_flight_puts(self) -> int:
         """Puts on a Put stream that the vault has not answered yet."""
-        return self._in_flight
+        return self._queue.in_flight_puts
 
     @property
     def pending_bytes(self) -> int:
         """Bytes of puts queued or being sent (at most max_pending_bytes)."""
-        return self._pending_bytes + self._in_flight_bytes
+        return self._queue.pending_bytes
 
     # ---- puts --------------------------------------------------------------------------------
 
     def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
         """Queue a block for the vault and return at once (a memoryview is copied first)."""
-        data = payload if isinstance(payload, bytes) else bytes(payload)
-        with self._cond:
-            while self._pending and self._held_bytes() + len(data) > self.max_pending_bytes:
-                self._pending_bytes -= len(self._pending.popleft().payload)
-                self._count_dropped(1)
-            if self._closed or self._held_bytes() + len(data) > self.max_pending_bytes:
-                self._count_dropped(1)
-                return
-            self._pending.append(_PendingPut(namespace, key, part, data))
-            self._pending_bytes += len(data)
-            self._cond.notify_all()
+        self._queue.put(namespace, key, part, payload)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued put has been answered by the vault (stored or rejected).
 
         False on timeout, or when some put was lost (dropped or failed) since the last flush.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._pending or self._in_flight:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-            lost, self._lost_since_flush = self._lost_since_flush, False
-            return not lost
+        return self._queue.flush(timeout)
 
-    def _held_bytes(self) -> int:
-        """Bytes queued or on their way (the bound of max_pending_bytes); caller holds _cond."""
-        return self._pending_bytes + self._in_flight_bytes
-
-    def _count_dropped(self, count: int) -> None:
-        """Caller holds self._cond."""
-        self.dropped_puts += count
-        self._lost_since_flush = True
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._closed:
-                    self._cond.wait()
-                if not self._pending:
-                    return
-                if not self._breaker.allow():
-                    self._count_dropped(len(self._pending))
-                    self._pending.clear()
-                    self._pending_bytes = 0
-                    self._cond.notify_all()
-                    continue
-                stream: list[_PendingPut] = []
-                stream_bytes = 0
-                while self._pending and (not stream or stream_bytes < PUT_STREAM_BYTES):
-                    item = self._pending.popleft()
-                    stream.append(item)
-                    stream_bytes += len(item.payload)
-                self._pending_bytes -= stream_bytes
-                self._in_flight = len(stream)
-                self._in_flight_bytes = stream_bytes
-            self._send_stream(stream, stream_bytes)
-            with self._cond:
-                self._in_flight = self._in_flight_bytes = 0
-                self._cond.notify_all()
-
-    def _send_stream(self, stream: list[_PendingPut], stream_bytes: int) -> None:
+    def _send_stream(self, stream: list[PendingPut]) -> int:
+        """Store one stream of puts over the bulk path, else gRPC; how many the vault rejected.
+        Raises grpc.RpcError or BulkError when the stream failed."""
+        stream_bytes = sum(len(put.payload) for put in stream)
         deadline = time.monotonic() + self.deadline_s + stream_bytes / MIN_PUT_BYTES_PER_S
-        try:
-            summaries = self._put_bulk(stream, deadline)
-            transport = "bulk"
-            if summaries is None:
-                timeout = deadline - time.monotonic()
-                summaries = [
-                    self._put_call(_put_batches(stream), timeout=timeout, metadata=self._metadata)
-                ]
-                transport = "grpc"
-        except (grpc.RpcError, BulkError) as exc:
-            if not isinstance(exc, BulkError):  # a bulk failure was counted when it happened
-                self._record_failure()
-            with self._cond:
-                self.failed_puts += len(stream)
-                self._lost_since_flush = True
-            return
-        self._breaker.record_success()
-        with self._cond:
+        summaries = self._put_bulk(stream, deadline)
+        transport = "bulk"
+        if summaries is None:
+            timeout = deadline - time.monotonic()
+            summaries = [
+                self._put_call(_put_batches(stream), timeout=timeout, metadata=self._metadata)
+            ]
+            transport = "grpc"
+        with self._lock:
             self.transport = transport
-            self.stored_puts += sum(summary.stored for summary in summaries)
-            self.rejected_puts += sum(summary.rejected for summary in summaries)
             self.last_rejections = [r.reason for summary in summaries for r in summary.rejections]
+        return len(stream) - sum(summary.stored for summary in summaries)
+
+    def _stream_failed(self, exc: Exception) -> None:
+        """A Put stream failed: a failure toward the breaker (a bulk failure was counted when
+        it happened)."""
+        if not isinstance(exc, BulkError):
+            self._record_failure()
 
     def _put_bulk(
-        self, stream: list[_PendingPut], deadline: float
+        self, stream: list[PendingPut], deadline: float
     ) -> list[vault_pb2.PutSummary] | None:
         """Send `stream` over the bulk path; None: use gRPC (no bulk path, or it failed)."""
         frames = (
@@ -471,7 +363,7 @@ class VaultClient:
             self._breaker.record_success()
             self.transport = transport
         if bad_checksums:
-            with self._cond:
+            with self._lock:
                 self.checksum_failures += bad_checksums
         return found
 
@@ -628,33 +520,20 @@ class VaultClient:
 
     def counters(self) -> dict[str, int | str]:
         """The client-side counters, for stats pages."""
-        with self._cond:
-            return {
-                "dropped_puts": self.dropped_puts,
-                "failed_puts": self.failed_puts,
-                "stored_puts": self.stored_puts,
-                "rejected_puts": self.rejected_puts,
+        with self._lock:
+            mine: dict[str, int | str] = {
                 "checksum_failures": self.checksum_failures,
                 "failed_calls": self.failed_calls,
-                "pending_bytes": self.pending_bytes,
-                "in_flight_puts": self._in_flight,
-                "breaker": self._breaker.state,
                 "transport": self.transport,
             }
+        return {**self._queue.counters(), **mine}
 
     def close(self) -> None:
         """Deliver what is queued (up to one deadline), then stop the threads and the channel."""
-        self.flush(timeout=self.deadline_s)
-        with self._cond:
-            self._closed = True
-            if self._pending:
-                self._count_dropped(len(self._pending))
-                self._pending.clear()
-                self._pending_bytes = 0
-            self._cond.notify_all()
-        self._sender.join(timeout=self.deadline_s + PUT_STREAM_BYTES / MIN_PUT_BYTES_PER_S)
+        self._queue.close(self.deadline_s, self.deadline_s + PUT_STREAM_BYTES / MIN_PUT_BYTES_PER_S)
         self._breaker.stop()
         with self._bulk_lock:
+            self._closed = True
             for connection in self._idle_bulk:
                 connection.close()
             self._idle_bulk.clear()
@@ -669,7 +548,7 @@ class VaultClient:
     # ---- helpers -----------------------------------------------------------------------------
 
     def _record_failure(self) -> None:
-        with self._cond:
+        with self._lock:
             self.failed_calls += 1
         self._breaker.record_failure()
 
@@ -705,7 +584,7 @@ def _decode_promote_chunk(buf: bytes) -> tuple[vault_pb2.PromoteIndex, memoryvie
     return decode_bulk(buf, vault_pb2.PromoteIndex, vault_pb2.PromoteChunk)
 
 
-def _put_index(batch: Sequence[_PendingPut]) -> vault_pb2.PutIndex:
+def _put_index(batch: Sequence[PendingPut]) -> vault_pb2.PutIndex:
     """The index of one batch of a single namespace, with the writer's checksums."""
     return vault_pb2.PutIndex(
         namespace=batch[0].namespace,
@@ -716,7 +595,7 @@ def _put_index(batch: Sequence[_PendingPut]) -> vault_pb2.PutIndex:
     )
 
 
-def _put_batches(stream: list[_PendingPut]) -> Iterator[bytes]:
+def _put_batches(stream: list[PendingPut]) -> Iterator[bytes]:
     """Serialised PutBatch messages of one namespace and about PUT_BATCH_BYTES each."""
     for batch in batched_by_size(
         stream,
