@@ -31,7 +31,7 @@ from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
 from tierkv.reliability import CircuitBreaker, PendingPut, PutQueue
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import call_metadata, channel_credentials, client_token, ssl_context
-from tierkv.vault.bulk import BulkConnection, BulkError
+from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
     already_encoded,
@@ -52,7 +52,8 @@ BULK_PUT_FRAME_BYTES = 16 * MIB
 MAX_BLOCKS_PER_BATCH = 16384
 """Blocks per PutBatch or PUT frame (a vault refuses more than limits.max_blocks_per_request)."""
 MIN_PUT_BYTES_PER_S = 50e6
-"""A Put stream's deadline is deadline_s plus its bytes at this rate."""
+"""A Put stream's deadline is deadline_s plus its bytes at this rate, plus its blocks at
+bulk.MIN_PUT_BLOCKS_PER_S."""
 CLIENT_OPTIONS = [
     *CHANNEL_OPTIONS,
     # Reconnect quickly after a vault restarts (gRPC's default backoff grows to 2 minutes).
@@ -269,7 +270,12 @@ class VaultClient:
         """Store one stream of puts over the bulk path, else gRPC; how many the vault rejected.
         Raises grpc.RpcError or BulkError when the stream failed."""
         stream_bytes = sum(len(put.payload) for put in stream)
-        deadline = time.monotonic() + self.deadline_s + stream_bytes / MIN_PUT_BYTES_PER_S
+        deadline = (
+            time.monotonic()
+            + self.deadline_s
+            + stream_bytes / MIN_PUT_BYTES_PER_S
+            + len(stream) / MIN_PUT_BLOCKS_PER_S
+        )
         summaries = self._put_bulk(stream, deadline)
         transport = "bulk"
         if summaries is None:
