@@ -245,3 +245,36 @@ def test_a_client_refused_on_the_bulk_port_falls_back_to_grpc() -> None:
             assert client.transport == "grpc" and client.breaker_state == "closed"
     finally:
         server.stop(grace=0)
+
+
+class _SilentBulkPort(vault_pb2_grpc.VaultServicer):
+    """A gRPC face (every data call UNIMPLEMENTED) whose bulk port accepts and says nothing."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+
+    def Hello(self, request: Any, context: Any) -> vault_pb2.HelloReply:
+        return vault_pb2.HelloReply(bulk_port=self.listener.getsockname()[1])
+
+
+def test_a_bulk_connection_refused_or_never_welcomed_counts_toward_the_breaker() -> None:
+    server = serve("127.0.0.1:0", 0, limits=LimitsConfig(max_connections_per_client=1))
+    try:
+        with _bulk_socket(server.bulk_port), VaultClient(server.address) as client:
+            client.put(NS, key(1), 0, b"over grpc")  # refused on the bulk port, then gRPC
+            assert client.flush(timeout=10) and client.stored_puts == 1
+            assert client.failed_calls == 1
+    finally:
+        server.stop(grace=0)
+    silent = _SilentBulkPort()
+    grpc_server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    vault_pb2_grpc.add_VaultServicer_to_server(silent, grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    grpc_server.start()
+    try:
+        with VaultClient(f"127.0.0.1:{port}", deadline_s=0.5, breaker_failures=2) as client:
+            assert client.promote(NS, [key(1)], [0]) == {}  # no welcome in time, then gRPC fails
+            assert client.failed_calls == 2 and client.breaker_state == "open"
+    finally:
+        grpc_server.stop(grace=0)
+        silent.listener.close()

@@ -1,18 +1,19 @@
 """Client of one vault: fire-and-forget puts, deadline-bound lookups and promotes, a breaker.
 
 `put` never blocks: blocks wait in a queue bounded by bytes (the oldest are dropped and counted
-when it is full) and a background thread sends them to the vault. `lookup` and `promote` never
-raise and never wait past their deadline: any failure is a miss. After `breaker_failures`
-consecutive failed calls the circuit breaker opens: calls answer "miss" at once and queued puts
-are dropped, while a background probe checks the vault's health every `breaker_cooldown_s` and
-closes the breaker when it answers again (gRPC reconnects by itself).
+when it is full) and a background thread sends them to the vault (reliability.PutQueue).
+`lookup` and `promote` never raise and never wait past their deadline: any failure is a miss.
+After `breaker_failures` consecutive failed calls the circuit breaker opens: calls answer "miss"
+at once and queued puts are dropped, while a background probe checks the vault's health every
+`breaker_cooldown_s` and closes the breaker when it answers again (gRPC reconnects by itself).
 
 Put and Promote payloads travel over the vault's bulk data path (bulk.py: plain TCP, a few
 pooled connections) when the vault offers one and its port answers, else over gRPC streams;
 lookups and management calls always use gRPC. A call that fails on the bulk path counts as a
-failure toward the breaker, and the bulk path is then left alone for a cooldown; when the vault
-refused it (a busy vault closing the connection, a malformed reply) rather than not answering in
-time, the call is tried again over gRPC in the time it has left.
+failure toward the breaker, and so does a bulk connection refused or not welcomed in time; the
+bulk path is then left alone for a cooldown. When the vault refused (a busy vault closing the
+connection, a malformed reply) rather than not answering a call in time, the call is tried
+again over gRPC in the time it has left.
 """
 
 from __future__ import annotations
@@ -426,8 +427,8 @@ class VaultClient:
         if port:
             try:
                 return self._connect_bulk(port, min(self.deadline_s, deadline - time.monotonic()))
-            except BulkError:
-                pass  # e.g. a firewall that lets only the gRPC port through
+            except BulkError:  # refused, a handshake timeout, or a firewall: a failure, then gRPC
+                self._record_failure()
         self._bulk_failed(None)
         return None
 
