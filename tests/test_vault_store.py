@@ -214,3 +214,51 @@ def test_concurrent_writers_and_readers_keep_accounting_exact() -> None:
     keys = [key(t * 1000 + i) for t in range(4) for i in range(50)]
     found = store.get_many(NS, keys, [0])
     assert store.stats().bytes_used == sum(cost(len(b.payload)) for b in found)
+
+
+def tenant_of(namespace: bytes) -> bytes:
+    """As the server files namespaces of several tenants: "TENANT/namespace"."""
+    return namespace.partition(b"/")[0]
+
+
+def test_a_tenant_within_its_fair_share_keeps_its_blocks_through_another_tenants_flood() -> None:
+    store = VaultStore(max_bytes=100 * cost(100), tenant_of=tenant_of)
+    victim, attacker = b"v/" + NS[2:], b"a/" + NS[2:]  # same length: same cost per entry
+    for i in range(10):
+        assert put(store, i, 100, ns=victim) is None
+    for i in range(100, 5100):  # 50 x the cap
+        assert put(store, i, 100, ns=attacker) is None
+    assert store.lookup(victim, [key(i) for i in range(10)], [0]) == 10
+    assert store.stats().bytes_used <= 100 * cost(100)
+    assert store.usage(b"a/")[0] == 90  # the flood evicted only its own oldest
+    assert store.lookup(attacker, [key(5099)], [0]) == 1
+    # The tenant holding the most loses first: past half the cap the victim loses its own oldest.
+    for i in range(10, 80):
+        assert put(store, i, 100, ns=victim) is None
+    assert store.usage(b"v/")[0] == 50 and store.usage(b"a/")[0] == 50
+    assert store.lookup(victim, [key(i) for i in range(30)], [0]) == 0
+    assert store.lookup(victim, [key(i) for i in range(30, 80)], [0]) == 50
+
+
+def test_a_tenant_stored_entry_is_never_its_own_victim() -> None:
+    store = VaultStore(max_bytes=3 * cost(100), tenant_of=tenant_of)
+    victim, newcomer = b"v/" + NS[2:], b"a/" + NS[2:]
+    for i in range(2):
+        assert put(store, i, 100, ns=victim) is None
+    large = 2 * cost(100) - cost(0)  # more than the victim holds, alone within the cap
+    assert put(store, 9, large, ns=newcomer) is None
+    assert store.lookup(newcomer, [key(9)], [0]) == 1
+    assert store.lookup(victim, [key(0), key(1)], [0]) == 0
+    assert store.stats().bytes_used <= 3 * cost(100)
+
+
+def test_tenant_eviction_follows_reads_and_keeps_accounting_exact() -> None:
+    store = VaultStore(max_bytes=4 * cost(100), tenant_of=tenant_of)
+    ns = b"t/" + NS[2:]
+    for i in range(4):
+        put(store, i, 100, ns=ns)
+    store.get_many(ns, [key(0)], [0])  # 0 is now the tenant's most recent
+    put(store, 4, 100, ns=ns)
+    assert [i for i in range(5) if store.lookup(ns, [key(i)], [0])] == [0, 2, 3, 4]
+    store.delete(ns, [key(i) for i in range(5)])
+    assert store.stats().bytes_used == 0 and store.usage(b"t/") == (0, 0, 0)

@@ -10,7 +10,8 @@ comparison is constant-time.
 
 Tenants: when the tokens name more than one tenant, the vault files each tenant's namespaces
 under `TENANT/` (`Tenant.prefix`), so a tenant can neither read, overwrite, delete, clear nor
-count another's blocks; with one tenant (or none) namespaces are used as given.
+count another's blocks, and the store evicts from the tenant holding the most (store.py); with one
+tenant (or none) namespaces are used as given.
 `server_credentials` / `channel_credentials` / `ssl_context` build TLS (mutual with a client CA)
 from `[security]` for both ports.
 """
@@ -81,6 +82,11 @@ class Tenant:
 
 OPEN = Tenant("", b"")
 """The only tenant of a vault without tokens, or with tokens of a single tenant."""
+
+
+def namespace_tenant(stored_namespace: bytes) -> bytes:
+    """The tenant whose blocks a namespace of a vault of several tenants holds ("TENANT/...")."""
+    return stored_namespace.partition(b"/")[0]
 
 
 class TenantCounters:
@@ -156,6 +162,8 @@ class Tokens:
 
     def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
         multi = len({tenant for tenant, _ in entries}) > 1
+        self.several_tenants = multi
+        """Whether namespaces are filed under each tenant (see the module docstring)."""
         self._entries = [
             (
                 hashlib.sha256(token.encode()).digest(),

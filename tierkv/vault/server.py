@@ -34,6 +34,7 @@ from tierkv.vault.auth import (
     Tenant,
     TenantCounters,
     Tokens,
+    namespace_tenant,
     server_credentials,
     ssl_context,
 )
@@ -437,7 +438,9 @@ def serve(
     tls = ssl_context(security, server=True)
     access = Access(tokens, credentials is not None, insecure)
     inflight = ByteBudget(limits.max_inflight_bytes)
-    servicer = VaultServicer(VaultStore(max_bytes, disk), role, limits, inflight, access)
+    tenant_of = namespace_tenant if tokens and tokens.several_tenants else None
+    store = VaultStore(max_bytes, disk, tenant_of)
+    servicer = VaultServicer(store, role, limits, inflight, access)
     calls = limits.max_concurrent_rpcs
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=calls, thread_name_prefix="tierkv-vault"),

@@ -8,6 +8,11 @@ holds it long. `bytes_used` counts each entry's payload, key, namespace and book
 (`entry_bytes`), so it bounds the memory the RAM tier's entries take, however small their
 payloads.
 
+Tenants: given `tenant_of` (namespace → its tenant; a vault of several tenants), the store
+evicts the least recently used entry of the tenant holding the most bytes, so a tenant within its
+fair share (cap / tenants holding blocks) never loses a block to another tenant's flood; without
+it (one tenant) eviction is plain LRU.
+
 With a `DiskTier` (disk.py) the store is its RAM tier: every stored block is also queued for the
 disk (written behind, so a put waits only when the write-behind queue is full), RAM evictions
 keep the disk copy (spilling the block if the disk has none), and lookups and reads fall through
@@ -19,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
@@ -66,6 +71,14 @@ class _Namespace:
     evictions: int = 0
 
 
+@dataclass
+class _TenantLRU:
+    """One tenant's entries, least recently used first, and the bytes they count."""
+
+    order: OrderedDict[EntryKey, None] = field(default_factory=OrderedDict)
+    bytes_used: int = 0
+
+
 @dataclass(frozen=True)
 class StoreStats:
     """Counters of a VaultStore; hits/misses count block parts asked of `get_many`.
@@ -108,7 +121,12 @@ class _Rate:
 class VaultStore:
     """LRU by bytes: reads refresh, re-storing replaces, the least recently used go first."""
 
-    def __init__(self, max_bytes: int = UNLIMITED, disk: DiskTier | None = None) -> None:
+    def __init__(
+        self,
+        max_bytes: int = UNLIMITED,
+        disk: DiskTier | None = None,
+        tenant_of: Callable[[bytes], bytes] | None = None,
+    ) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0 (0 = unlimited), got {max_bytes}")
         self.max_bytes = max_bytes
@@ -118,6 +136,9 @@ class VaultStore:
         self._lock = threading.Lock()
         self._entries: OrderedDict[EntryKey, tuple[bytes | memoryview, int]] = OrderedDict()
         self._namespaces: dict[bytes, _Namespace] = {}
+        self._tenant_of = tenant_of
+        self._tenants: dict[bytes, _TenantLRU] = {}
+        """tenant → its entries, with `tenant_of` only."""
         self._bytes_used = 0
         self._hits = self._misses = self._evictions = self._rejected = 0
 
@@ -183,7 +204,7 @@ class VaultStore:
                         if entry is None:
                             absent.append((index, part))
                             continue
-                        self._entries.move_to_end(entry_key)
+                        self._touch(entry_key)
                         self._hits += 1
                         found.append(StoredBlock(index, part, entry[0], entry[1]))
         with self._lock:
@@ -294,14 +315,33 @@ class VaultStore:
         space.entries += 1
         space.bytes_used += size
         self._bytes_used += size
+        if self._tenant_of is not None:
+            tenant = self._tenants.setdefault(self._tenant_of(namespace), _TenantLRU())
+            tenant.order[entry_key] = None
+            tenant.bytes_used += size
         while self.max_bytes != UNLIMITED and self._bytes_used > self.max_bytes:
-            victim = next(iter(self._entries))
+            victim = self._victim(entry_key)
             if self.disk:
                 self.disk.spill(*victim, *self._entries[victim])
             self._remove(victim)
             self._evictions += 1
             if victim[0] in self._namespaces:
                 self._namespaces[victim[0]].evictions += 1
+
+    def _touch(self, entry_key: EntryKey) -> None:
+        """Make a stored entry the most recently used; the caller holds the lock."""
+        self._entries.move_to_end(entry_key)
+        if self._tenant_of is not None:
+            self._tenants[self._tenant_of(entry_key[0])].order.move_to_end(entry_key)
+
+    def _victim(self, newest: EntryKey) -> EntryKey:
+        """The entry to evict next, never `newest` (just stored, and within the cap alone): the
+        least recently used of all, or with tenants that of the tenant holding the most bytes.
+        The caller holds the lock."""
+        if self._tenant_of is None:
+            return next(iter(self._entries))
+        candidates = [t for t in self._tenants.values() if next(iter(t.order)) != newest]
+        return next(iter(max(candidates, key=lambda tenant: tenant.bytes_used).order))
 
     def _remove_keys(self, namespace: bytes, keys: Sequence[bytes]) -> set[EntryKey]:
         """Drop every part of `keys` from RAM; the entries that went. The caller holds the lock."""
@@ -323,6 +363,13 @@ class VaultStore:
         namespace, key, part = entry_key
         size = entry_bytes(namespace, key, len(entry[0]))
         self._bytes_used -= size
+        if self._tenant_of is not None:
+            name = self._tenant_of(namespace)
+            tenant = self._tenants[name]
+            del tenant.order[entry_key]
+            tenant.bytes_used -= size
+            if not tenant.order:
+                del self._tenants[name]
         space = self._namespaces[namespace]
         space.entries -= 1
         space.bytes_used -= size
