@@ -358,6 +358,38 @@ def test_oversize_payloads_are_refused_before_they_are_received(vault: Any) -> N
     vault_is_whole(vault, "12 GiB header + 4 frames over the cap")
 
 
+def test_grpc_put_messages_are_admitted_before_they_are_received(
+    vault_factory: Callable[..., Any],
+) -> None:
+    """32 Put streams, each sending one 15 MiB message at once (rejected: a wrong checksum), to
+    a vault receiving at most 32 MiB of Put messages: gRPC no longer holds them all at once
+    (~480 MiB before admission came first)."""
+    limits = '[limits]\nmax_concurrent_rpcs = 64\nmax_message_bytes = "16MiB"\n'
+    limits += 'max_inflight_bytes = "32MiB"\nstall_timeout_s = 60.0\n'
+    vault = vault_factory(max_bytes="256MiB", subprocess=True, config=limits)
+    before = peak_rss_bytes(vault.process.pid)
+    payload = b"\0" * (15 * MIB)
+    index = vault_pb2.PutIndex(
+        namespace=ATTACKER_NS, keys=[key(1)], parts=[0], lengths=[len(payload)], checksums=[0]
+    )
+    message = encode_bulk(index, [payload])
+    with grpc.insecure_channel(vault.address, options=[("grpc.max_send_message_length", -1)]) as ch:
+        put = ch.stream_unary(
+            "/tierkv.v1.Vault/Put",
+            request_serializer=lambda b: b,
+            response_deserializer=vault_pb2.PutSummary.FromString,
+        )
+        calls = [put.future(iter([message]), timeout=120) for _ in range(32)]
+        normal_client_works(vault.address, "32 gRPC Put messages of 15 MiB at once", 9)
+        summaries = [call.result() for call in calls]
+    assert all(summary.rejected == 1 and summary.stored == 0 for summary in summaries)
+    grown = peak_rss_bytes(vault.process.pid) - before
+    PEAK_RSS["32 gRPC Put messages of 15 MiB at once"] = peak_rss_bytes(vault.process.pid)
+    print(f"32 gRPC Put messages of 15 MiB: the vault's peak grew by {grown / MIB:.0f} MiB")
+    assert grown < 160 * MIB, f"the vault grew by {grown / MIB:.0f} MiB"
+    assert vault.process.poll() is None
+
+
 def test_tiny_blocks_and_long_keys_cannot_outgrow_the_cap(vault: Any) -> None:
     with VaultClient(vault.address, max_pending_bytes=512 * MIB, token=ATTACKER) as attacker:
         for i in range(400_000):  # 400k entries of 1049 bytes: more than the cap

@@ -298,7 +298,8 @@ class LimitsConfig:
     max_namespace_bytes: int = 256
     max_inflight_bytes: int = 256 * MIB
     """Payload bytes of bulk PUT frames being received at once; a frame waits for room, and a
-    frame larger than this (or than the cap) is refused from its header."""
+    frame larger than this (or than the cap) is refused from its header. gRPC Put messages have
+    a budget of the same size, a stream taking max_message_bytes of it to receive each one."""
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,12 @@
 tests use it. The bulk methods (Put, Promote) use the fast codec of `wire.py` so payloads are
 never copied into per-block protobuf messages; the others use the generated classes. Every
 request is held to the `[limits]` of limits.py: a request beyond them is answered
-INVALID_ARGUMENT or RESOURCE_EXHAUSTED, a block beyond them is rejected with its reason.
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED, a block beyond them is rejected with its reason. A Put
+stream asks gRPC for its next message only once it holds room for the largest one
+(limits.max_message_bytes) among limits.max_inflight_bytes of Put messages being received, so
+the messages gRPC holds for the servicer are bounded as bulk frames are (a budget of their own:
+Put streams nobody finishes, which hold their room until stream_timeout_s, then starve only
+other gRPC Puts, never the bulk path).
 """
 
 from __future__ import annotations
@@ -60,6 +65,9 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", -1),  # Promote chunks are bounded by CHUNK_BYTES
     # Linux gRPC sets SO_REUSEPORT by default, which lets a second vault "bind" a taken port.
     ("grpc.so_reuseport", 0),
+    # No window grown ahead of the reader (about 8 MiB per stream on loopback): a Put message
+    # is received once the servicer asks for it, which it does after admitting it.
+    ("grpc.http2.bdp_probe", 0),
 ]
 """gRPC options of the vault; it receives messages up to limits.max_message_bytes."""
 
@@ -123,6 +131,8 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self.limits = limits
         self.inflight = inflight
         """Bytes on their way in or out, shared with the bulk path (limits.max_inflight_bytes)."""
+        self.receiving = ByteBudget(max(limits.max_inflight_bytes, limits.max_message_bytes))
+        """Bytes of gRPC Put messages admitted and not yet stored."""
         self.access = access
         self._tenant_counts = TenantCounters()
         """tenant → [hits, misses, rejected] on a vault of several tenants."""
@@ -140,7 +150,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         tenant = self.access.tenant(context)
         started = time.perf_counter()
         nbytes = 0
-        for index, data in request_iterator:
+        for index, data in self._admitted(request_iterator, context):
             _check_request(context, request_problem(self.limits, len(index.keys), 1))
             try:
                 payloads: list[bytes | memoryview] = list(split_payloads(data, index.lengths))
@@ -155,6 +165,33 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
             nbytes += len(data)
         self.metrics.call("put", "grpc", nbytes, time.perf_counter() - started)
         return summary
+
+    def _admitted(
+        self,
+        requests: Iterator[tuple[vault_pb2.PutIndex, memoryview]],
+        context: grpc.ServicerContext,
+    ) -> Iterator[tuple[vault_pb2.PutIndex, memoryview]]:
+        """Each message of a Put stream, asked of gRPC once `receiving` holds room for the largest
+        (RESOURCE_EXHAUSTED when none comes within stall_timeout_s); a message's bytes are held
+        until the next one is asked for (by then the servicer has stored it)."""
+        most = self.limits.max_message_bytes
+        while True:
+            if not self.receiving.acquire(most, self.limits.stall_timeout_s):
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the vault is busy receiving")
+            try:
+                message = next(requests, None)
+            except BaseException:
+                self.receiving.release(most)
+                raise
+            if message is None:
+                self.receiving.release(most)
+                return
+            held = min(most, len(message[1]))
+            self.receiving.release(most - held)
+            try:
+                yield message
+            finally:
+                self.receiving.release(held)
 
     def put_blocks(
         self,
