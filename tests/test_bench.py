@@ -4,6 +4,7 @@ import io
 import json
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -230,3 +231,35 @@ def test_an_external_vault_is_used_and_left_running(vault_factory: Callable[...,
     stats = vault.store.stats()
     assert stats.hits > 0  # the bench's promote was served by this vault
     assert vault.server is not None and vault.server.bulk_port  # still serving
+
+
+def test_an_external_vault_with_mutual_tls_and_a_token_uses_the_security_section(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tls_certs import make_certs
+
+    from tierkv.config import SecurityConfig
+    from tierkv.vault.auth import Tokens
+    from tierkv.vault.server import serve
+
+    monkeypatch.delenv("TIERKV_TOKEN", raising=False)
+    certs = make_certs(tmp_path / "certs")
+    token = "bench-token-0123456789abcdef"
+    vault_side = SecurityConfig(
+        tls_cert=str(certs.server_cert), tls_key=str(certs.server_key), client_ca=str(certs.ca)
+    )
+    server = serve("127.0.0.1:0", 0, tokens=Tokens([("default", token)]), security=vault_side)
+    (tmp_path / "tokens").write_text(f"{token}\n")
+    config = tmp_path / "tierkv.toml"
+    config.write_text(
+        f'[security]\ntoken_file = "{tmp_path / "tokens"}"\ntls_ca = "{certs.ca}"\n'
+        f'tls_cert = "{certs.client_cert}"\ntls_key = "{certs.client_key}"\n'
+    )
+    args = ["bench", "--tokens", "256", "--codec", "none", "--json", "--config", str(config)]
+    try:
+        result = CliRunner().invoke(app, [*args, "--vault", server.address])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["hit_blocks"] == 1
+        assert server.store.stats().hits > 0  # served over TLS, with our token
+    finally:
+        server.stop()

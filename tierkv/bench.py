@@ -26,7 +26,7 @@ import numpy as np
 
 from tierkv.backends import open_backend
 from tierkv.backends.base import Backend
-from tierkv.config import ClientConfig, Endpoint
+from tierkv.config import ClientConfig, Endpoint, SecurityConfig
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES, ModelShape
 from tierkv.quant import Codec, decode_into, fidelity, get_codec
@@ -205,14 +205,24 @@ def concurrent_promote(
     keys: Sequence[bytes],
     parts: Sequence[int],
     workers: int,
+    security: SecurityConfig | None = None,
 ) -> tuple[list[float], float]:
     """(each worker's GB/s, aggregate GB/s) of `workers` processes promoting the same blocks at
-    once, each through its own backend; they start together at a barrier. Raises RuntimeError
-    when a worker got fewer blocks than asked for."""
+    once, each through its own backend (token and TLS of `security`); they start together at a
+    barrier. Raises RuntimeError when a worker got fewer blocks than asked for."""
     context = multiprocessing.get_context("spawn")
     barrier = context.Barrier(workers)
     results = context.Queue()
-    args = (list(addresses), client_cfg, namespace, list(keys), list(parts), barrier, results)
+    args = (
+        list(addresses),
+        client_cfg,
+        security,
+        namespace,
+        list(keys),
+        list(parts),
+        barrier,
+        results,
+    )
     processes = [context.Process(target=_promote_worker, args=args) for _ in range(workers)]
     for process in processes:
         process.start()
@@ -229,6 +239,7 @@ def concurrent_promote(
 def _promote_worker(
     addresses: list[str],
     client_cfg: ClientConfig,
+    security: SecurityConfig | None,
     namespace: bytes,
     keys: list[bytes],
     parts: list[int],
@@ -236,7 +247,7 @@ def _promote_worker(
     results: multiprocessing.Queue,
 ) -> None:
     """One worker of concurrent_promote: (bytes, start, end) or an error message on `results`."""
-    backend = open_backend([Endpoint(address) for address in addresses], client_cfg)
+    backend = open_backend([Endpoint(address) for address in addresses], client_cfg, security)
     try:
         backend.promote(namespace, keys[:1], parts)  # connect (both paths) before the clock
         barrier.wait()
@@ -261,11 +272,13 @@ def run_bench(
     dtype: str = "fp16",
     block_tokens: int = 256,
     vaults: Sequence[str] = (),
+    security: SecurityConfig | None = None,
     workers: int = 1,
     on_phase: Callable[[str, str, int, int], None] = lambda codec, phase, done, total: None,
 ) -> list[BenchResult]:
     """Run every phase for each codec; `on_phase(codec, phase, done, total)` reports progress
-    ("compile" first, with what is being compiled in place of the codec).
+    ("compile" first, with what is being compiled in place of the codec). `vaults` are reached
+    with the token and TLS of `security` (the embedded vault, when none is given, without).
 
     ValueError: bad arguments, or more memory needed than this machine has available (checked
     before anything is generated). VaultUnavailable: a vault does not answer (checked first too).
@@ -290,10 +303,12 @@ def run_bench(
         )
     coded = [get_codec(name, group_size=shape.head_dim) for name in codecs]
     results = []
+    security = security if vaults else None
     with vault_addresses(vaults) as addresses:
         # Every payload is already in memory: let the put queue hold them all, so none is dropped.
         client_cfg = bench_client_config(2 * raw_kv_bytes(shape, tokens, block_tokens, dtype))
-        backend = open_backend([Endpoint(address) for address in addresses], client_cfg)
+        endpoints = [Endpoint(address) for address in addresses]
+        backend = open_backend(endpoints, client_cfg, security)
         try:
             backend.stats()  # VaultUnavailable now rather than after generating the data
             warmup_codecs(
@@ -316,7 +331,7 @@ def run_bench(
                     block_tokens,
                     reference_gbps,
                     on_phase,
-                    promote_workers=(addresses, client_cfg, workers),
+                    promote_workers=(addresses, client_cfg, security, workers),
                 )
                 results.append(result)
         finally:
@@ -334,7 +349,7 @@ def _bench_codec(
     block_tokens: int,
     reference_gbps: float,
     on_phase: Callable[[str, str, int, int], None],
-    promote_workers: tuple[list[str], ClientConfig, int],
+    promote_workers: tuple[list[str], ClientConfig, SecurityConfig | None, int],
 ) -> BenchResult:
     """One codec through every phase. Attention blocks use `codec`; linear-attention state, which
     an engine keeps feeding forward, is stored lossless."""
@@ -407,13 +422,13 @@ def _bench_codec(
         list(pool.map(decode_into, states, restored_states))
     decode_s = time.perf_counter() - start
     del fetched, fetched_states
-    addresses, client_cfg, workers = promote_workers
+    addresses, client_cfg, security, workers = promote_workers
     worker_gbps: list[float] = []
     aggregate_gbps = 0.0
     if workers > 1:
         report("promote ×workers", 0, 1)
         worker_gbps, aggregate_gbps = concurrent_promote(
-            addresses, client_cfg, kv_ns, keys, kv_parts, workers
+            addresses, client_cfg, kv_ns, keys, kv_parts, workers, security
         )
         report("promote ×workers", 1, 1)
     client.clear(kv_ns)

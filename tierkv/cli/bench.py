@@ -19,6 +19,7 @@ from tierkv.cli import app
 from tierkv.config import (
     TURBO_QUANT_CODECS,
     ConfigError,
+    SecurityConfig,
     TierKVConfig,
     load_config,
     parse_cold_address,
@@ -150,7 +151,9 @@ def bench(
         else:
             _exo_bench(engine, model, exo_api, prompt, as_json)
         return
-    results = _run_bench(tokens, model_shape, codec, dtype, block_tokens, vaults, workers, as_json)
+    results = _run_bench(
+        tokens, model_shape, codec, dtype, block_tokens, vaults, cfg.security, workers, as_json
+    )
     if as_json:
         objects = [result.as_json() for result in results]
         typer.echo(json.dumps(objects if codec == "all" else objects[0], indent=2, allow_nan=False))
@@ -172,6 +175,7 @@ def _run_bench(
     dtype: str,
     block_tokens: int,
     vaults: list[str],
+    security: SecurityConfig,
     workers: int,
     quiet: bool,
 ) -> list[BenchResult]:
@@ -222,6 +226,7 @@ def _run_bench(
                 dtype=dtype,
                 block_tokens=block_tokens,
                 vaults=vaults,
+                security=security,
                 workers=workers,
                 on_phase=on_phase,
             )
