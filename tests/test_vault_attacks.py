@@ -491,5 +491,5 @@ def test_print_worst_stalls() -> None:
     """Not a check: the figures for the closing note (run with -s)."""
     for attack, seconds in sorted(WORST_STALL.items()):
         rss = PEAK_RSS.get(attack)
-        memory = f", vault RSS {rss / MIB:.0f} MiB" if rss else ""
+        memory = f", vault peak RSS {rss / MIB:.0f} MiB" if rss else ""
         print(f"{attack}: worst normal call {seconds:.2f} s{memory}")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,59 @@ def test_failed_authentication_is_counted_per_path() -> None:
         assert metrics[("tierkv_vault_auth_failures_total", (("path", "grpc"),))] >= 1
     finally:
         server.stop()
+
+
+def test_grpc_connections_and_calls_refused_by_a_concurrency_limit_are_counted() -> None:
+    import threading
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tierkv.config import LimitsConfig
+    from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+
+    limits = LimitsConfig(max_concurrent_rpcs=4)  # at most 2 Put / Promote streams
+    server = serve("127.0.0.1:0", max_bytes=0, metrics_port=0, limits=limits)
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.insecure_channel(server.address, options=own_connection) for _ in range(3)]
+    stop = threading.Event()
+
+    def never_ending() -> Iterator[bytes]:
+        stop.wait(30)
+        yield from ()
+
+    try:
+        for channel in channels:
+            grpc.channel_ready_future(channel).result(timeout=10)
+        connections = ("tierkv_vault_grpc_open_connections", ())
+        assert scrape(server.metrics_address)[connections] == 3
+        put = channels[0].stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
+        puts = [put.future(never_ending()) for _ in range(3)]  # the third: beyond 2 streams
+        with pytest.raises(grpc.RpcError) as refused:
+            puts[2].result(timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        health = health_pb2_grpc.HealthStub(channels[1])
+        watches = [health.Watch(health_pb2.HealthCheckRequest()) for _ in range(2)]
+        for watch in watches:
+            next(watch)  # held open: 4 calls now
+        stub = vault_pb2_grpc.VaultStub(channels[2])
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Lookup(vault_pb2.LookupRequest(namespace=NS, keys=[key(0)], parts=[0]), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        metrics = scrape(server.metrics_address)
+        refused_calls = "tierkv_vault_refused_calls_total"
+        assert metrics[(refused_calls, (("reason", "concurrency_limit"),))] == 1
+        assert metrics[(refused_calls, (("reason", "stream_limit"),))] == 1
+        for watch in watches:
+            watch.cancel()
+        stop.set()
+        channels.pop().close()
+        deadline = time.monotonic() + 30
+        while scrape(server.metrics_address)[connections] > 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert scrape(server.metrics_address)[connections] == 2
+    finally:
+        stop.set()
+        for channel in channels:
+            channel.close()
+        server.stop(grace=0)

@@ -6,6 +6,8 @@ on the gRPC and the bulk port, so that no request or connection takes the vault 
 - `ByteBudget`: payload bytes being received at once; a frame waits for room before its payload
   is read, so many large frames at once cannot grow the vault past its cap.
 - `ConnectionSlots`: bulk connections at once, in all and per client address.
+- `CallLimit`: gRPC calls served at once (limits.max_concurrent_rpcs), refusing the others
+  RESOURCE_EXHAUSTED and telling the vault's metrics of each.
 - `StreamGuard`: gRPC Put and Promote streams at once (at most half of the calls, so unary calls
   and health checks always find a thread) and a vault-side deadline that cancels a stream nobody
   finishes or reads.
@@ -98,11 +100,102 @@ class ConnectionSlots:
                 self._by_address[address] = held
 
 
+class CallLimit(grpc.ServerInterceptor):
+    """At most `max_calls` gRPC calls served at once; a call beyond them is answered
+    RESOURCE_EXHAUSTED and `on_refusal()` is told.
+
+    gRPC's own `maximum_concurrent_rpcs` refuses before any interceptor could count it, so the
+    server runs `reserve_threads()` more workers than `max_calls` and gRPC's limit sits that far
+    above ours: a refusal runs on a spare worker at once, and gRPC's limit (uncounted) is met only
+    when that many refusals are under way together. A call counts from the moment its handler
+    starts on a worker until it ends (a streamed reply: until the stream ends).
+    """
+
+    def __init__(self, max_calls: int, on_refusal: Callable[[], None] = lambda: None) -> None:
+        self.max_calls = max_calls
+        self._on_refusal = on_refusal
+        self._lock = threading.Lock()
+        self._active = 0
+
+    def reserve_threads(self) -> int:
+        """Workers beyond max_calls that answer refusals."""
+        return max(4, self.max_calls // 4)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        streaming = (handler.request_streaming, handler.response_streaming)
+        behaviour: Any = {
+            (False, False): handler.unary_unary,
+            (False, True): handler.unary_stream,
+            (True, False): handler.stream_unary,
+            (True, True): handler.stream_stream,
+        }[streaming]
+        factory: Callable[..., grpc.RpcMethodHandler] = {
+            (False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler,
+        }[streaming]
+        limited = (
+            self._streamed(behaviour) if handler.response_streaming else self._answered(behaviour)
+        )
+        return factory(
+            limited,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _enter(self, context: grpc.ServicerContext) -> None:
+        with self._lock:
+            admitted = self._active < self.max_calls
+            if admitted:
+                self._active += 1
+        if not admitted:
+            self._on_refusal()
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the vault serves at most {self.max_calls} calls at once",
+            )
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._active -= 1
+
+    def _answered(self, behaviour: Handler) -> Handler:
+        def limited(request: Any, context: grpc.ServicerContext) -> Any:
+            self._enter(context)
+            try:
+                return behaviour(request, context)
+            finally:
+                self._leave()
+
+        return limited
+
+    def _streamed(self, behaviour: Callable[[Any, grpc.ServicerContext], Iterator[Any]]) -> Any:
+        def limited(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+            self._enter(context)
+            try:
+                yield from behaviour(request, context)
+            finally:
+                self._leave()
+
+        return limited
+
+
 class StreamGuard:
     """Wraps the streaming gRPC handlers: at most `max_streams` at once (more: RESOURCE_EXHAUSTED)
     and each cancelled `timeout_s` after it started (one watchdog thread for all of them)."""
 
-    def __init__(self, max_streams: int, timeout_s: float) -> None:
+    def __init__(
+        self, max_streams: int, timeout_s: float, on_refusal: Callable[[], None] = lambda: None
+    ) -> None:
+        self._on_refusal = on_refusal
         self._slots = threading.BoundedSemaphore(max_streams)
         self._max_streams = max_streams
         self._timeout_s = timeout_s
@@ -137,6 +230,7 @@ class StreamGuard:
     def _enter(self, context: grpc.ServicerContext) -> int:
         """A slot and a deadline for this stream (its number); aborts when none is free."""
         if not self._slots.acquire(blocking=False):
+            self._on_refusal()
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the vault serves at most {self._max_streams} Put/Promote streams at once",

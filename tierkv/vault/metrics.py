@@ -1,18 +1,22 @@
 """Prometheus metrics of one vault, served as /metrics on `[vault] metrics_port` (off by default).
 
 What the store holds (entries, bytes, cap, hits, misses, evictions, per tier) is read from its
-stats when scraped; what the ports do (Put / Promote bytes and seconds, rejected blocks by reason,
-open and refused connections, failed authentications) is counted as it happens by the servicer
-and the bulk path through `VaultMetrics`' methods, which an auth or limits layer calls too
-(`refused(reason)`, `auth_failed(path)`). Each vault has a registry of its own, so several can
+stats when scraped, and so are the gRPC port's open connections (from gRPC's channelz, where
+this gRPC offers it); what the ports do (Put / Promote bytes and seconds, rejected blocks by
+reason, open and refused bulk connections, gRPC calls refused by a concurrency limit, failed
+authentications) is counted as it happens by the servicer and the bulk path through
+`VaultMetrics`' methods, which an auth or limits layer calls too (`refused(reason)`,
+`refused_call(reason)`, `auth_failed(path)`). Each vault has a registry of its own, so several can
 run in one process (tests, the embedded bench vault).
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -100,12 +104,70 @@ class _StoreCollector(Collector):
                                   value=stats.misses)  # fmt: skip
 
 
+def _channelz(query: str, *args: int) -> dict[str, Any]:
+    """One page of a channelz query of this process's gRPC (grpcio's internal `cygrpc`: any
+    failure, e.g. a grpcio without it, raises)."""
+    cygrpc = importlib.import_module("grpc._cython.cygrpc")
+    page = json.loads(getattr(cygrpc, query)(*args))
+    if not isinstance(page, dict):
+        raise ValueError(f"channelz {query}: not an object")
+    return page
+
+
+def grpc_server_ids() -> set[int]:
+    """The channelz ids of the gRPC servers of this process (empty when channelz cannot tell)."""
+    ids: set[int] = set()
+    try:
+        while True:
+            page = _channelz("channelz_get_servers", max(ids, default=-1) + 1)
+            found = {int(server["ref"]["serverId"]) for server in page.get("server", ())}
+            if not found - ids:
+                return ids
+            ids |= found
+            if page.get("end", True):
+                return ids
+    except Exception:  # no channelz in this grpcio, or a format it changed
+        return set()
+
+
+def grpc_connections(server_id: int) -> int | None:
+    """Open connections of the gRPC server of channelz id `server_id`; None when unknown."""
+    seen: set[int] = set()
+    try:
+        while True:
+            page = _channelz("channelz_get_server_sockets", server_id, max(seen, default=-1) + 1, 0)
+            found = {int(socket["socketId"]) for socket in page.get("socketRef", ())}
+            if not found - seen:
+                return len(seen)
+            seen |= found
+            if page.get("end", True):
+                return len(seen)
+    except Exception:  # the server is gone, or channelz changed
+        return None
+
+
+class _GrpcCollector(Collector):
+    """The gRPC port's open connections at scrape time (nothing when channelz cannot tell)."""
+
+    def __init__(self) -> None:
+        self.server_id: int | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        count = None if self.server_id is None else grpc_connections(self.server_id)
+        if count is not None:
+            yield GaugeMetricFamily(
+                "tierkv_vault_grpc_open_connections", "Open connections of the gRPC port", count
+            )
+
+
 class VaultMetrics:
     """The counters of one vault and, once `serve`d, the HTTP server that exposes them."""
 
     def __init__(self, store_stats: Callable[[], StoreStats]) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StoreCollector(store_stats))
+        self._grpc = _GrpcCollector()
+        self.registry.register(self._grpc)
         registry = self.registry
         self._rejected = Counter(
             "tierkv_vault_rejected_blocks",
@@ -144,6 +206,12 @@ class VaultMetrics:
             ["reason"],
             registry=registry,
         )
+        self._refused_calls = Counter(
+            "tierkv_vault_refused_calls",
+            "gRPC calls refused by a concurrency limit, by reason",
+            ["reason"],
+            registry=registry,
+        )
         self._auth_failures = Counter(
             "tierkv_vault_auth_failures",
             "Calls or connections that failed authentication, by path",
@@ -172,6 +240,16 @@ class VaultMetrics:
     def refused(self, reason: str) -> None:
         """A connection refused (e.g. "too_many", or a limit of the auth layer)."""
         self._refused.labels(reason).inc()
+
+    def refused_call(self, reason: str) -> None:
+        """A gRPC call refused RESOURCE_EXHAUSTED: "concurrency_limit" (limits.max_concurrent_rpcs)
+        or "stream_limit" (Put / Promote streams at once)."""
+        self._refused_calls.labels(reason).inc()
+
+    def watch_grpc_server(self, server_id: int | None) -> None:
+        """Report the open connections of the gRPC server of channelz id `server_id` (None:
+        unknown, not reported)."""
+        self._grpc.server_id = server_id
 
     def auth_failed(self, path: str) -> None:
         """A call or connection on `path` ("grpc" or "bulk") that failed authentication."""

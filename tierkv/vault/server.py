@@ -45,8 +45,14 @@ from tierkv.vault.auth import (
 )
 from tierkv.vault.bulk import BulkServer
 from tierkv.vault.disk import DiskTier
-from tierkv.vault.limits import ByteBudget, StreamGuard, block_problem, request_problem
-from tierkv.vault.metrics import VaultMetrics, metrics_host
+from tierkv.vault.limits import (
+    ByteBudget,
+    CallLimit,
+    StreamGuard,
+    block_problem,
+    request_problem,
+)
+from tierkv.vault.metrics import VaultMetrics, grpc_server_ids, metrics_host
 from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
     MalformedMessage,
@@ -479,20 +485,29 @@ def serve(
     store = VaultStore(max_bytes, disk, tenant_of)
     servicer = VaultServicer(store, role, limits, inflight, access)
     calls = limits.max_concurrent_rpcs
+    metrics = servicer.metrics
+    call_limit = CallLimit(calls, lambda: metrics.refused_call("concurrency_limit"))
+    interceptors: list[grpc.ServerInterceptor] = [call_limit]
+    if tokens:
+        interceptors.append(AuthInterceptor(tokens, lambda: metrics.auth_failed("grpc")))
+    workers = calls + call_limit.reserve_threads()
+    known_servers = grpc_server_ids()
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=calls, thread_name_prefix="tierkv-vault"),
-        interceptors=(
-            [AuthInterceptor(tokens, lambda: servicer.metrics.auth_failed("grpc"))]
-            if tokens
-            else None
-        ),
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tierkv-vault"),
+        interceptors=interceptors,
         options=[
             *SERVER_OPTIONS,
             ("grpc.max_receive_message_length", limits.max_message_bytes),
         ],
-        maximum_concurrent_rpcs=calls,
+        maximum_concurrent_rpcs=workers,
     )
-    streams = StreamGuard(max(1, calls // 2), limits.stream_timeout_s)
+    ours = grpc_server_ids() - known_servers  # two vaults started at once: unknown, unreported
+    metrics.watch_grpc_server(ours.pop() if len(ours) == 1 else None)
+    streams = StreamGuard(
+        max(1, calls // 2),
+        limits.stream_timeout_s,
+        lambda: metrics.refused_call("stream_limit"),
+    )
     server.add_generic_rpc_handlers((_method_handlers(servicer, streams),))
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
