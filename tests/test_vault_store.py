@@ -262,3 +262,36 @@ def test_tenant_eviction_follows_reads_and_keeps_accounting_exact() -> None:
     assert [i for i in range(5) if store.lookup(ns, [key(i)], [0])] == [0, 2, 3, 4]
     store.delete(ns, [key(i) for i in range(5)])
     assert store.stats().bytes_used == 0 and store.usage(b"t/") == (0, 0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([b"a/", b"b/", b"c/"]),
+            st.sampled_from(["put", "get", "delete"]),
+            st.integers(0, 15),
+            st.integers(1, 120),
+        ),
+        min_size=1,
+        max_size=80,
+    )
+)
+def test_tenant_accounting_stays_exact_through_puts_reads_and_deletes(
+    ops: list[tuple[bytes, str, int, int]],
+) -> None:
+    store = VaultStore(max_bytes=6 * cost(60), tenant_of=tenant_of)
+    for tenant, op, i, size in ops:
+        ns = tenant + NS[2:]
+        if op == "put":
+            assert put(store, i, size, ns=ns) is None
+            assert store.lookup(ns, [key(i)], [0]) == 1  # never its own victim
+        elif op == "get":
+            store.get_many(ns, [key(i)], [0])
+        else:
+            store.delete(ns, [key(i)])
+        stats = store.stats()
+        assert stats.bytes_used <= 6 * cost(60)
+        usages = [store.usage(t) for t in (b"a/", b"b/", b"c/")]
+        assert stats.bytes_used == sum(u[1] for u in usages)
+        assert stats.entries == sum(u[0] for u in usages)
