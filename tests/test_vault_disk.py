@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tierkv.config import MIB
+from tierkv.vault.client import VaultClient
 from tierkv.vault.disk import DiskLockedError, DiskTier
+from tierkv.vault.server import serve
 from tierkv.vault.store import VaultStore, entry_bytes
 from tierkv.vault.wire import block_checksum
 
@@ -137,6 +141,48 @@ def test_the_cap_drops_the_oldest_segments(disk_dir: Path) -> None:
     assert 20 <= len(kept) < 32 and kept == list(range(100 - len(kept), 100))
     assert all(found[i] == payload(i, 256 * 1024) for i in kept)
     disk.close()
+
+
+def written(disk: DiskTier) -> None:
+    """Wait until the writer has written everything queued so far."""
+    assert disk.wait_written(disk.mark(), timeout=60)
+
+
+def test_a_put_is_acknowledged_only_once_the_disk_wrote_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fsync says, an acknowledged block is in its segment file (the page cache), so
+    a crash of the vault process cannot lose it; here the writer is held back."""
+    disk = DiskTier(tmp_path / "disk", 64 * MIB, "never")
+    gate = threading.Event()
+    append = disk._append
+
+    def held_back(batch: list[Any]) -> None:
+        gate.wait(60)
+        append(batch)
+
+    monkeypatch.setattr(disk, "_append", held_back)
+    blocks = [payload(i, 100_000) for i in range(8)]
+    try:
+        for bulk_port, transport in ((0, "bulk"), (None, "grpc")):
+            server = serve("127.0.0.1:0", 0, bulk_port=bulk_port, disk=disk)
+            try:
+                with VaultClient(server.address, deadline_s=60) as client:
+                    for i, data in enumerate(blocks):
+                        client.put(NS, key(i), 0, data)
+                    assert not client.flush(timeout=1.0)  # not acknowledged: not yet written
+                    assert client.stored_puts == 0
+                    gate.set()
+                    assert client.flush(timeout=60) and client.stored_puts == 8
+                    assert client.transport == transport
+                segments = b"".join(p.read_bytes() for p in (tmp_path / "disk").glob("*.seg"))
+                assert all(segments.count(data) == 1 + (transport == "grpc") for data in blocks)
+            finally:
+                gate.clear()
+                server.stop(grace=0)
+    finally:
+        gate.set()
+        disk.close(timeout=30)
 
 
 def test_reads_of_adjacent_blocks_coalesce_and_keep_request_order(disk_dir: Path) -> None:

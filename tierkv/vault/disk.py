@@ -8,9 +8,12 @@ miss when read, never served. Deletes and clears are records too (kinds DELETE, 
 restart does not bring back what was removed.
 
 Writes are queued (`write`, `spill`) and appended by one background thread with `pwritev`; a
-queued block is readable from memory until it lands. On start the index is rebuilt by reading
-headers only (payloads are seeked past); an invalid header is skipped up to the next valid one,
-and a torn tail (the last record cut short by a crash) is truncated and reported. Past
+queued block is readable from memory until it lands. `mark` and `wait_written` tell a caller
+when what it queued has been handed to the kernel (and synced, under fsync "always"): from then
+on a crash of the process cannot lose it, only a crash of the machine can (fsync decides how
+much). On start the index is rebuilt by reading headers only (payloads are seeked past); an
+invalid header is skipped up to the next valid one, and a torn tail (the last record cut short
+by a crash) is truncated and reported. Past
 `max_bytes` the oldest whole segment is dropped (segment-level FIFO: cheap and simple; blocks
 read recently live in the RAM tier and are written again when RAM evicts them). Reads of many
 blocks sort by position and coalesce neighbours into one `preadv` straight into the buffers that
@@ -225,8 +228,9 @@ class DiskTier:
             return self._enqueued
 
     def wait_written(self, mark: int, timeout: float | None = None) -> bool:
-        """Wait until everything queued before `mark` was handled (written, and synced when
-        fsync is "always"; a failed write is logged); False on timeout."""
+        """Wait until everything queued before `mark` was handled: written to its segment (in
+        the kernel's page cache, which outlives this process), and synced when fsync is
+        "always"; a failed write is logged. False on timeout."""
         with self._changed:
             return self._changed.wait_for(lambda: self._handled >= mark, timeout)
 
@@ -466,14 +470,20 @@ class DiskTier:
                 if not batch:
                     self._handled = taken
                     self._changed.notify_all()
-            if batch:
-                try:
+            try:  # the writer must outlive any failure, or Puts would stall
+                if batch:
                     self._append(batch)
-                except Exception:  # the writer must outlive any failure, or Puts would stall
-                    log.exception("tierkv vault: disk tier cannot write to %s", self.directory)
-                self._forget(batch, taken)
-            elif self.fsync == "interval" and time.monotonic() - self._last_sync >= 1.0:
-                self._sync()
+                    if self.fsync == "always":
+                        self._sync()
+            except Exception:
+                log.exception("tierkv vault: disk tier cannot write to %s", self.directory)
+            if batch:
+                self._forget(batch, taken)  # Puts waiting for this batch are answered now
+            try:  # after the batch is answered: no Put waits for this sync
+                if self.fsync == "interval" and time.monotonic() - self._last_sync >= 1.0:
+                    self._sync()
+            except OSError:
+                log.exception("tierkv vault: disk tier cannot sync %s", self.directory)
 
     def _append(self, batch: list[_Op]) -> None:
         """Write `batch` to the active segment(s), then index the blocks still current."""
@@ -495,10 +505,6 @@ class DiskTier:
             written.append((op, loc))
             offset += record_len
         self._write_iov(iov, start)
-        if self.fsync == "always" or (
-            self.fsync == "interval" and time.monotonic() - self._last_sync >= FSYNC_INTERVAL_S
-        ):
-            self._sync()
         with self._changed:
             for op, loc in written:
                 if op.kind != KIND_BLOCK:

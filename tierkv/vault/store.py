@@ -9,9 +9,10 @@ holds it long. `bytes_used` counts each entry's payload, key, namespace and book
 payloads.
 
 With a `DiskTier` (disk.py) the store is its RAM tier: every stored block is also queued for the
-disk (written behind, so a put waits only when the write-behind queue is full), RAM evictions
-keep the disk copy (spilling the block if the disk has none), and lookups and reads fall through
-to the disk; a block read from disk is brought back into RAM as the most recently used.
+disk (written behind, so a put waits only when the write-behind queue is full; `wait_durable`
+tells the server when the blocks it stored are on disk), RAM evictions keep the disk copy
+(spilling the block if the disk has none), and lookups and reads fall through to the disk; a
+block read from disk is brought back into RAM as the most recently used.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tierkv.vault.wire import block_checksum
 
 RATE_WINDOW_S = 10.0
 DURABLE_WAIT_S = 30.0
-"""Longest a Put batch waits for the disk under fsync "always" before it is refused."""
+"""Longest a Put batch waits for the disk tier to write it before it is refused."""
 
 EntryKey = tuple[bytes, bytes, int]
 """(namespace, block key, part)"""
@@ -264,9 +265,10 @@ class VaultStore:
             )
 
     def wait_durable(self, timeout: float = DURABLE_WAIT_S) -> bool:
-        """With a disk tier whose fsync is "always", wait until every block stored so far is
-        written and synced (False on timeout); True at once otherwise."""
-        if self.disk is None or self.disk.fsync != "always":
+        """With a disk tier, wait until every block stored so far is written to its segment
+        (where a crash of the vault process cannot lose it), and synced when fsync is "always";
+        False on timeout. True at once without a disk tier."""
+        if self.disk is None:
             return True
         return self.disk.wait_written(self.disk.mark(), timeout)
 
