@@ -148,6 +148,64 @@ def written(disk: DiskTier) -> None:
     assert disk.wait_written(disk.mark(), timeout=60)
 
 
+def test_eviction_keeps_a_block_read_since_written_and_drops_the_cold_ones(
+    disk_dir: Path,
+) -> None:
+    cap = 8 * MIB  # segments of 1 MiB: five blocks of 200 KiB each
+    size = 200 * 1024
+    disk = DiskTier(disk_dir, cap, "never")
+    for i in range(5):
+        write(disk, i, size)
+    written(disk)
+    assert read(disk, [2]) == [payload(2, size)]  # the only one of segment 1 read
+    i = 5
+    while disk.stats().evictions < 4:  # until segment 1 is dropped
+        write(disk, i, size)
+        written(disk)
+        i += 1
+    assert read(disk, [0, 1, 2, 3, 4]) == [None, None, payload(2, size), None, None]
+    stats = disk.stats()
+    assert (stats.evictions, stats.kept) == (4, 1) and stats.bytes_used <= cap
+    disk.close(timeout=30)
+    disk = DiskTier(disk_dir, cap, "never")  # the copy is on disk: it survives a restart
+    assert disk.has(NS, key(2), [0])  # (has() does not count as a read)
+    first_new = i  # written after the copy of 2: goes after it
+    while i == first_new or disk.has(NS, key(first_new), [0]):  # a pass; 2 not read again
+        write(disk, i, size)
+        written(disk)
+        i += 1
+    assert read(disk, [2]) == [None]
+    disk.close()
+
+
+def test_a_block_the_ram_tier_serves_is_kept_on_disk_too(tmp_path: Path) -> None:
+    size = 200 * 1024
+    disk = DiskTier(tmp_path / "disk", 8 * MIB, "never")
+    store = VaultStore(max_bytes=3 * entry_bytes(NS, key(0), size), disk=disk)  # 3 in RAM
+    keys = [key(i) for i in range(60)]
+
+    def put(i: int) -> None:
+        data = payload(i, size)
+        assert store.put(NS, keys[i], 0, data, block_checksum(NS, keys[i], 0, data)) is None
+
+    for i in range(5):
+        put(i)
+    assert store.wait_durable()  # a block counts as read once it is on disk
+    assert [b.key_index for b in store.get_many(NS, [keys[0], keys[3]], [0])] == [0, 1]
+    assert store.stats().ram_hits == 1  # 3 from RAM (2, 3 and 4 are there), 0 from disk
+    for i in range(5, 60):  # 11 MiB through an 8 MiB disk: segment 1 goes
+        put(i)
+        assert store.wait_durable()
+    disk_stats = store.stats().disk
+    assert disk_stats is not None and disk_stats.evictions > 0 and disk_stats.kept == 2
+    found = store.get_many(NS, keys[:5], [0])
+    assert [(b.key_index, bytes(b.payload)) for b in found] == [
+        (0, payload(0, size)),
+        (3, payload(3, size)),
+    ]
+    store.close(timeout=30)
+
+
 def test_a_put_is_acknowledged_only_once_the_disk_wrote_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

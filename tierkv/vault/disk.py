@@ -13,11 +13,18 @@ when what it queued has been handed to the kernel (and synced, under fsync "alwa
 on a crash of the process cannot lose it, only a crash of the machine can (fsync decides how
 much). On start the index is rebuilt by reading headers only (payloads are seeked past); an
 invalid header is skipped up to the next valid one, and a torn tail (the last record cut short
-by a crash) is truncated and reported. Past
-`max_bytes` the oldest whole segment is dropped (segment-level FIFO: cheap and simple; blocks
-read recently live in the RAM tier and are written again when RAM evicts them). Reads of many
-blocks sort by position and coalesce neighbours into one `preadv` straight into the buffers that
-are returned. A lock file (`flock`) keeps a second vault off the same directory.
+by a crash) is truncated and reported.
+
+Past `max_bytes` the oldest segment is dropped, with a second chance (CLOCK over segments): the
+blocks of it read since they were written (`read_many`, or `touch` for reads the RAM tier
+served) are first copied forward into the newest segment, unmarked, and only the others go. So
+a block read at least once per pass over the disk stays, and a block written once and never read
+goes after one pass: least recently used first, to the granularity of one pass. Copying costs
+one read and one write of the kept blocks; at most KEEP_FRACTION of a segment is kept per
+segment dropped (the tier stays that far below `max_bytes`, so copies never push it over), the
+rest of the marked blocks going like cold ones. Marks are not kept across restarts. Reads of
+many blocks sort by position and coalesce neighbours into one `preadv` straight into the
+buffers that are returned. A lock file (`flock`) keeps a second vault off the same directory.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ MAX_READ_BYTES = 64 * MIB
 IOV_MAX = 1024
 LOCK_NAME = "lock"
 SEGMENT_SUFFIX = ".seg"
+KEEP_FRACTION = 0.5
+"""Most bytes of read blocks copied forward when one segment is dropped, as a share of a segment;
+also the share of a segment the tier keeps free below its cap for those copies."""
 
 MAGIC = b"TKVR"
 KIND_BLOCK, KIND_DELETE, KIND_CLEAR = 0, 1, 2
@@ -101,6 +111,7 @@ class DiskStats:
     queued_bytes: int
     segments: int
     evictions: int  # blocks dropped with their segment by the cap
+    kept: int  # read blocks copied forward when their segment was dropped (second chances)
     corrupt: int  # blocks whose payload failed its checksum when read (then dropped)
 
 
@@ -169,6 +180,9 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.fsync = fsync
         self.segment_bytes = segment_bytes or max(MIB, min(SEGMENT_BYTES, max_bytes // 8))
+        self._keep_bytes = int(self.segment_bytes * KEEP_FRACTION)
+        self._room = max(1, max_bytes - self._keep_bytes)
+        """Bytes of segments new records may fill; the rest is for blocks kept on eviction."""
         self._write_behind = write_behind_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
@@ -177,13 +191,14 @@ class DiskTier:
         self._index: dict[EntryKey, Location] = {}
         self._parts: dict[tuple[bytes, bytes], set[int]] = {}
         self._segment_keys: dict[int, set[EntryKey]] = {}
+        self._read: set[EntryKey] = set()  # on disk and read since written: kept on eviction
         self._fds: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
         self._queue: deque[_Op] = deque()
         self._queued: dict[EntryKey, _Op] = {}
         self._queued_bytes = 0
         self._live_bytes = 0
-        self._evictions = self._corrupt = 0
+        self._evictions = self._kept = self._corrupt = 0
         self._closing = False
         self._busy = False
         self._enqueued = self._taken = self._handled = 0  # ops queued / taken / written so far
@@ -257,7 +272,7 @@ class DiskTier:
         try:
             located.sort()
             for run in _runs(located):
-                for (loc, position), payload in zip(run, self._read_run(fds, run), strict=True):
+                for (loc, position), payload in zip(run, _read_run(fds, run), strict=True):
                     key, part = wanted[position]
                     if payload is not None and (
                         block_checksum(namespace, key, part, payload) == loc.checksum
@@ -268,7 +283,15 @@ class DiskTier:
         finally:
             for fd in fds.values():
                 os.close(fd)
+        self.touch(namespace, [wanted[position] for _, position in located])
         return found
+
+    def touch(self, namespace: bytes, read: Sequence[tuple[bytes, int]]) -> None:
+        """Mark blocks as read (the RAM tier served them), so eviction keeps their disk copy."""
+        with self._lock:
+            for key, part in read:
+                if (namespace, key, part) in self._index:
+                    self._read.add((namespace, key, part))
 
     def delete(self, namespace: bytes, keys: Sequence[bytes]) -> set[EntryKey]:
         """Remove every part of `keys`; the (namespace, key, part) entries that went."""
@@ -306,6 +329,7 @@ class DiskTier:
                 queued_bytes=self._queued_bytes,
                 segments=len(self._sizes),
                 evictions=self._evictions,
+                kept=self._kept,
                 corrupt=self._corrupt,
             )
 
@@ -406,6 +430,7 @@ class DiskTier:
     # ---- index bookkeeping (caller holds the lock) ------------------------------------------
 
     def _reindex(self, entry_key: EntryKey, loc: Location) -> None:
+        """Index a new copy of the block at `loc` (unread so far)."""
         self._unindex(entry_key)
         self._index[entry_key] = loc
         self._parts.setdefault(entry_key[:2], set()).add(entry_key[2])
@@ -416,6 +441,7 @@ class DiskTier:
         loc = self._index.pop(entry_key, None)
         if loc is None:
             return
+        self._read.discard(entry_key)
         self._live_bytes -= loc.length
         parts = self._parts[entry_key[:2]]
         parts.discard(entry_key[2])
@@ -493,7 +519,7 @@ class DiskTier:
         for op in batch:
             header = _header(op)
             record_len = len(header) + len(op.payload)
-            if record_len > self.max_bytes:
+            if record_len > self._room:
                 continue  # never fits; the block stays in RAM only
             if self._needs_room(record_len, offset - start) or len(iov) + 2 > IOV_MAX:
                 self._write_iov(iov, start)
@@ -528,7 +554,7 @@ class DiskTier:
         size = self._sizes[self._active] + unwritten
         total = sum(self._sizes.values()) + unwritten
         return (size > 0 and size + record_len > self.segment_bytes) or (
-            total + record_len > self.max_bytes
+            total + record_len > self._room
         )
 
     def _write_iov(self, iov: list[bytes | memoryview], start: int) -> None:
@@ -544,15 +570,72 @@ class DiskTier:
             self._sizes[self._active] = start + total
 
     def _make_room(self, record_len: int) -> None:
-        """Start a new segment when the active one is full; drop the oldest past the cap."""
+        """Start a new segment when the active one is full; drop the oldest past the cap,
+        copying forward its blocks read since they were written."""
         size = self._sizes[self._active]
         if size > 0 and size + record_len > self.segment_bytes:
             self._roll()
-        while sum(self._sizes.values()) + record_len > self.max_bytes:
+        budget = self._keep_bytes  # for all segments dropped now: the loop ends
+        while sum(self._sizes.values()) + record_len > self._room:
             oldest = min(self._sizes)
             if oldest == self._active:
                 self._roll()
+            budget -= self._keep_read_blocks(oldest, budget)
             self._drop_segment(oldest)
+
+    def _keep_read_blocks(self, segment: int, budget: int) -> int:
+        """Append to the active segment the read blocks of `segment`, at most `budget` bytes of
+        records and as long as the cap allows; the copies are unread again. Returns the bytes
+        of records chosen."""
+        budget = min(budget, self.max_bytes - sum(self._sizes.values()))
+        chosen = 0
+        with self._lock:
+            kept: list[tuple[Location, int]] = []
+            entry_keys: list[EntryKey] = []
+            for entry_key in self._segment_keys[segment]:
+                loc = self._index.get(entry_key)
+                # A block queued again has a newer copy on its way: the old one must not follow.
+                if loc is None or loc.segment != segment or entry_key not in self._read:
+                    continue
+                if entry_key in self._queued or chosen + loc.header_len + loc.length > budget:
+                    continue
+                chosen += loc.header_len + loc.length
+                kept.append((loc, len(entry_keys)))
+                entry_keys.append(entry_key)
+        kept.sort()
+        for run in _runs(kept):
+            ops = []
+            for (loc, position), payload in zip(run, _read_run(self._fds, run), strict=True):
+                namespace, key, part = entry_keys[position]
+                if payload is not None and block_checksum(namespace, key, part, payload) == (
+                    loc.checksum
+                ):
+                    ops.append((_Op(KIND_BLOCK, namespace, key, part, payload, loc.checksum), loc))
+            self._copy_forward(ops)
+        return chosen
+
+    def _copy_forward(self, ops: list[tuple[_Op, Location]]) -> None:
+        """Write `ops` (blocks now at the given locations) to the active segment, reindexed
+        where the block is still where it was (not deleted or replaced meanwhile)."""
+        iov: list[bytes | memoryview] = []
+        moved: list[tuple[_Op, Location, Location]] = []
+        start = offset = self._sizes[self._active]
+        for op, old in ops:
+            header = _header(op)
+            if offset > start and offset + len(header) + len(op.payload) > self.segment_bytes:
+                self._write_iov(iov, start)
+                iov = []
+                self._roll()
+                start = offset = self._sizes[self._active]
+            iov += [header, op.payload]
+            moved.append((op, old, Location(self._active, offset, len(header), *old[3:])))
+            offset += len(header) + len(op.payload)
+        self._write_iov(iov, start)
+        with self._lock:
+            for op, old, new in moved:
+                if self._index.get(_key(op)) == old:
+                    self._reindex(_key(op), new)
+                    self._kept += 1
 
     def _roll(self) -> None:
         self._sync()
@@ -578,28 +661,6 @@ class DiskTier:
             os.fsync(self._fds[self._active])
         self._last_sync = time.monotonic()
 
-    def _read_run(
-        self, fds: dict[int, int], run: list[tuple[Location, int]]
-    ) -> list[memoryview | None]:
-        """The payloads of adjacent records, read with one preadv; None for any cut short."""
-        payloads = [bytearray(loc.length) for loc, _ in run]
-        scratch = memoryview(bytearray(max(loc.header_len for loc, _ in run)))
-        iov: list[memoryview | bytearray] = []
-        for (loc, _), payload in zip(run, payloads, strict=True):
-            iov += [scratch[: loc.header_len], payload]
-        first = run[0][0]
-        try:
-            got = os.preadv(fds[first.segment], iov, first.record)
-        except OSError:
-            got = 0
-        result: list[memoryview | None] = []
-        end = first.record
-        for (loc, _), payload in zip(run, payloads, strict=True):
-            end += loc.header_len + loc.length
-            complete = got >= end - first.record
-            result.append(memoryview(payload).toreadonly() if complete else None)
-        return result
-
 
 def _key(op: _Op) -> EntryKey:
     return (op.namespace, op.key, op.part)
@@ -624,6 +685,27 @@ def _runs(located: list[tuple[Location, int]]) -> list[list[tuple[Location, int]
         runs.append([item])
         size = loc.length
     return runs
+
+
+def _read_run(fds: dict[int, int], run: list[tuple[Location, int]]) -> list[memoryview | None]:
+    """The payloads of adjacent records, read with one preadv; None for any cut short."""
+    payloads = [bytearray(loc.length) for loc, _ in run]
+    scratch = memoryview(bytearray(max(loc.header_len for loc, _ in run)))
+    iov: list[memoryview | bytearray] = []
+    for (loc, _), payload in zip(run, payloads, strict=True):
+        iov += [scratch[: loc.header_len], payload]
+    first = run[0][0]
+    try:
+        got = os.preadv(fds[first.segment], iov, first.record)
+    except OSError:
+        got = 0
+    result: list[memoryview | None] = []
+    end = first.record
+    for (loc, _), payload in zip(run, payloads, strict=True):
+        end += loc.header_len + loc.length
+        complete = got >= end - first.record
+        result.append(memoryview(payload).toreadonly() if complete else None)
+    return result
 
 
 def _next_header(fd: int, pos: int, size: int) -> int | None:

@@ -12,7 +12,8 @@ With a `DiskTier` (disk.py) the store is its RAM tier: every stored block is als
 disk (written behind, so a put waits only when the write-behind queue is full; `wait_durable`
 tells the server when the blocks it stored are on disk), RAM evictions keep the disk copy
 (spilling the block if the disk has none), and lookups and reads fall through to the disk; a
-block read from disk is brought back into RAM as the most recently used.
+block read from disk is brought back into RAM as the most recently used, and a block read from
+RAM is marked read on disk too, so the disk's eviction keeps it.
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ class VaultStore:
                         found.append(StoredBlock(index, part, entry[0], entry[1]))
         with self._lock:
             self._ram_rate.add(len(found))
+        if self.disk is not None and found:
+            self.disk.touch(namespace, [(keys[block.key_index], block.part) for block in found])
         if not absent or self.disk is None:
             with self._lock:
                 self._misses += len(absent)
