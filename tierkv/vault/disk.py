@@ -506,7 +506,10 @@ class DiskTier:
             if batch:
                 self._forget(batch, taken)  # Puts waiting for this batch are answered now
             try:  # after the batch is answered: no Put waits for this sync
-                if self.fsync == "interval" and time.monotonic() - self._last_sync >= 1.0:
+                if (
+                    self.fsync == "interval"
+                    and time.monotonic() - self._last_sync >= FSYNC_INTERVAL_S
+                ):
                     self._sync()
             except OSError:
                 log.exception("tierkv vault: disk tier cannot sync %s", self.directory)
