@@ -625,7 +625,7 @@ class DiskTier:
         start = offset = self._sizes[self._active]
         for op, old in ops:
             header = _header(op)
-            if offset > start and offset + len(header) + len(op.payload) > self.segment_bytes:
+            if offset > 0 and offset + len(header) + len(op.payload) > self.segment_bytes:
                 self._write_iov(iov, start)
                 iov = []
                 self._roll()
