@@ -211,7 +211,7 @@ def test_a_put_is_acknowledged_only_once_the_disk_wrote_it(
 ) -> None:
     """Whatever fsync says, an acknowledged block is in its segment file (the page cache), so
     a crash of the vault process cannot lose it; here the writer is held back."""
-    disk = DiskTier(tmp_path / "disk", 64 * MIB, "never")
+    disk = DiskTier(tmp_path / "disk", 128 * MIB, "never")
     gate = threading.Event()
     append = disk._append
 
@@ -220,7 +220,7 @@ def test_a_put_is_acknowledged_only_once_the_disk_wrote_it(
         append(batch)
 
     monkeypatch.setattr(disk, "_append", held_back)
-    blocks = [payload(i, 100_000) for i in range(8)]
+    blocks = [payload(i, MIB) for i in range(1, 25)]  # two bulk frames, one gRPC stream
     try:
         for bulk_port, transport in ((0, "bulk"), (None, "grpc")):
             server = serve("127.0.0.1:0", 0, bulk_port=bulk_port, disk=disk)
@@ -231,7 +231,7 @@ def test_a_put_is_acknowledged_only_once_the_disk_wrote_it(
                     assert not client.flush(timeout=1.0)  # not acknowledged: not yet written
                     assert client.stored_puts == 0
                     gate.set()
-                    assert client.flush(timeout=60) and client.stored_puts == 8
+                    assert client.flush(timeout=60) and client.stored_puts == len(blocks)
                     assert client.transport == transport
                 segments = b"".join(p.read_bytes() for p in (tmp_path / "disk").glob("*.seg"))
                 assert all(segments.count(data) == 1 + (transport == "grpc") for data in blocks)

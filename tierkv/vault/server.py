@@ -162,12 +162,17 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         index: vault_pb2.PutIndex,
         payloads: Sequence[bytes | memoryview],
         tenant: Tenant,
-    ) -> vault_pb2.PutSummary:
-        """Store one batch of `tenant` (payloads kept as given) and return its summary once the
-        blocks are on disk (with a disk tier); the bulk path calls this, one per frame."""
+    ) -> Callable[[], vault_pb2.PutSummary]:
+        """Store one batch of `tenant` (payloads kept as given) now; the returned call gives its
+        summary once the blocks are on disk (with a disk tier). The bulk path: one per frame."""
         summary = vault_pb2.PutSummary()
-        self._confirm_durable(self._store_blocks(index, payloads, tenant, summary), tenant, summary)
-        return summary
+        stored = self._store_blocks(index, payloads, tenant, summary)
+
+        def answer() -> vault_pb2.PutSummary:
+            self._confirm_durable(stored, tenant, summary)
+            return summary
+
+        return answer
 
     def _store_blocks(
         self,
