@@ -190,12 +190,12 @@ def test_a_block_the_ram_tier_serves_is_kept_on_disk_too(tmp_path: Path) -> None
 
     for i in range(5):
         put(i)
-    assert store.wait_durable()  # a block counts as read once it is on disk
+    assert store.wait_durable(0)  # a block counts as read once it is on disk
     assert [b.key_index for b in store.get_many(NS, [keys[0], keys[3]], [0])] == [0, 1]
     assert store.stats().ram_hits == 1  # 3 from RAM (2, 3 and 4 are there), 0 from disk
     for i in range(5, 60):  # 11 MiB through an 8 MiB disk: segment 1 goes
         put(i)
-        assert store.wait_durable()
+        assert store.wait_durable(0)
     disk_stats = store.stats().disk
     assert disk_stats is not None and disk_stats.evictions > 0 and disk_stats.kept == 2
     found = store.get_many(NS, keys[:5], [0])
@@ -310,3 +310,22 @@ def test_a_failing_disk_write_is_logged_and_the_writer_keeps_going(
     write(disk, 2)
     assert disk.wait_for_room(timeout=30)
     assert disk.close(timeout=30) == 0
+
+
+def test_a_put_whose_disk_write_fails_is_rejected_not_acknowledged(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    [segment] = (tmp_path / "disk").glob("*.seg")
+    read_only = os.open(segment, os.O_RDONLY)
+    os.dup2(read_only, disk._fds[disk._active])  # writes now fail (EBADF), as on a full disk
+    os.close(read_only)
+    server = serve("127.0.0.1:0", 0, disk=disk)
+    try:
+        with VaultClient(server.address, deadline_s=60) as client:
+            for i in range(3):
+                client.put(NS, key(i), 0, payload(i))
+            assert client.flush(timeout=60)
+            assert (client.stored_puts, client.rejected_puts) == (0, 3)
+            assert "the disk tier did not write the block" in client.last_rejections[0]
+    finally:
+        server.stop(grace=0)
+        disk.close(timeout=30)

@@ -63,6 +63,8 @@ them; the queue then grows past WRITE_BEHIND_BYTES until the disk catches up."""
 MAX_READ_BYTES = 64 * MIB
 """Largest single coalesced read."""
 IOV_MAX = 1024
+FAILED_RANGES = 64
+"""Failed batches remembered for `wait_written`; before the oldest, every wait counts as failed."""
 LOCK_NAME = "lock"
 SEGMENT_SUFFIX = ".seg"
 KEEP_FRACTION = 0.5
@@ -202,6 +204,8 @@ class DiskTier:
         self._closing = False
         self._busy = False
         self._enqueued = self._taken = self._handled = 0  # ops queued / taken / written so far
+        self._failed: deque[tuple[int, int]] = deque()  # (first, last] ops of failed batches
+        self._failed_forgotten = 0  # ops up to this one may have failed unremembered
         started = time.monotonic()
         damaged = [problem for segment in self._segment_ids() for problem in self._scan(segment)]
         self.recovery = Recovery(
@@ -242,12 +246,17 @@ class DiskTier:
         with self._lock:
             return self._enqueued
 
-    def wait_written(self, mark: int, timeout: float | None = None) -> bool:
+    def wait_written(self, mark: int, timeout: float | None = None, since: int = 0) -> bool:
         """Wait until everything queued before `mark` was handled: written to its segment (in
         the kernel's page cache, which outlives this process), and synced when fsync is
-        "always"; a failed write is logged. False on timeout."""
+        "always". False on timeout, or when the write of anything queued between `since` (an
+        earlier mark) and `mark` failed (logged)."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._handled >= mark, timeout)
+            if not self._changed.wait_for(lambda: self._handled >= mark, timeout):
+                return False
+            return since >= self._failed_forgotten and not any(
+                first < mark and last > since for first, last in self._failed
+            )
 
     def has(self, namespace: bytes, key: bytes, parts: Sequence[int]) -> bool:
         """Whether every one of `parts` of the block is on disk or queued."""
@@ -485,6 +494,7 @@ class DiskTier:
                     return
                 batch = []
                 size = 0
+                first = self._taken
                 while self._queue and size < MAX_READ_BYTES:
                     op = self._queue.popleft()
                     self._taken += 1
@@ -503,6 +513,10 @@ class DiskTier:
                         self._sync()
             except Exception:
                 log.exception("tierkv vault: disk tier cannot write to %s", self.directory)
+                with self._lock:
+                    if len(self._failed) == FAILED_RANGES:
+                        self._failed_forgotten = self._failed.popleft()[1]
+                    self._failed.append((first, taken))
             if batch:
                 self._forget(batch, taken)  # Puts waiting for this batch are answered now
             try:  # after the batch is answered: no Put waits for this sync

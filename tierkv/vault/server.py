@@ -140,6 +140,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         started = time.perf_counter()
         nbytes = 0
         stored: list[tuple[bytes, int]] = []
+        since = self.store.durability_mark()
         for index, data in request_iterator:
             _check_request(context, request_problem(self.limits, len(index.keys), 1))
             try:
@@ -153,7 +154,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 payloads = [bytes(payload) for payload in payloads]
             stored += self._store_blocks(index, payloads, tenant, summary)
             nbytes += len(data)
-        self._confirm_durable(stored, tenant, summary)  # once per stream: its one summary
+        self._confirm_durable(since, stored, tenant, summary)  # once per stream: one summary
         self.metrics.call("put", "grpc", nbytes, time.perf_counter() - started)
         return summary
 
@@ -166,10 +167,11 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         """Store one batch of `tenant` (payloads kept as given) now; the returned call gives its
         summary once the blocks are on disk (with a disk tier). The bulk path: one per frame."""
         summary = vault_pb2.PutSummary()
+        since = self.store.durability_mark()
         stored = self._store_blocks(index, payloads, tenant, summary)
 
         def answer() -> vault_pb2.PutSummary:
-            self._confirm_durable(stored, tenant, summary)
+            self._confirm_durable(since, stored, tenant, summary)
             return summary
 
         return answer
@@ -207,14 +209,19 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         return stored_here
 
     def _confirm_durable(
-        self, stored: list[tuple[bytes, int]], tenant: Tenant, summary: vault_pb2.PutSummary
+        self,
+        since: int,
+        stored: list[tuple[bytes, int]],
+        tenant: Tenant,
+        summary: vault_pb2.PutSummary,
     ) -> None:
-        """Acknowledge `stored` only once the disk tier wrote them (a vault crash then loses
-        none), turning them into rejections when it does not in time."""
-        if not stored or self.store.wait_durable():
+        """Acknowledge `stored` (stored after the durability mark `since`) only once the disk
+        tier wrote them (a vault crash then loses none), turning them into rejections when it
+        fails to or does not in time."""
+        if not stored or self.store.wait_durable(since):
             return
         summary.stored -= len(stored)
-        reason = "the disk did not confirm the write in time"
+        reason = "the disk tier did not write the block (it failed, or took too long)"
         for key, part in stored:
             _add_rejection(summary, key, part, reason)
             self.metrics.rejected(reason)

@@ -267,13 +267,18 @@ class VaultStore:
                 disk=self.disk.stats() if self.disk else None,
             )
 
-    def wait_durable(self, timeout: float = DURABLE_WAIT_S) -> bool:
+    def durability_mark(self) -> int:
+        """A position for `wait_durable`: blocks stored after it count there."""
+        return self.disk.mark() if self.disk else 0
+
+    def wait_durable(self, since: int, timeout: float = DURABLE_WAIT_S) -> bool:
         """With a disk tier, wait until every block stored so far is written to its segment
         (where a crash of the vault process cannot lose it), and synced when fsync is "always";
-        False on timeout. True at once without a disk tier."""
+        False on timeout or when writing a block stored after `since` (a `durability_mark`)
+        failed. True at once without a disk tier."""
         if self.disk is None:
             return True
-        return self.disk.wait_written(self.disk.mark(), timeout)
+        return self.disk.wait_written(self.disk.mark(), timeout, since)
 
     def close(self, timeout: float | None = None) -> int:
         """Spill every RAM-only block to the disk tier and close it, within `timeout` seconds.
