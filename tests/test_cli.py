@@ -181,3 +181,31 @@ def test_a_cap_beyond_ram_is_a_warning(tmp_path: Path, free_port: int) -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.mark.parametrize("ram_multiple", [2, 4])
+def test_with_a_disk_tier_the_cap_is_compared_with_ram_plus_disk(
+    tmp_path: Path, free_port: int, ram_multiple: int
+) -> None:
+    """A disk tier capped at twice the RAM: a cap of 2x RAM fits (no warning), 4x does not."""
+    config = tmp_path / "tierkv.toml"
+    config.write_text("")
+    ram = physical_ram_bytes()
+    command = [sys.executable, "-m", "tierkv", "vault", "--listen", f"127.0.0.1:{free_port}"]
+    command += ["--config", str(config), "--max-bytes", str(ram_multiple * ram)]
+    command += ["--disk-dir", str(tmp_path / "disk"), "--disk-max-bytes", str(2 * ram)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None
+        while "listening on" not in (line := process.stdout.readline()):
+            assert line, "the vault exited before listening"
+    finally:
+        process.terminate()
+        _, stderr = process.communicate(timeout=60)
+    warnings = [line for line in stderr.splitlines() if "warning" in line]
+    if ram_multiple == 2:
+        assert warnings == []
+    else:
+        [warning] = warnings
+        assert f"this machine's {format_size(ram)} of RAM plus the disk tier's cap of " in warning
+        assert format_size(2 * ram) in warning

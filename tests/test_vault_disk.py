@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tierkv.config import MIB
+from tierkv.vault.client import VaultClient
 from tierkv.vault.disk import DiskLockedError, DiskTier
+from tierkv.vault.server import serve
 from tierkv.vault.store import VaultStore, entry_bytes
 from tierkv.vault.wire import block_checksum
 
@@ -139,6 +143,106 @@ def test_the_cap_drops_the_oldest_segments(disk_dir: Path) -> None:
     disk.close()
 
 
+def written(disk: DiskTier) -> None:
+    """Wait until the writer has written everything queued so far."""
+    assert disk.wait_written(disk.mark(), timeout=60)
+
+
+def test_eviction_keeps_a_block_read_since_written_and_drops_the_cold_ones(
+    disk_dir: Path,
+) -> None:
+    cap = 8 * MIB  # segments of 1 MiB: five blocks of 200 KiB each
+    size = 200 * 1024
+    disk = DiskTier(disk_dir, cap, "never")
+    for i in range(5):
+        write(disk, i, size)
+    written(disk)
+    assert read(disk, [2]) == [payload(2, size)]  # the only one of segment 1 read
+    i = 5
+    while disk.stats().evictions < 4:  # until segment 1 is dropped
+        write(disk, i, size)
+        written(disk)
+        i += 1
+    assert read(disk, [0, 1, 2, 3, 4]) == [None, None, payload(2, size), None, None]
+    stats = disk.stats()
+    assert (stats.evictions, stats.kept) == (4, 1) and stats.bytes_used <= cap
+    disk.close(timeout=30)
+    disk = DiskTier(disk_dir, cap, "never")  # the copy is on disk: it survives a restart
+    assert disk.has(NS, key(2), [0])  # (has() does not count as a read)
+    first_new = i  # written after the copy of 2: goes after it
+    while i == first_new or disk.has(NS, key(first_new), [0]):  # a pass; 2 not read again
+        write(disk, i, size)
+        written(disk)
+        i += 1
+    assert read(disk, [2]) == [None]
+    disk.close()
+
+
+def test_a_block_the_ram_tier_serves_is_kept_on_disk_too(tmp_path: Path) -> None:
+    size = 200 * 1024
+    disk = DiskTier(tmp_path / "disk", 8 * MIB, "never")
+    store = VaultStore(max_bytes=3 * entry_bytes(NS, key(0), size), disk=disk)  # 3 in RAM
+    keys = [key(i) for i in range(60)]
+
+    def put(i: int) -> None:
+        data = payload(i, size)
+        assert store.put(NS, keys[i], 0, data, block_checksum(NS, keys[i], 0, data)) is None
+
+    for i in range(5):
+        put(i)
+    assert store.wait_durable(0)  # a block counts as read once it is on disk
+    assert [b.key_index for b in store.get_many(NS, [keys[0], keys[3]], [0])] == [0, 1]
+    assert store.stats().ram_hits == 1  # 3 from RAM (2, 3 and 4 are there), 0 from disk
+    for i in range(5, 60):  # 11 MiB through an 8 MiB disk: segment 1 goes
+        put(i)
+        assert store.wait_durable(0)
+    disk_stats = store.stats().disk
+    assert disk_stats is not None and disk_stats.evictions > 0 and disk_stats.kept == 2
+    found = store.get_many(NS, keys[:5], [0])
+    assert [(b.key_index, bytes(b.payload)) for b in found] == [
+        (0, payload(0, size)),
+        (3, payload(3, size)),
+    ]
+    store.close(timeout=30)
+
+
+def test_a_put_is_acknowledged_only_once_the_disk_wrote_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever fsync says, an acknowledged block is in its segment file (the page cache), so
+    a crash of the vault process cannot lose it; here the writer is held back."""
+    disk = DiskTier(tmp_path / "disk", 128 * MIB, "never")
+    gate = threading.Event()
+    append = disk._append
+
+    def held_back(batch: list[Any]) -> None:
+        gate.wait(60)
+        append(batch)
+
+    monkeypatch.setattr(disk, "_append", held_back)
+    blocks = [payload(i, MIB) for i in range(1, 25)]  # two bulk frames, one gRPC stream
+    try:
+        for bulk_port, transport in ((0, "bulk"), (None, "grpc")):
+            server = serve("127.0.0.1:0", 0, bulk_port=bulk_port, disk=disk)
+            try:
+                with VaultClient(server.address, deadline_s=60) as client:
+                    for i, data in enumerate(blocks):
+                        client.put(NS, key(i), 0, data)
+                    assert not client.flush(timeout=1.0)  # not acknowledged: not yet written
+                    assert client.stored_puts == 0
+                    gate.set()
+                    assert client.flush(timeout=60) and client.stored_puts == len(blocks)
+                    assert client.transport == transport
+                segments = b"".join(p.read_bytes() for p in (tmp_path / "disk").glob("*.seg"))
+                assert all(segments.count(data) == 1 + (transport == "grpc") for data in blocks)
+            finally:
+                gate.clear()
+                server.stop(grace=0)
+    finally:
+        gate.set()
+        disk.close(timeout=30)
+
+
 def test_reads_of_adjacent_blocks_coalesce_and_keep_request_order(disk_dir: Path) -> None:
     disk = DiskTier(disk_dir, 64 * MIB)
     for i in range(40):
@@ -206,3 +310,22 @@ def test_a_failing_disk_write_is_logged_and_the_writer_keeps_going(
     write(disk, 2)
     assert disk.wait_for_room(timeout=30)
     assert disk.close(timeout=30) == 0
+
+
+def test_a_put_whose_disk_write_fails_is_rejected_not_acknowledged(tmp_path: Path) -> None:
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    [segment] = (tmp_path / "disk").glob("*.seg")
+    read_only = os.open(segment, os.O_RDONLY)
+    os.dup2(read_only, disk._fds[disk._active])  # writes now fail (EBADF), as on a full disk
+    os.close(read_only)
+    server = serve("127.0.0.1:0", 0, disk=disk)
+    try:
+        with VaultClient(server.address, deadline_s=60) as client:
+            for i in range(3):
+                client.put(NS, key(i), 0, payload(i))
+            assert client.flush(timeout=60)
+            assert (client.stored_puts, client.rejected_puts) == (0, 3)
+            assert "the disk tier did not write the block" in client.last_rejections[0]
+    finally:
+        server.stop(grace=0)
+        disk.close(timeout=30)

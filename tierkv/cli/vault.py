@@ -162,19 +162,12 @@ def vault(
             if cfg.vault.max_bytes is not None
             else f"default: {DEFAULT_RAM_FRACTION:.0%} of {format_size(physical_ram_bytes())} RAM"
         )
-    ram = physical_ram_bytes()
-    if cap > ram:
-        typer.echo(
-            f"tierkv vault: warning: the cap of {format_size(cap)} ({origin}) is more than this "
-            f"machine's {format_size(ram)} of RAM; the system swaps or stops the vault before "
-            "the cap is reached (a disk tier, --disk-dir, holds more than RAM)",
-            err=True,
-        )
     from tierkv.vault.memory import reuse_freed_memory
     from tierkv.vault.server import VaultBindError, serve
 
     reuse_freed_memory()
     disk = _open_disk(cfg, disk_dir, disk_max_bytes)
+    _warn_beyond_memory(cap, origin, disk.max_bytes if disk else 0)
     try:
         bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
         metrics = cfg.vault.metrics_port if metrics_port is None else metrics_port
@@ -227,6 +220,24 @@ def vault(
             + (f"; {left} blocks did not reach the disk in {FLUSH_TIMEOUT_S:.0f} s" if left else "")
         )
     typer.echo("tierkv vault: stopped")
+
+
+def _warn_beyond_memory(cap: int, origin: str, disk_cap: int) -> None:
+    """Warn when the cap is more than physical RAM plus the disk tier's cap (`disk_cap`, 0: no
+    disk tier) can hold."""
+    ram = physical_ram_bytes()
+    if cap <= ram + disk_cap:
+        return
+    if disk_cap:
+        room = f"{format_size(ram)} of RAM plus the disk tier's cap of {format_size(disk_cap)}"
+    else:
+        room = f"{format_size(ram)} of RAM"
+    typer.echo(
+        f"tierkv vault: warning: the cap of {format_size(cap)} ({origin}) is more than this "
+        f"machine's {room}; the system swaps or stops the vault before the cap is reached"
+        + ("" if disk_cap else " (a disk tier, --disk-dir, holds more than RAM)"),
+        err=True,
+    )
 
 
 def _access_text(tokens: Tokens | None, cfg: TierKVConfig) -> str:

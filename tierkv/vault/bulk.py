@@ -8,6 +8,9 @@ of payloads). The frame format is documented at the top of proto/tierkv/v1/vault
 
 Vault side: `BulkServer(host, port, handler, ...)` listens and answers frames on a thread per
 connection, calling `handler.put_blocks` / `handler.promote_blocks`; `stop()` closes everything.
+A PUT frame is answered once its blocks are durable (with a disk tier: written); while the next
+frame is already arriving, it is received and stored first, so the disk writes one frame while
+the next comes in (replies keep their order).
 Each connection starts with the vault's challenge (auth.py: the client proves its token, and so
 its tenant, before any frame), over TLS when the vault has a certificate.
 Client side: `BulkConnection(host, port, timeout_s, ...)` sends one request at a time (`put`,
@@ -27,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol, TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
 from google.protobuf.message import DecodeError, Message
@@ -91,7 +94,7 @@ class BulkHandler(Protocol):
 
     def put_blocks(
         self, index: vault_pb2.PutIndex, payloads: Sequence[Payload], tenant: Tenant
-    ) -> vault_pb2.PutSummary: ...
+    ) -> Callable[[], vault_pb2.PutSummary]: ...
 
     def promote_blocks(
         self, request: vault_pb2.PromoteRequest, tenant: Tenant
@@ -251,6 +254,24 @@ def _recv_put_payloads(
     return payloads
 
 
+class _Unanswered(NamedTuple):
+    """A stored PUT frame whose reply is not sent yet."""
+
+    answer: Callable[[], vault_pb2.PutSummary]  # waits until its blocks are durable
+    deadline: Deadline
+    data_len: int
+    started: float
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether bytes from the peer wait on `sock` (poll: any descriptor number)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return True
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 class BulkServer:
     """Answers bulk frames on `host`:`port` (0: any free port; `.port` tells which), held to
     `limits`: PUT payloads are received only once `inflight` has room for them, and a frame whose
@@ -338,14 +359,20 @@ class BulkServer:
                     self._connections.add(wrapped)
                 sock = wrapped
             tenant = self._handshake(sock)
+            unanswered: _Unanswered | None = None
             while True:
+                if unanswered is not None and not _readable(sock):
+                    self._reply(sock, unanswered)
+                    unanswered = None
                 head = bytearray(HEADER.size)
                 sock.settimeout(limits.idle_timeout_s)
                 if sock.recv_into(memoryview(head)[:1]) == 0:
                     return  # the client closed its (idle) connection
                 stall = Deadline(time.monotonic() + limits.stall_timeout_s, limits.stall_timeout_s)
                 _recv_into(sock, memoryview(head)[1:], stall)
-                self._answer_frame(sock, _parse_header(bytes(head)), tenant)
+                unanswered = self._answer_frame(
+                    sock, _parse_header(bytes(head)), tenant, unanswered
+                )
         except (OSError, ValueError, MemoryError):
             return  # peer gone, idle, stalled, malformed, too large or refused: drop it
         finally:
@@ -374,9 +401,21 @@ class BulkServer:
         _send_frame(sock, WELCOME, vault_pb2.BulkChallenge(), clock)
         return tenant
 
+    def _reply(self, sock: socket.socket, put: _Unanswered) -> None:
+        """Send a stored PUT frame's summary once its blocks are durable."""
+        _send_frame(sock, PUT_REPLY, put.answer(), put.deadline)
+        elapsed = time.perf_counter() - put.started
+        self._handler.metrics.call("put", "bulk", put.data_len, elapsed)
+
     def _answer_frame(
-        self, sock: socket.socket, header: tuple[int, int, int], tenant: Tenant
-    ) -> None:
+        self,
+        sock: socket.socket,
+        header: tuple[int, int, int],
+        tenant: Tenant,
+        unanswered: _Unanswered | None,
+    ) -> _Unanswered | None:
+        """Handle one frame; `unanswered` (the previous PUT, stored) is answered before this
+        frame's reply. Returns this frame when it is a PUT, not yet answered."""
         kind, index_len, data_len = header
         started = time.perf_counter()
         stall_s = self._limits.stall_timeout_s
@@ -395,12 +434,15 @@ class BulkServer:
                 raise ValueError("no room for the frame's payloads in time")
             try:
                 payloads = _recv_put_payloads(sock, index.lengths, deadline)
-                summary = self._handler.put_blocks(index, payloads, tenant)
+                answer = self._handler.put_blocks(index, payloads, tenant)
             finally:
                 self._inflight.release(data_len)
-            _send_frame(sock, PUT_REPLY, summary, deadline)
-            self._handler.metrics.call("put", "bulk", data_len, time.perf_counter() - started)
-        elif kind == PROMOTE and data_len == 0:
+            if unanswered is not None:
+                self._reply(sock, unanswered)
+            return _Unanswered(answer, deadline, data_len, started)
+        if unanswered is not None:
+            self._reply(sock, unanswered)
+        if kind == PROMOTE and data_len == 0:
             request = _parse(vault_pb2.PromoteRequest, _recv_bytes(sock, index_len, deadline))
             promote_index, payloads = self._handler.promote_blocks(request, tenant)
             reply_bytes = sum(promote_index.lengths)
@@ -416,6 +458,7 @@ class BulkServer:
             )
         else:
             raise ValueError(f"unexpected bulk frame kind {kind} with {data_len} data bytes")
+        return None
 
 
 # ---- client side -------------------------------------------------------------------------------

@@ -8,13 +8,23 @@ miss when read, never served. Deletes and clears are records too (kinds DELETE, 
 restart does not bring back what was removed.
 
 Writes are queued (`write`, `spill`) and appended by one background thread with `pwritev`; a
-queued block is readable from memory until it lands. On start the index is rebuilt by reading
-headers only (payloads are seeked past); an invalid header is skipped up to the next valid one,
-and a torn tail (the last record cut short by a crash) is truncated and reported. Past
-`max_bytes` the oldest whole segment is dropped (segment-level FIFO: cheap and simple; blocks
-read recently live in the RAM tier and are written again when RAM evicts them). Reads of many
-blocks sort by position and coalesce neighbours into one `preadv` straight into the buffers that
-are returned. A lock file (`flock`) keeps a second vault off the same directory.
+queued block is readable from memory until it lands. `mark` and `wait_written` tell a caller
+when what it queued has been handed to the kernel (and synced, under fsync "always"): from then
+on a crash of the process cannot lose it, only a crash of the machine can (fsync decides how
+much). On start the index is rebuilt by reading headers only (payloads are seeked past); an
+invalid header is skipped up to the next valid one, and a torn tail (the last record cut short
+by a crash) is truncated and reported.
+
+Past `max_bytes` the oldest segment is dropped, with a second chance (CLOCK over segments): the
+blocks of it read since they were written (`read_many`, or `touch` for reads the RAM tier
+served) are first copied forward into the newest segment, unmarked, and only the others go. So
+a block read at least once per pass over the disk stays, and a block written once and never read
+goes after one pass: least recently used first, to the granularity of one pass. Copying costs
+one read and one write of the kept blocks; at most KEEP_FRACTION of a segment is kept per
+segment dropped (the tier stays that far below `max_bytes`, so copies never push it over), the
+rest of the marked blocks going like cold ones. Marks are not kept across restarts. Reads of
+many blocks sort by position and coalesce neighbours into one `preadv` straight into the
+buffers that are returned. A lock file (`flock`) keeps a second vault off the same directory.
 """
 
 from __future__ import annotations
@@ -53,8 +63,13 @@ them; the queue then grows past WRITE_BEHIND_BYTES until the disk catches up."""
 MAX_READ_BYTES = 64 * MIB
 """Largest single coalesced read."""
 IOV_MAX = 1024
+FAILED_RANGES = 64
+"""Failed batches remembered for `wait_written`; before the oldest, every wait counts as failed."""
 LOCK_NAME = "lock"
 SEGMENT_SUFFIX = ".seg"
+KEEP_FRACTION = 0.5
+"""Most bytes of read blocks copied forward when one segment is dropped, as a share of a segment;
+also the share of a segment the tier keeps free below its cap for those copies."""
 
 MAGIC = b"TKVR"
 KIND_BLOCK, KIND_DELETE, KIND_CLEAR = 0, 1, 2
@@ -98,6 +113,7 @@ class DiskStats:
     queued_bytes: int
     segments: int
     evictions: int  # blocks dropped with their segment by the cap
+    kept: int  # read blocks copied forward when their segment was dropped (second chances)
     corrupt: int  # blocks whose payload failed its checksum when read (then dropped)
 
 
@@ -166,6 +182,9 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.fsync = fsync
         self.segment_bytes = segment_bytes or max(MIB, min(SEGMENT_BYTES, max_bytes // 8))
+        self._keep_bytes = int(self.segment_bytes * KEEP_FRACTION)
+        self._room = max(1, max_bytes - self._keep_bytes)
+        """Bytes of segments new records may fill; the rest is for blocks kept on eviction."""
         self._write_behind = write_behind_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
@@ -174,16 +193,19 @@ class DiskTier:
         self._index: dict[EntryKey, Location] = {}
         self._parts: dict[tuple[bytes, bytes], set[int]] = {}
         self._segment_keys: dict[int, set[EntryKey]] = {}
+        self._read: set[EntryKey] = set()  # on disk and read since written: kept on eviction
         self._fds: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
         self._queue: deque[_Op] = deque()
         self._queued: dict[EntryKey, _Op] = {}
         self._queued_bytes = 0
         self._live_bytes = 0
-        self._evictions = self._corrupt = 0
+        self._evictions = self._kept = self._corrupt = 0
         self._closing = False
         self._busy = False
         self._enqueued = self._taken = self._handled = 0  # ops queued / taken / written so far
+        self._failed: deque[tuple[int, int]] = deque()  # (first, last] ops of failed batches
+        self._failed_forgotten = 0  # ops up to this one may have failed unremembered
         started = time.monotonic()
         damaged = [problem for segment in self._segment_ids() for problem in self._scan(segment)]
         self.recovery = Recovery(
@@ -224,11 +246,17 @@ class DiskTier:
         with self._lock:
             return self._enqueued
 
-    def wait_written(self, mark: int, timeout: float | None = None) -> bool:
-        """Wait until everything queued before `mark` was handled (written, and synced when
-        fsync is "always"; a failed write is logged); False on timeout."""
+    def wait_written(self, mark: int, timeout: float | None = None, since: int = 0) -> bool:
+        """Wait until everything queued before `mark` was handled: written to its segment (in
+        the kernel's page cache, which outlives this process), and synced when fsync is
+        "always". False on timeout, or when the write of anything queued between `since` (an
+        earlier mark) and `mark` failed (logged)."""
         with self._changed:
-            return self._changed.wait_for(lambda: self._handled >= mark, timeout)
+            if not self._changed.wait_for(lambda: self._handled >= mark, timeout):
+                return False
+            return since >= self._failed_forgotten and not any(
+                first < mark and last > since for first, last in self._failed
+            )
 
     def has(self, namespace: bytes, key: bytes, parts: Sequence[int]) -> bool:
         """Whether every one of `parts` of the block is on disk or queued."""
@@ -253,7 +281,7 @@ class DiskTier:
         try:
             located.sort()
             for run in _runs(located):
-                for (loc, position), payload in zip(run, self._read_run(fds, run), strict=True):
+                for (loc, position), payload in zip(run, _read_run(fds, run), strict=True):
                     key, part = wanted[position]
                     if payload is not None and (
                         block_checksum(namespace, key, part, payload) == loc.checksum
@@ -264,7 +292,15 @@ class DiskTier:
         finally:
             for fd in fds.values():
                 os.close(fd)
+        self.touch(namespace, [wanted[position] for _, position in located])
         return found
+
+    def touch(self, namespace: bytes, read: Sequence[tuple[bytes, int]]) -> None:
+        """Mark blocks as read (the RAM tier served them), so eviction keeps their disk copy."""
+        with self._lock:
+            for key, part in read:
+                if (namespace, key, part) in self._index:
+                    self._read.add((namespace, key, part))
 
     def delete(self, namespace: bytes, keys: Sequence[bytes]) -> set[EntryKey]:
         """Remove every part of `keys`; the (namespace, key, part) entries that went."""
@@ -302,6 +338,7 @@ class DiskTier:
                 queued_bytes=self._queued_bytes,
                 segments=len(self._sizes),
                 evictions=self._evictions,
+                kept=self._kept,
                 corrupt=self._corrupt,
             )
 
@@ -402,6 +439,7 @@ class DiskTier:
     # ---- index bookkeeping (caller holds the lock) ------------------------------------------
 
     def _reindex(self, entry_key: EntryKey, loc: Location) -> None:
+        """Index a new copy of the block at `loc` (unread so far)."""
         self._unindex(entry_key)
         self._index[entry_key] = loc
         self._parts.setdefault(entry_key[:2], set()).add(entry_key[2])
@@ -412,6 +450,7 @@ class DiskTier:
         loc = self._index.pop(entry_key, None)
         if loc is None:
             return
+        self._read.discard(entry_key)
         self._live_bytes -= loc.length
         parts = self._parts[entry_key[:2]]
         parts.discard(entry_key[2])
@@ -455,6 +494,7 @@ class DiskTier:
                     return
                 batch = []
                 size = 0
+                first = self._taken
                 while self._queue and size < MAX_READ_BYTES:
                     op = self._queue.popleft()
                     self._taken += 1
@@ -466,14 +506,27 @@ class DiskTier:
                 if not batch:
                     self._handled = taken
                     self._changed.notify_all()
-            if batch:
-                try:
+            try:  # the writer must outlive any failure, or Puts would stall
+                if batch:
                     self._append(batch)
-                except Exception:  # the writer must outlive any failure, or Puts would stall
-                    log.exception("tierkv vault: disk tier cannot write to %s", self.directory)
-                self._forget(batch, taken)
-            elif self.fsync == "interval" and time.monotonic() - self._last_sync >= 1.0:
-                self._sync()
+                    if self.fsync == "always":
+                        self._sync()
+            except Exception:
+                log.exception("tierkv vault: disk tier cannot write to %s", self.directory)
+                with self._lock:
+                    if len(self._failed) == FAILED_RANGES:
+                        self._failed_forgotten = self._failed.popleft()[1]
+                    self._failed.append((first, taken))
+            if batch:
+                self._forget(batch, taken)  # Puts waiting for this batch are answered now
+            try:  # after the batch is answered: no Put waits for this sync
+                if (
+                    self.fsync == "interval"
+                    and time.monotonic() - self._last_sync >= FSYNC_INTERVAL_S
+                ):
+                    self._sync()
+            except OSError:
+                log.exception("tierkv vault: disk tier cannot sync %s", self.directory)
 
     def _append(self, batch: list[_Op]) -> None:
         """Write `batch` to the active segment(s), then index the blocks still current."""
@@ -483,7 +536,7 @@ class DiskTier:
         for op in batch:
             header = _header(op)
             record_len = len(header) + len(op.payload)
-            if record_len > self.max_bytes:
+            if record_len > self._room:
                 continue  # never fits; the block stays in RAM only
             if self._needs_room(record_len, offset - start) or len(iov) + 2 > IOV_MAX:
                 self._write_iov(iov, start)
@@ -495,10 +548,6 @@ class DiskTier:
             written.append((op, loc))
             offset += record_len
         self._write_iov(iov, start)
-        if self.fsync == "always" or (
-            self.fsync == "interval" and time.monotonic() - self._last_sync >= FSYNC_INTERVAL_S
-        ):
-            self._sync()
         with self._changed:
             for op, loc in written:
                 if op.kind != KIND_BLOCK:
@@ -522,7 +571,7 @@ class DiskTier:
         size = self._sizes[self._active] + unwritten
         total = sum(self._sizes.values()) + unwritten
         return (size > 0 and size + record_len > self.segment_bytes) or (
-            total + record_len > self.max_bytes
+            total + record_len > self._room
         )
 
     def _write_iov(self, iov: list[bytes | memoryview], start: int) -> None:
@@ -538,15 +587,72 @@ class DiskTier:
             self._sizes[self._active] = start + total
 
     def _make_room(self, record_len: int) -> None:
-        """Start a new segment when the active one is full; drop the oldest past the cap."""
+        """Start a new segment when the active one is full; drop the oldest past the cap,
+        copying forward its blocks read since they were written."""
         size = self._sizes[self._active]
         if size > 0 and size + record_len > self.segment_bytes:
             self._roll()
-        while sum(self._sizes.values()) + record_len > self.max_bytes:
+        budget = self._keep_bytes  # for all segments dropped now: the loop ends
+        while sum(self._sizes.values()) + record_len > self._room:
             oldest = min(self._sizes)
             if oldest == self._active:
                 self._roll()
+            budget -= self._keep_read_blocks(oldest, budget)
             self._drop_segment(oldest)
+
+    def _keep_read_blocks(self, segment: int, budget: int) -> int:
+        """Append to the active segment the read blocks of `segment`, at most `budget` bytes of
+        records and as long as the cap allows; the copies are unread again. Returns the bytes
+        of records chosen."""
+        budget = min(budget, self.max_bytes - sum(self._sizes.values()))
+        chosen = 0
+        with self._lock:
+            kept: list[tuple[Location, int]] = []
+            entry_keys: list[EntryKey] = []
+            for entry_key in self._segment_keys[segment]:
+                loc = self._index.get(entry_key)
+                # A block queued again has a newer copy on its way: the old one must not follow.
+                if loc is None or loc.segment != segment or entry_key not in self._read:
+                    continue
+                if entry_key in self._queued or chosen + loc.header_len + loc.length > budget:
+                    continue
+                chosen += loc.header_len + loc.length
+                kept.append((loc, len(entry_keys)))
+                entry_keys.append(entry_key)
+        kept.sort()
+        for run in _runs(kept):
+            ops = []
+            for (loc, position), payload in zip(run, _read_run(self._fds, run), strict=True):
+                namespace, key, part = entry_keys[position]
+                if payload is not None and block_checksum(namespace, key, part, payload) == (
+                    loc.checksum
+                ):
+                    ops.append((_Op(KIND_BLOCK, namespace, key, part, payload, loc.checksum), loc))
+            self._copy_forward(ops)
+        return chosen
+
+    def _copy_forward(self, ops: list[tuple[_Op, Location]]) -> None:
+        """Write `ops` (blocks now at the given locations) to the active segment, reindexed
+        where the block is still where it was (not deleted or replaced meanwhile)."""
+        iov: list[bytes | memoryview] = []
+        moved: list[tuple[_Op, Location, Location]] = []
+        start = offset = self._sizes[self._active]
+        for op, old in ops:
+            header = _header(op)
+            if offset > 0 and offset + len(header) + len(op.payload) > self.segment_bytes:
+                self._write_iov(iov, start)
+                iov = []
+                self._roll()
+                start = offset = self._sizes[self._active]
+            iov += [header, op.payload]
+            moved.append((op, old, Location(self._active, offset, len(header), *old[3:])))
+            offset += len(header) + len(op.payload)
+        self._write_iov(iov, start)
+        with self._lock:
+            for op, old, new in moved:
+                if self._index.get(_key(op)) == old:
+                    self._reindex(_key(op), new)
+                    self._kept += 1
 
     def _roll(self) -> None:
         self._sync()
@@ -572,28 +678,6 @@ class DiskTier:
             os.fsync(self._fds[self._active])
         self._last_sync = time.monotonic()
 
-    def _read_run(
-        self, fds: dict[int, int], run: list[tuple[Location, int]]
-    ) -> list[memoryview | None]:
-        """The payloads of adjacent records, read with one preadv; None for any cut short."""
-        payloads = [bytearray(loc.length) for loc, _ in run]
-        scratch = memoryview(bytearray(max(loc.header_len for loc, _ in run)))
-        iov: list[memoryview | bytearray] = []
-        for (loc, _), payload in zip(run, payloads, strict=True):
-            iov += [scratch[: loc.header_len], payload]
-        first = run[0][0]
-        try:
-            got = os.preadv(fds[first.segment], iov, first.record)
-        except OSError:
-            got = 0
-        result: list[memoryview | None] = []
-        end = first.record
-        for (loc, _), payload in zip(run, payloads, strict=True):
-            end += loc.header_len + loc.length
-            complete = got >= end - first.record
-            result.append(memoryview(payload).toreadonly() if complete else None)
-        return result
-
 
 def _key(op: _Op) -> EntryKey:
     return (op.namespace, op.key, op.part)
@@ -618,6 +702,27 @@ def _runs(located: list[tuple[Location, int]]) -> list[list[tuple[Location, int]
         runs.append([item])
         size = loc.length
     return runs
+
+
+def _read_run(fds: dict[int, int], run: list[tuple[Location, int]]) -> list[memoryview | None]:
+    """The payloads of adjacent records, read with one preadv; None for any cut short."""
+    payloads = [bytearray(loc.length) for loc, _ in run]
+    scratch = memoryview(bytearray(max(loc.header_len for loc, _ in run)))
+    iov: list[memoryview | bytearray] = []
+    for (loc, _), payload in zip(run, payloads, strict=True):
+        iov += [scratch[: loc.header_len], payload]
+    first = run[0][0]
+    try:
+        got = os.preadv(fds[first.segment], iov, first.record)
+    except OSError:
+        got = 0
+    result: list[memoryview | None] = []
+    end = first.record
+    for (loc, _), payload in zip(run, payloads, strict=True):
+        end += loc.header_len + loc.length
+        complete = got >= end - first.record
+        result.append(memoryview(payload).toreadonly() if complete else None)
+    return result
 
 
 def _next_header(fd: int, pos: int, size: int) -> int | None:

@@ -156,6 +156,8 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         tenant = self.access.tenant(context)
         started = time.perf_counter()
         nbytes = 0
+        stored: list[tuple[bytes, int]] = []
+        since = self.store.durability_mark()
         for index, data in self._admitted(request_iterator, context):
             _check_request(context, request_problem(self.limits, len(index.keys), 1))
             try:
@@ -167,8 +169,9 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 # Batched payloads get their own copies (made outside the store's lock) so
                 # evicting one frees its memory; a lone payload keeps its message buffer.
                 payloads = [bytes(payload) for payload in payloads]
-            self.put_blocks(index, payloads, tenant, summary)
+            stored += self._store_blocks(index, payloads, tenant, summary)
             nbytes += len(data)
+        self._confirm_durable(since, stored, tenant, summary)  # once per stream: one summary
         self.metrics.call("put", "grpc", nbytes, time.perf_counter() - started)
         return summary
 
@@ -204,15 +207,30 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         index: vault_pb2.PutIndex,
         payloads: Sequence[bytes | memoryview],
         tenant: Tenant,
-        summary: vault_pb2.PutSummary | None = None,
-    ) -> vault_pb2.PutSummary:
-        """Store one batch of `tenant` (payloads kept as given), counted into `summary` (a new one
-        when not given), which is returned; the bulk path calls this, one summary per frame."""
-        if summary is None:
-            summary = vault_pb2.PutSummary()
+    ) -> Callable[[], vault_pb2.PutSummary]:
+        """Store one batch of `tenant` (payloads kept as given) now; the returned call gives its
+        summary once the blocks are on disk (with a disk tier). The bulk path: one per frame."""
+        summary = vault_pb2.PutSummary()
+        since = self.store.durability_mark()
+        stored = self._store_blocks(index, payloads, tenant, summary)
+
+        def answer() -> vault_pb2.PutSummary:
+            self._confirm_durable(since, stored, tenant, summary)
+            return summary
+
+        return answer
+
+    def _store_blocks(
+        self,
+        index: vault_pb2.PutIndex,
+        payloads: Sequence[bytes | memoryview],
+        tenant: Tenant,
+        summary: vault_pb2.PutSummary,
+    ) -> list[tuple[bytes, int]]:
+        """Store one batch, counted into `summary`; the (key, part) of each block stored."""
         if not len(index.keys) == len(index.parts) == len(index.checksums) == len(payloads):
             self._reject_all(summary, index, "malformed batch: PutIndex arrays differ in length")
-            return summary
+            return []
         namespace = index.namespace
         rejected = summary.rejected
         stored_here = []
@@ -231,14 +249,27 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
             else:
                 _add_rejection(summary, key, part, reason)
                 self.metrics.rejected(reason)
-        if stored_here and not self.store.wait_durable():  # fsync "always": acked once synced
-            summary.stored -= len(stored_here)
-            for key, part in stored_here:
-                reason = "the disk did not confirm the write in time"
-                _add_rejection(summary, key, part, reason)
-                self.metrics.rejected(reason)
         self._tenant_counts.add(tenant, rejected=summary.rejected - rejected)
-        return summary
+        return stored_here
+
+    def _confirm_durable(
+        self,
+        since: int,
+        stored: list[tuple[bytes, int]],
+        tenant: Tenant,
+        summary: vault_pb2.PutSummary,
+    ) -> None:
+        """Acknowledge `stored` (stored after the durability mark `since`) only once the disk
+        tier wrote them (a vault crash then loses none), turning them into rejections when it
+        fails to or does not in time."""
+        if not stored or self.store.wait_durable(since):
+            return
+        summary.stored -= len(stored)
+        reason = "the disk tier did not write the block (it failed, or took too long)"
+        for key, part in stored:
+            _add_rejection(summary, key, part, reason)
+            self.metrics.rejected(reason)
+        self._tenant_counts.add(tenant, rejected=len(stored))
 
     def _reject_all(
         self, summary: vault_pb2.PutSummary, index: vault_pb2.PutIndex, reason: str

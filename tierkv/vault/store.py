@@ -14,9 +14,11 @@ fair share (cap / tenants holding blocks) never loses a block to another tenant'
 it (one tenant) eviction is plain LRU.
 
 With a `DiskTier` (disk.py) the store is its RAM tier: every stored block is also queued for the
-disk (written behind, so a put waits only when the write-behind queue is full), RAM evictions
-keep the disk copy (spilling the block if the disk has none), and lookups and reads fall through
-to the disk; a block read from disk is brought back into RAM as the most recently used.
+disk (written behind, so a put waits only when the write-behind queue is full; `wait_durable`
+tells the server when the blocks it stored are on disk), RAM evictions keep the disk copy
+(spilling the block if the disk has none), and lookups and reads fall through to the disk; a
+block read from disk is brought back into RAM as the most recently used, and a block read from
+RAM is marked read on disk too, so the disk's eviction keeps it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from tierkv.vault.wire import block_checksum
 
 RATE_WINDOW_S = 10.0
 DURABLE_WAIT_S = 30.0
-"""Longest a Put batch waits for the disk under fsync "always" before it is refused."""
+"""Longest a Put batch waits for the disk tier to write it before it is refused."""
 
 EntryKey = tuple[bytes, bytes, int]
 """(namespace, block key, part)"""
@@ -209,6 +211,8 @@ class VaultStore:
                         found.append(StoredBlock(index, part, entry[0], entry[1]))
         with self._lock:
             self._ram_rate.add(len(found))
+        if self.disk is not None and found:
+            self.disk.touch(namespace, [(keys[block.key_index], block.part) for block in found])
         if not absent or self.disk is None:
             with self._lock:
                 self._misses += len(absent)
@@ -284,12 +288,18 @@ class VaultStore:
                 disk=self.disk.stats() if self.disk else None,
             )
 
-    def wait_durable(self, timeout: float = DURABLE_WAIT_S) -> bool:
-        """With a disk tier whose fsync is "always", wait until every block stored so far is
-        written and synced (False on timeout); True at once otherwise."""
-        if self.disk is None or self.disk.fsync != "always":
+    def durability_mark(self) -> int:
+        """A position for `wait_durable`: blocks stored after it count there."""
+        return self.disk.mark() if self.disk else 0
+
+    def wait_durable(self, since: int, timeout: float = DURABLE_WAIT_S) -> bool:
+        """With a disk tier, wait until every block stored so far is written to its segment
+        (where a crash of the vault process cannot lose it), and synced when fsync is "always";
+        False on timeout or when writing a block stored after `since` (a `durability_mark`)
+        failed. True at once without a disk tier."""
+        if self.disk is None:
             return True
-        return self.disk.wait_written(self.disk.mark(), timeout)
+        return self.disk.wait_written(self.disk.mark(), timeout, since)
 
     def close(self, timeout: float | None = None) -> int:
         """Spill every RAM-only block to the disk tier and close it, within `timeout` seconds.
