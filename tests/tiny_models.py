@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 VOCAB_SIZE = 512
 MAX_POSITIONS = 40_960
@@ -65,11 +65,11 @@ def _save(model_cls: type, config: object, out_dir: str | Path, seed: int) -> Pa
     return out
 
 
-def build_tiny_llama(out_dir: str | Path, seed: int = 0, num_layers: int = 2) -> Path:
-    """A 2-layer Llama: hidden 128, 2 query heads and 2 KV heads of dim 64, bf16 weights."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def tiny_llama_config(num_layers: int = 2) -> LlamaConfig:
+    """Hidden 128, 2 query heads and 2 KV heads of dim 64, bf16."""
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=128,
         intermediate_size=256,
@@ -83,7 +83,13 @@ def build_tiny_llama(out_dir: str | Path, seed: int = 0, num_layers: int = 2) ->
         tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
-    return _save(LlamaForCausalLM, config, out_dir, seed)
+
+
+def build_tiny_llama(out_dir: str | Path, seed: int = 0, num_layers: int = 2) -> Path:
+    """A 2-layer Llama (`tiny_llama_config`), bf16 weights."""
+    from transformers import LlamaForCausalLM
+
+    return _save(LlamaForCausalLM, tiny_llama_config(num_layers), out_dir, seed)
 
 
 def build_tiny_qwen3_next(out_dir: str | Path, seed: int = 0) -> Path:
@@ -144,22 +150,9 @@ def build_tiny_blip2(out_dir: str | Path, seed: int = 0) -> Path:
         Blip2QFormerConfig,
         Blip2VisionConfig,
         BlipImageProcessor,
-        LlamaConfig,
     )
 
-    text = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=MAX_POSITIONS,
-        bos_token_id=0,
-        eos_token_id=1,
-        tie_word_embeddings=False,
-    )
+    text = tiny_llama_config()
     vision = Blip2VisionConfig(
         hidden_size=64,
         intermediate_size=128,
