@@ -18,7 +18,7 @@ from tierkv.cli import app
 from tierkv.config import TURBO_QUANT_CODECS, format_size, physical_ram_bytes
 from tierkv.quant import CODEC_NAMES
 
-COMMANDS = ["vault", "status", "install", "serve", "bench"]
+COMMANDS = ["vault", "status", "install", "serve", "bench", "eval"]
 runner = CliRunner(env={"COLUMNS": "80"})
 
 
@@ -32,10 +32,17 @@ def tierkv(*args: str) -> subprocess.CompletedProcess[str]:
 def test_help_shows_real_metavars_and_defaults(command: list[str]) -> None:
     result = runner.invoke(app, [*command, "--help"])
     assert result.exit_code == 0, result.output
-    for rough in ("<bool>", "<list", "<int", "<path>", "[default: ]"):
+    rough_marks = ("<bool>", "<list", "<int", "<float", "<str>", "<path>", "{", "[default: ]")
+    for rough in rough_marks:
         assert rough not in result.stdout, (rough, result.stdout)
     assert not re.search(r" \.(\s|$)", result.stdout), result.stdout  # a stray " ."
     assert max(len(line) for line in result.stdout.splitlines()) <= 80
+
+
+def test_serve_help_names_model_and_the_vllm_arguments() -> None:
+    result = runner.invoke(app, ["serve", "--help"])
+    assert "serve [OPTIONS] MODEL [VLLM ARGS]..." in result.stdout
+    assert re.search(r"^  MODEL  Model path", result.stdout, re.MULTILINE), result.stdout
 
 
 def test_help_states_defaults_that_come_from_the_config() -> None:

@@ -1,5 +1,7 @@
 """ColdTier against real in-process vaults and the real codecs."""
 
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -314,3 +316,28 @@ def test_no_promote_run_starts_after_the_load_deadline(
     assert len(recorder.calls) <= 2  # runs 1 and (if run 1 ended by 0.5 s) 2, never 3 or 4
     assert failed == set(range(len(recorder.calls), len(KEYS)))
     tier.close()
+
+
+@pytest.mark.parametrize(
+    ("state", "min_cosine", "lossless"),
+    [(False, 0.0, False), (True, 0.0, True), (False, 0.5, True)],
+)
+def test_warm_up_compiles_the_lossless_encoder_only_when_something_is_stored_lossless(
+    state: bool, min_cosine: float, lossless: bool
+) -> None:
+    """An int8 engine without recurrent state and without the min_cosine fallback never encodes
+    lossless (lossless decoding is a plain copy): its start-up does not compile that kernel.
+    A fresh interpreter, so only what warm_up compiled (or loaded from the cache) is there."""
+    probe = (
+        "from tierkv.quant import get_codec\n"
+        "from tierkv.quant.lossless import copy_checked_serial\n"
+        "from tierkv.tier import ColdTier\n"
+        f"tier = ColdTier(get_codec('int8', 64), {{}}, min_cosine={min_cosine})\n"
+        f"tier.warm_up(('bf16',), 1 << 15, state={state})\n"
+        "print(tier.warmed_codecs, bool(copy_checked_serial.signatures))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True
+    )
+    codecs = ("int8", "none") if lossless else ("int8",)
+    assert done.stdout.split("\n")[-2] == f"{codecs} {lossless}"

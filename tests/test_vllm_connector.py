@@ -26,7 +26,16 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import pick_free_port, start_subprocess_vault
-from tiny_models import build_tiny_llama, build_tiny_qwen3_next
+from tiny_models import (
+    IMAGE_SIZE,
+    IMAGE_TOKEN_ID,
+    IMAGE_TOKENS,
+    LORA_RANK,
+    build_tiny_blip2,
+    build_tiny_llama,
+    build_tiny_lora,
+    build_tiny_qwen3_next,
+)
 
 from tierkv.keys import chain_block_keys
 from tierkv.patches.vllm import kv_transfer_config
@@ -43,9 +52,18 @@ LLAMA_ENGINE = {
     "max_model_len": 1024,
     "kv_cache_memory_bytes": 48 * 32 * 1024,  # 48 blocks: 2 layers × 2 heads × 32 × 128 × bf16
 }
+LORA_ENGINE = {"enable_lora": True, "max_lora_rank": LORA_RANK, "max_loras": 2}
+"""The shared Llama engine also serves LoRA adapters (base-model requests are unchanged)."""
+TP_ENGINE = {
+    **LLAMA_ENGINE,
+    "tensor_parallel_size": 2,
+    "kv_cache_memory_bytes": LLAMA_ENGINE["kv_cache_memory_bytes"] // 2,  # per rank: 48 blocks
+}
+"""Each rank holds one of the two KV heads, so half the bytes give each rank as many blocks."""
+BLIP2_ENGINE = {**LLAMA_ENGINE, "limit_mm_per_prompt": {"image": 1}}
 QWEN_BLOCK = 544  # vLLM raises the attention block to the Mamba page size
 QWEN_ENGINE = {"block_size": QWEN_BLOCK, "max_model_len": 2048, "kv_cache_memory_bytes": 1_700_000}
-ENGINE_START_TIMEOUT_S = 180
+ENGINE_START_TIMEOUT_S = 300  # a TP=2 engine starts a process per rank
 MAX_TOKENS = 8
 
 
@@ -62,8 +80,7 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-    from vllm.inputs import TokensPrompt
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     llm = LLM(
         model=model,
@@ -75,7 +92,8 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
         **engine,
     )
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    worker = get_kv_transfer_group()
+    # With tensor parallelism the workers are processes of their own, reached by collective_rpc.
+    worker = get_kv_transfer_group() if has_kv_transfer_group() else None
     recorded = None
     conn.send(("ready", None))
     while True:
@@ -83,24 +101,15 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
         if command == "generate":
             params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
             started = time.perf_counter()
-            # each prompt: its token ids, or TokensPrompt fields (e.g. with a cache_salt)
-            prompts = [
-                TokensPrompt(**one) if isinstance(one, dict) else TokensPrompt(prompt_token_ids=one)
-                for one in arg
-            ]
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            prompts, loras = zip(*(_prompt(one) for one in arg), strict=True)
+            outs = llm.generate(list(prompts), params, lora_request=list(loras), use_tqdm=False)
             tokens = [list(out.outputs[0].token_ids) for out in outs]
             conn.send((tokens, time.perf_counter() - started))
         elif command == "flush":
-            conn.send(worker.tier.flush(timeout=10))
-        elif command == "stats":
-            conn.send(
-                {
-                    **scheduler.scheduler_side.stats.data,
-                    **{k: v for k, v in worker.worker_side.stats.data.items() if v},
-                    "tier": worker.tier.stats(),
-                }
-            )
+            conn.send(all(llm.collective_rpc(_flush_worker)))
+        elif command == "stats":  # the scheduler's, rank 0's and each rank's ("ranks")
+            ranks = llm.collective_rpc(_worker_stats)
+            conn.send({**scheduler.scheduler_side.stats.data, **ranks[0], "ranks": ranks})
         elif command == "kill_vault_on_load":
             _kill_on_next_load(scheduler.scheduler_side, pid=arg)
             conn.send(None)
@@ -115,6 +124,46 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
         else:
             break
     llm.llm_engine.engine_core.shutdown()
+
+
+def _flush_worker(_: Any) -> bool:
+    """On a worker (through collective_rpc): wait until its stored blocks are acknowledged."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    return get_kv_transfer_group().tier.flush(timeout=10)
+
+
+def _worker_stats(_: Any) -> dict[str, Any]:
+    """On a worker (through collective_rpc): its connector's non-zero counters and tier stats."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    connector = get_kv_transfer_group()
+    counters = {k: v for k, v in connector.worker_side.stats.data.items() if v}
+    return {**counters, "tier": connector.tier.stats()}
+
+
+_LORA_IDS: dict[str, int] = {}
+"""vLLM's int id of each adapter directory (from 1), in the engine process."""
+
+
+def _prompt(one: list[int] | dict[str, Any]) -> tuple[Any, Any]:
+    """vLLM's prompt and LoRA request for one prompt of a "generate" command: its token ids, or
+    TokensPrompt fields (e.g. a cache_salt) plus "lora": an adapter's directory and "image": an
+    RGB image as a uint8 array."""
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    if not isinstance(one, dict):
+        return TokensPrompt(prompt_token_ids=one), None
+    fields = dict(one)
+    lora, image = fields.pop("lora", None), fields.pop("image", None)
+    if image is not None:
+        from PIL import Image
+
+        fields["multi_modal_data"] = {"image": Image.fromarray(image)}
+    if lora is not None:
+        lora = LoRARequest(Path(lora).name, _LORA_IDS.setdefault(lora, len(_LORA_IDS) + 1), lora)
+    return TokensPrompt(**fields), lora
 
 
 def _kill_on_next_load(scheduler_side: Any, pid: int) -> None:
@@ -184,8 +233,12 @@ class Engine:
     def __init__(self, model: Path, extra: dict[str, Any], engine: dict) -> None:
         context = get_context("spawn")
         self.conn, child = context.Pipe()
+        # A daemon process may not start children, and with tensor parallelism vLLM starts
+        # one per rank; close() ends the engine either way.
         self.process = context.Process(
-            target=_engine_main, args=(child, str(model), extra, engine), daemon=True
+            target=_engine_main,
+            args=(child, str(model), extra, engine),
+            daemon=engine.get("tensor_parallel_size", 1) == 1,
         )
         self.process.start()
         child.close()
@@ -198,7 +251,7 @@ class Engine:
         self.conn.send((command, arg))
         return self.conn.recv()
 
-    def generate(self, tokens: list[int]) -> list[int]:
+    def generate(self, tokens: list[int] | dict[str, Any]) -> list[int]:
         """Greedy tokens of one prompt, alone in the engine (restores load synchronously)."""
         return self.call("generate", [tokens])[0][0]
 
@@ -213,7 +266,9 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         return self.call("stats")
 
-    def store_and_evict(self, tokens: list[int], fillers: list[list[int]]) -> list[int]:
+    def store_and_evict(
+        self, tokens: list[int] | dict[str, Any], fillers: list[list[int]]
+    ) -> list[int]:
         """Run `tokens` cold, push its blocks out with `fillers`, wait until the vault has them."""
         cold = self.generate(tokens)
         for filler in fillers:
@@ -250,9 +305,18 @@ def kv_vault() -> Iterator[VaultServer]:
 
 @pytest.fixture(scope="module")
 def llama_engine(models: dict[str, Path], kv_vault: VaultServer) -> Iterator[Engine]:
-    engine = Engine(models["llama"], {"cluster.kv_cold": kv_vault.address}, LLAMA_ENGINE)
+    extra = {"cluster.kv_cold": kv_vault.address}
+    engine = Engine(models["llama"], extra, {**LLAMA_ENGINE, **LORA_ENGINE})
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="module")
+def adapters(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return [
+        str(build_tiny_lora(root / name, models["llama"], seed)) for seed, name in enumerate("ab")
+    ]
 
 
 def llama_fillers(seed: int) -> list[list[int]]:
@@ -373,6 +437,27 @@ def test_cache_salt_keeps_restores_apart(llama_engine: Engine):
     assert between["lookup_hits"] == before["lookup_hits"]
 
     assert llama_engine.generate_together(salted)[0] == cold
+    after = llama_engine.stats()
+    assert after["loaded_blocks"] - between["loaded_blocks"] == (len(tokens) - 1) // LLAMA_BLOCK
+
+
+def test_lora_adapters_keep_restores_apart(llama_engine: Engine, adapters: list[str]):
+    """A LoRA request reaches the connector through the real engine: blocks computed under an
+    adapter are restored for that adapter, with identical tokens, and never for another adapter
+    or the base model (each of which gives other tokens, so a mix-up would show)."""
+    tokens = prompt(15, 300)
+    first, second = ({"prompt_token_ids": tokens, "lora": path} for path in adapters)
+    cold = llama_engine.store_and_evict(first, llama_fillers(15))
+    before = llama_engine.stats()
+
+    with_second, with_base = llama_engine.generate(second), llama_engine.generate(tokens)
+    assert cold not in (with_second, with_base)  # the adapter decides the tokens
+    between = llama_engine.stats()
+    assert between["lookups"] - before["lookups"] == 2  # both asked the vault ...
+    assert between["lookup_hits"] == before["lookup_hits"]  # ... and found nothing
+    assert between["loaded_blocks"] == before["loaded_blocks"]
+
+    assert llama_engine.generate(first) == cold
     after = llama_engine.stats()
     assert after["loaded_blocks"] - between["loaded_blocks"] == (len(tokens) - 1) // LLAMA_BLOCK
 
@@ -532,3 +617,101 @@ def test_hybrid_model_restores_through_both_vaults(models: dict[str, Path]):
         engine.close()
         kv.stop(grace=0.5)
         ssm.stop(grace=0.5)
+
+
+def loaded_per_rank(before: dict[str, Any], after: dict[str, Any]) -> list[int]:
+    """Blocks each tensor-parallel rank restored between two `Engine.stats()`."""
+    return [
+        later.get("loaded_blocks", 0) - earlier.get("loaded_blocks", 0)
+        for earlier, later in zip(before["ranks"], after["ranks"], strict=True)
+    ]
+
+
+@pytest.mark.timeout(600)
+def test_tensor_parallel_ranks_store_apart_and_restore_together(
+    models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+):
+    """TP=2 on vLLM CPU (a worker process per rank): each rank stores its half of every block
+    under its own namespace, a restore loads both halves and gives the cold run's tokens, and
+    the lookup offers only the blocks that every rank holds."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("TP=2 on vLLM CPU binds each rank to a core of its own")
+    # vLLM CPU binds each rank's threads to a NUMA node; with one node it refuses ("Not enough
+    # allowed NUMA nodes to bind threads of 2 local CPUWorkers") unless told which cores to use.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    vault = serve("127.0.0.1:0", 0, role="kv_cold")
+    engine = Engine(models["llama"], {"cluster.kv_cold": vault.address}, TP_ENGINE)
+    try:
+        tokens, other = prompt(16, 300), prompt(17, 300)
+        hit = (len(tokens) - 1) // LLAMA_BLOCK
+        cold = engine.store_and_evict(tokens, llama_fillers(16))
+        stored: dict[bytes, set[bytes]] = {}
+        for namespace, key, _ in list(vault.store._entries):
+            stored.setdefault(namespace, set()).add(key)
+        assert len(stored) == 2  # one namespace per rank
+        keys = chain_block_keys(tokens, LLAMA_BLOCK)[:hit]
+        assert all(set(keys) <= found for found in stored.values())  # both ranks stored
+        hits_before, before = vault_hits(vault), engine.stats()
+
+        assert engine.generate(tokens) == cold
+
+        after = engine.stats()
+        assert loaded_per_rank(before, after) == [hit, hit]
+        assert vault_hits(vault) - hits_before == 2 * hit
+
+        # One rank's fifth block is gone: both ranks restore the first four, vLLM computes
+        # the rest, and the tokens are the cold run's.
+        cold_other = engine.store_and_evict(other, llama_fillers(17))
+        missing = chain_block_keys(other, LLAMA_BLOCK)[4]
+        assert vault.store.delete(sorted(stored)[1], [missing]) == 1
+        before = engine.stats()
+
+        assert engine.generate(other) == cold_other
+
+        after = engine.stats()
+        assert after["lookup_hit_blocks"] - before["lookup_hit_blocks"] == 4
+        assert loaded_per_rank(before, after) == [4, 4]
+    finally:
+        engine.close()
+        vault.stop(grace=0.5)
+
+
+def text_prompt(seed: int, length: int) -> list[int]:
+    """prompt() without the tiny BLIP-2's image token."""
+    return [max(token, IMAGE_TOKEN_ID + 1) for token in prompt(seed, length)]
+
+
+def test_prompts_with_images_are_never_stored_or_restored(tmp_path: Path):
+    """A prompt with an image reaches the connector through the real engine (BLIP-2: vLLM puts
+    IMAGE_TOKENS placeholder tokens before the prompt's). Its KV depends on the image, which
+    the token ids do not show: it is never stored, and never restored, not even when the vault
+    holds blocks of the very same token ids computed without the image (which give other
+    tokens, as another image does, so a mix-up would show)."""
+    vault = serve("127.0.0.1:0", 0, role="kv_cold")
+    model = build_tiny_blip2(tmp_path / "blip2")
+    engine = Engine(model, {"cluster.kv_cold": vault.address}, BLIP2_ENGINE)
+    try:
+        text = text_prompt(20, 300)
+        image = np.random.default_rng(1).integers(0, 256, (IMAGE_SIZE, IMAGE_SIZE, 3), np.uint8)
+        with_image = {"prompt_token_ids": text, "image": image}
+        fillers = [text_prompt(2000 + i, 900) for i in range(3)]
+        cold = engine.store_and_evict(with_image, fillers)
+        same_ids = [IMAGE_TOKEN_ID] * IMAGE_TOKENS + text
+        keys = set(chain_block_keys(same_ids, LLAMA_BLOCK))
+        assert not {key for _, key, _ in list(vault.store._entries)} & keys  # never stored
+
+        without_image = engine.store_and_evict(same_ids, fillers)
+        assert {key for _, key, _ in list(vault.store._entries)} >= keys  # the ids' blocks
+        other_image = {"prompt_token_ids": text, "image": 255 - image}
+        assert cold not in (without_image, engine.generate(other_image))
+        before, hits = engine.stats(), vault_hits(vault)
+
+        assert engine.generate(with_image) == cold
+
+        after = engine.stats()
+        assert after["lookup_hits"] == before["lookup_hits"]
+        assert after.get("loaded_blocks", 0) == before.get("loaded_blocks", 0)
+        assert vault_hits(vault) == hits
+    finally:
+        engine.close()
+        vault.stop(grace=0.5)

@@ -108,6 +108,8 @@ class ColdTier:
         self._encoding: set[Future[None]] = set()
         self.warmup_s = 0.0
         """Seconds `warm_up` spent compiling or loading the codec kernels."""
+        self.warmed_codecs: tuple[str, ...] = ()
+        """The codecs whose encoders `warm_up` compiled."""
 
     @classmethod
     def from_config(cls, cfg: TierKVConfig, warm_dtypes: Sequence[str] = DTYPES) -> ColdTier:
@@ -134,13 +136,21 @@ class ColdTier:
             tier.warm_up(warm_dtypes)
         return tier
 
-    def warm_up(self, dtypes: Sequence[str], largest_block_bytes: int | None = None) -> float:
+    def warm_up(
+        self, dtypes: Sequence[str], largest_block_bytes: int | None = None, *, state: bool = True
+    ) -> float:
         """Compile (or load from Numba's cache) what storing and loading blocks of `dtypes`
-        needs: this tier's codec, the lossless one, the fidelity check with min_cosine, and the
-        multi-threaded builds unless `largest_block_bytes` is too small to use them. Returns
-        and remembers (`warmup_s`) the seconds taken."""
+        needs: this tier's codec, the lossless encoder when something is stored lossless (the
+        "ssm" vault's state unless `state` is False, the min_cosine fallback), the fidelity
+        check with min_cosine, and the multi-threaded builds unless `largest_block_bytes` is
+        too small to use them (lossless decoding needs no kernel). Returns and remembers
+        (`warmup_s`) the seconds taken."""
+        codecs = [self.codec.name]
+        if state or self.min_cosine > 0:
+            codecs.append("none")
+        self.warmed_codecs = tuple(dict.fromkeys(codecs))
         self.warmup_s = warmup_codecs(
-            (self.codec.name, "none"),
+            self.warmed_codecs,
             dtypes,
             with_fidelity=self.min_cosine > 0,
             largest_block_bytes=largest_block_bytes,

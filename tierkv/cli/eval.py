@@ -24,41 +24,77 @@ DEFAULT_MAX_KL = 0.01
 
 @app.command("eval")
 def eval_command(
-    model: Annotated[str, typer.Option(help="The model directory (or a cached hub name).")],
-    engine: Annotated[str, typer.Option(help="The engine: vllm.")] = "vllm",
+    model: Annotated[
+        str, typer.Option(metavar="DIR|NAME", help="The model directory (or a cached hub name).")
+    ],
+    engine: Annotated[str, typer.Option(metavar="vllm", help="The engine.")] = "vllm",
     codecs: Annotated[
-        str, typer.Option(help='Codecs to compare, e.g. "none,int8,k8v4,tq4" (none first).')
+        str,
+        typer.Option(
+            metavar="NAMES",
+            help='Codecs to compare, e.g. "none,int8,k8v4,tq4" (none first).',
+        ),
     ] = DEFAULT_CODECS,
     prompts: Annotated[
         Path | None,
-        typer.Option(help="A JSONL file, one prompt per line [default: built-in texts]."),
+        typer.Option(
+            metavar="PATH",
+            help="A JSONL file, one prompt per line.",
+            show_default="built-in texts",
+        ),
     ] = None,
     tokens: Annotated[
         int,
         typer.Option(
-            help="Built-in prompts run up to this many tokens; any prompt is cut there.", min=32
+            metavar="N",
+            help="Built-in prompts run up to this many tokens; any prompt is cut there.",
+            min=32,
         ),
     ] = 2048,
-    new_tokens: Annotated[int, typer.Option(help="Greedy tokens generated per run.", min=1)] = 50,
+    new_tokens: Annotated[
+        int, typer.Option(metavar="N", help="Greedy tokens generated per run.", min=1)
+    ] = 50,
     min_identical: Annotated[
         float,
-        typer.Option(help="Gate: share of prompts with identical continuations.", min=0, max=1),
+        typer.Option(
+            metavar="SHARE",
+            help="Gate: share of prompts with identical continuations.",
+            min=0,
+            max=1,
+        ),
     ] = 0.95,
     max_kl: Annotated[
-        float, typer.Option(help="Gate: mean KL divergence (nats) over shared positions.", min=0)
+        float,
+        typer.Option(
+            metavar="NATS", help="Gate: mean KL divergence (nats) over shared positions.", min=0
+        ),
     ] = DEFAULT_MAX_KL,
     write_config: Annotated[
         Path | None,
-        typer.Option(help="Record the smallest codec that passes the gate in this tierkv.toml."),
+        typer.Option(
+            metavar="PATH",
+            help="Record the smallest codec that passes the gate in this tierkv.toml.",
+            show_default=False,
+        ),
     ] = None,
     vault: Annotated[
         list[str] | None,
-        typer.Option(help="HOST:PORT of a running vault (repeatable) [default: an embedded one]."),
+        typer.Option(
+            metavar="HOST:PORT",
+            help="A running vault (repeatable).",
+            show_default="an embedded vault",
+        ),
     ] = None,
     kv_cache_bytes: Annotated[
-        str | None, typer.Option(help="vLLM's KV cache size, e.g. 2GiB [default: vLLM's choice].")
+        str | None,
+        typer.Option(
+            metavar="SIZE", help="vLLM's KV cache size, e.g. 2GiB.", show_default="vLLM's choice"
+        ),
     ] = None,
-    config: Annotated[Path | None, typer.Option(help="tierkv.toml to read (kv_dim).")] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(metavar="PATH", help="tierkv.toml to read (kv_dim).", show_default=False),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Store each prompt through each codec, drop the engine's prefix cache, restore it from the

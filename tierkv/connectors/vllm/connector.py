@@ -147,11 +147,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self._worker()
         worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
         largest = worker.largest_block_bytes()
-        seconds = self.tier.warm_up((self._kv_dtype,), largest)
+        state = any(plan.is_state for plan in worker.plans.values())
+        seconds = self.tier.warm_up((self._kv_dtype,), largest, state=state)
         log.info(
-            "tierkv: %s and lossless kernels for %s blocks of up to %d bytes ready in %.1f s "
+            "tierkv: %s kernels for %s blocks of up to %d bytes ready in %.1f s "
             "(compiled once per machine into Numba's cache)",
-            self.tier.codec.name,
+            " and ".join(self.tier.warmed_codecs),
             self._kv_dtype,
             largest,
             seconds,
