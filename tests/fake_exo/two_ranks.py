@@ -5,12 +5,14 @@ store different parts), spills an evicted prompt, then asks for a longer prompt 
 1. rank 1's lookup finds only three blocks: both ranks must restore the three blocks they agree on;
 2. rank 1's lookup raises: both ranks must recompute everything.
 Prints one JSON line per rank: what each request prefilled and its tokens, and a cold run's.
-Configuration comes from TIERKV_CONFIG (a vault on loopback).
+Configuration comes from TIERKV_CONFIG (a vault on loopback); with TIERKV_EXO_SRC, EXO's prompt
+cache is that real checkout's (see real_exo.py), else the fixture package's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,9 +20,9 @@ from typing import Any
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).parent / "src"))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
+from fake_exo.real_exo import FIXTURE_SRC, RealExoFinder
 from fake_exo.tiny_mlx import random_tokens, tiny_llama
 from tierkv.connectors.exo import boot, hook
 
@@ -31,6 +33,10 @@ def main() -> None:
     group = mx.distributed.init()
     rank = group.rank()
     boot.arm()
+    if real := os.environ.get("TIERKV_EXO_SRC"):
+        sys.meta_path.insert(1, RealExoFinder(Path(real)))  # behind the hook's finder
+    else:
+        sys.path.insert(0, str(FIXTURE_SRC))
     from exo.worker.engines.mlx import cache as exo_cache
     from exo.worker.engines.mlx.generator.generate import mlx_generate
     from exo.worker.runner.bootstrap import entrypoint
