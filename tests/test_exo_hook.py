@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -35,9 +36,11 @@ from mlx_lm.models.llama import Model as LlamaModel
 from mlx_lm.models.llama import ModelArgs
 
 import tierkv.config as config_module
+import tierkv.quant.codec as quant_codec
 from tierkv.connectors.exo import boot, hook
 from tierkv.keys import weights_fingerprint
 from tierkv.quant import read_header
+from tierkv.quant.kernels import Threaded
 
 pytestmark = pytest.mark.mlx
 
@@ -472,6 +475,59 @@ def test_an_entry_many_times_the_staging_budget_spills_block_by_block(
     restored = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=4)
     cold = exo.generate.mlx_generate(model, prompt, None, max_tokens=4)
     assert restored.prefilled == 300 - 18 * BLOCK
+    assert restored.tokens == cold.tokens
+
+
+def test_a_runner_compiles_only_the_kernels_its_blocks_use(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    caplog: pytest.LogCaptureFixture,
+    exo_source: Path | None,
+) -> None:
+    """The start compiles the codec for bf16, single-threaded: the tiny model's blocks (1 KiB)
+    are far below PARALLEL_MIN_BYTES. Blocks that large (the bound lowered here) need the
+    multi-threaded builds: the first prompt that needs them starts compiling them in the
+    background and is prefilled by EXO meanwhile; once they are ready, prompts are restored."""
+    compile_parallel = Threaded.compile_parallel
+    parallel_builds: list[Threaded] = []
+    gate = threading.Event()
+
+    def gated(kernel: Threaded) -> None:
+        assert gate.wait(READY_TIMEOUT_S)
+        parallel_builds.append(kernel)
+        compile_parallel(kernel)
+
+    monkeypatch.setattr(Threaded, "compile_parallel", gated)
+    with caplog.at_level(logging.INFO, logger="tierkv.exo"):
+        exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
+        runtime = hook.runtime()
+        assert runtime.ready.wait(READY_TIMEOUT_S)
+        assert "none and lossless kernels for bf16 (single-threaded) ready in" in caplog.text
+
+        # the tiny model's blocks (2 heads, 16 dims, bf16) count as large for the hook and the
+        # warm-up; the kernels still run their single-threaded builds on blocks that small
+        for module in (hook, quant_codec):
+            monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 2 * BLOCK * 16 * 2)
+        model = tiny_llama(dtype=mx.bfloat16)
+        prompt = random_tokens(100, seed=40)
+        prefix_cache = exo.cache.KVPrefixCache(None)
+        exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=1)
+        evict_everything(exo, monkeypatch, prefix_cache)  # its spill starts the compile
+        runtime._spills.join()
+        assert runtime.tier is not None and runtime.tier.flush(10)
+        longer = mx.concatenate([prompt, random_tokens(20, seed=41)])
+        assert exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=1).prefilled == 120
+        assert parallel_builds == []
+
+        gate.set()
+        evict_everything(exo, monkeypatch, prefix_cache)
+        assert runtime.flush(READY_TIMEOUT_S)
+        assert parallel_builds
+        assert "bf16 blocks of 1024 bytes (multi-threaded) ready in" in caplog.text
+    restored = exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=4)
+    cold = exo.generate.mlx_generate(model, longer, None, max_tokens=4)
+    assert restored.prefilled == 120 - 7 * BLOCK  # the miss above was spilled too
     assert restored.tokens == cold.tokens
 
 
