@@ -318,7 +318,7 @@ class ExoRuntime:
         self.ready = threading.Event()
         self.dropped_spills = 0
         self._kernels: dict[tuple[str, bool], threading.Event] = {}
-        """(dtype, multi-threaded) -> set once those kernels are compiled."""
+        """(dtype, multi-threaded) -> set once compiling those kernels is over."""
         self._spill_budget = 0
         self._staged_bytes = 0  # block copies handed to the tier and not yet encoded
         self._lock = threading.Lock()
@@ -394,23 +394,25 @@ class ExoRuntime:
         return ready.is_set()
 
     def _compile(self, dtype: str, largest: int, ready: threading.Event) -> None:
-        tier = self.tier
-        if tier is None:
-            return
+        """Compile what blocks of `dtype` and `largest` bytes use, then set `ready` (also after
+        a failure, reported: the blocks then fail as they would have, as misses)."""
         try:
+            tier = self.tier
+            if tier is None:
+                return
             seconds = tier.warm_up((dtype,), largest)
+            log.info(
+                "tierkv: %s and lossless kernels for %s blocks of %d bytes (%s) ready in %.1f s",
+                tier.codec.name,
+                dtype,
+                largest,
+                "multi-threaded" if largest >= PARALLEL_MIN_BYTES else "single-threaded",
+                seconds,
+            )
         except Exception as exc:
             report_once("compile", "compiling the %s kernels failed (%r)", dtype, exc)
-            return
-        ready.set()
-        log.info(
-            "tierkv: %s and lossless kernels for %s blocks of %d bytes (%s) ready in %.1f s",
-            tier.codec.name,
-            dtype,
-            largest,
-            "multi-threaded" if largest >= PARALLEL_MIN_BYTES else "single-threaded",
-            seconds,
-        )
+        finally:
+            ready.set()
 
     # ---- identity ----
 
