@@ -567,7 +567,8 @@ def test_tierkv_disable_leaves_exo_unpatched(
 def test_ranks_agree_on_the_shortest_restorable_prefix(
     tmp_path: Path, vault: VaultHandle, free_port: int, exo_source: Path | None
 ) -> None:
-    """Two ring-backend ranks on loopback (see fake_exo/two_ranks.py for the scenario)."""
+    """Two ring-backend ranks on loopback, pipeline then tensor shards (see fake_exo/two_ranks.py
+    for the scenario)."""
     config = tmp_path / "tierkv.toml"
     config.write_text(f'[cluster]\nkv_cold = "{vault.address}"\n[exo]\nblock_tokens = {BLOCK}\n')
     script = Path(__file__).parent / "fake_exo" / "two_ranks.py"
@@ -598,3 +599,5 @@ def test_ranks_agree_on_the_shortest_restorable_prefix(
         assert cold_prefilled == 120
         assert rank["partial"] == [120 - 3 * BLOCK, cold_tokens]  # rank 1 holds 3 blocks only
         assert rank["failed"] == [120, cold_tokens]  # rank 1's lookup failed: nobody restores
+        prefilled, tokens, tensor_cold_tokens = rank["tensor"]  # each rank holds its own heads
+        assert (prefilled, tokens) == (120 - 6 * BLOCK, tensor_cold_tokens)
