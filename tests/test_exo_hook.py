@@ -95,6 +95,8 @@ def start_exo(
         importlib.import_module("exo.worker.engines.mlx.generator.generate"),
         importlib.import_module("exo.worker.runner.bootstrap"),
     )
+    if exo_source is not None:  # EXO's own prompt cache, not the fixture's
+        assert Path(str(exo.cache.__file__)).is_relative_to(exo_source)
     start_runner(exo)
     return exo
 
