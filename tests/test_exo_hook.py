@@ -1,9 +1,14 @@
-"""The EXO hook end to end: a tiny random mlx-lm Llama, the EXO-shaped fixture package armed by
-the real boot module, and a real vault on loopback."""
+"""The EXO hook end to end: a tiny random mlx-lm Llama, EXO's prompt cache armed by the real boot
+module, and a real vault on loopback.
+
+Every test that starts EXO runs against the EXO-shaped fixture package (`[fixture]`) and, with
+`TIERKV_EXO_SRC=/path/to/exo`, against that real checkout's `cache.py` (`[real]`, skipped
+otherwise; the few modules replaced around it are listed in fake_exo/real_exo.py)."""
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -11,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import SLOW_BOX_MARGIN_S, VaultHandle
+from fake_exo.real_exo import RealExoFinder
 from fake_exo.tiny_mlx import random_tokens, tiny_llama
 from fake_exo.tree import FIXTURE_SRC
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
@@ -29,15 +36,18 @@ from mlx_lm.models.llama import Model as LlamaModel
 from mlx_lm.models.llama import ModelArgs
 
 import tierkv.config as config_module
+import tierkv.quant.codec as quant_codec
 from tierkv.connectors.exo import boot, hook
 from tierkv.keys import weights_fingerprint
 from tierkv.quant import read_header
+from tierkv.quant.kernels import Threaded
 
 pytestmark = pytest.mark.mlx
 
 BLOCK = 16
 READY_TIMEOUT_S = 280
 """The first tier of a fresh checkout compiles every Numba kernel (minutes on 2 busy cores)."""
+REAL_EXO_SRC = os.environ.get("TIERKV_EXO_SRC")
 
 
 @dataclass
@@ -58,9 +68,11 @@ def start_exo(
     block_tokens: int = BLOCK,
     staging_bytes: str = "64MiB",
     extra_config: str = "",
+    exo_source: Path | None = None,
 ) -> Exo:
-    """Point tierkv's config at `vault_address`, arm the boot hook, import the fixture package and
-    start a runner through EXO's entry point (which binds the shard)."""
+    """Point tierkv's config at `vault_address`, arm the boot hook, import EXO's modules (the
+    fixture package, or the real checkout `exo_source`) and start a runner through EXO's entry
+    point (which binds the shard)."""
     config = tmp_path / "tierkv.toml"
     config.write_text(
         f'[cluster]\nkv_cold = "{vault_address}"\n[client]\ndeadline_ms = 300\n'
@@ -69,16 +81,22 @@ def start_exo(
         + extra_config
     )
     monkeypatch.setenv("TIERKV_CONFIG", str(config))
-    monkeypatch.syspath_prepend(str(FIXTURE_SRC))
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     for name in [m for m in sys.modules if m == "exo" or m.startswith("exo.")]:
         monkeypatch.delitem(sys.modules, name)
     boot.arm()
+    if exo_source is None:
+        monkeypatch.syspath_prepend(str(FIXTURE_SRC))
+    else:  # behind the hook's finder, which finds EXO's modules through the others
+        hooks = [i for i, finder in enumerate(sys.meta_path) if isinstance(finder, boot.HookFinder)]
+        sys.meta_path.insert(hooks[0] + 1 if hooks else 0, RealExoFinder(exo_source))
     exo = Exo(
         importlib.import_module("exo.worker.engines.mlx.cache"),
         importlib.import_module("exo.worker.engines.mlx.generator.generate"),
         importlib.import_module("exo.worker.runner.bootstrap"),
     )
+    if exo_source is not None:  # EXO's own prompt cache, not the fixture's
+        assert Path(str(exo.cache.__file__)).is_relative_to(exo_source)
     start_runner(exo)
     return exo
 
@@ -89,6 +107,21 @@ def start_runner(exo: Exo) -> None:
     shard.model_card = SimpleNamespace(model_id="tests/tiny-llama")
     shard.start_layer, shard.end_layer, shard.device_rank, shard.world_size = 0, 2, 0, 1
     exo.bootstrap.entrypoint(SimpleNamespace(bound_shard=shard, work=lambda: None), *[None] * 4)
+
+
+@pytest.fixture(params=["fixture", "real"])
+def exo_source(request: pytest.FixtureRequest) -> Path | None:
+    """None for the fixture package; the real EXO checkout TIERKV_EXO_SRC (skipped without)."""
+    if request.param == "fixture":
+        return None
+    if not REAL_EXO_SRC:
+        pytest.skip("TIERKV_EXO_SRC (an EXO checkout) is not set")
+    return Path(REAL_EXO_SRC)
+
+
+def has_media_regions(exo: Exo) -> bool:
+    """Whether this EXO's prompt cache knows image regions (EXO >= v1.0.70)."""
+    return "media_regions" in inspect.signature(exo.cache.KVPrefixCache.get_kv_cache).parameters
 
 
 @pytest.fixture(autouse=True)
@@ -105,9 +138,9 @@ def evict_everything(exo: Exo, monkeypatch: pytest.MonkeyPatch, prefix_cache: An
 
 
 def test_eviction_spills_and_the_next_request_restores_only_the_missing_suffix(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
 ) -> None:
-    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     model = tiny_llama(dtype=mx.bfloat16)
@@ -117,7 +150,8 @@ def test_eviction_spills_and_the_next_request_restores_only_the_missing_suffix(
     first = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
     assert first.prefilled == 100
     (entry,) = prefix_cache.caches
-    assert [layer.offset for layer in entry] == [98, 98]  # EXO keeps len(prompt) - 2 tokens
+    # EXO >= v1.0.70 keeps len(prompt) - 2 tokens, older releases the generated ones too
+    assert [layer.offset for layer in entry] == ([98, 98] if has_media_regions(exo) else [102, 102])
     stored_keys = np.array(entry[1].keys[..., :96, :].astype(mx.float32))
 
     evict_everything(exo, monkeypatch, prefix_cache)
@@ -128,8 +162,8 @@ def test_eviction_spills_and_the_next_request_restores_only_the_missing_suffix(
     assert vault.store.stats().entries == 24
 
     longer = mx.concatenate([prompt, random_tokens(20, seed=2)])
-    cache, remaining, index, exact = prefix_cache.get_kv_cache(model, longer)
-    assert (len(remaining), index, exact) == (120 - 96, None, False)
+    cache, remaining, index, *exact = prefix_cache.get_kv_cache(model, longer)
+    assert (len(remaining), index, exact) == (120 - 96, None, [False][: len(exact)])
     assert all(layer.offset == 96 for layer in cache)
     assert np.array_equal(np.array(cache[1].keys[..., :96, :].astype(mx.float32)), stored_keys)
 
@@ -145,11 +179,13 @@ def test_eviction_spills_and_the_next_request_restores_only_the_missing_suffix(
 
 
 def test_prompts_with_images_are_neither_spilled_nor_restored(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
 ) -> None:
     """Image tokens are placeholders: equal ids do not mean equal KV. An entry holding an image
     is never shipped, and a prompt with an image is never rebuilt from the vault."""
-    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
+    if not has_media_regions(exo):
+        pytest.skip("this EXO's prompt cache has no image regions (EXO < v1.0.70)")
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     media_region = importlib.import_module("exo.worker.engines.mlx.vision").MediaRegion
@@ -195,9 +231,10 @@ def test_weights_replaced_in_place_change_the_namespace(
     monkeypatch: pytest.MonkeyPatch,
     vault: VaultHandle,
     caplog: pytest.LogCaptureFixture,
+    exo_source: Path | None,
 ) -> None:
     weights = model_weights(tmp_path, monkeypatch, b"first fine-tune")
-    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
     runtime = hook.runtime()
     geometry = hook.Geometry(kv_heads=2, key_dim=16, value_dim=16, dtype=mx.bfloat16)
     first = runtime.namespace(geometry)
@@ -222,6 +259,7 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
     monkeypatch: pytest.MonkeyPatch,
     vault: VaultHandle,
     caplog: pytest.LogCaptureFixture,
+    exo_source: Path | None,
 ) -> None:
     fingerprint = weights_fingerprint(model_weights(tmp_path, monkeypatch, b"tiny").parent)
     verdicts = f'[codec_verdicts]\n"{fingerprint}" = "{verdict}"\n' if verdict else ""
@@ -232,6 +270,7 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
             monkeypatch,
             vault.address,
             extra_config='[turbo_quant]\nenabled = true\ncodec = "auto"\nkv_dim = 16\n' + verdicts,
+            exo_source=exo_source,
         )
         runtime = hook.runtime()
         assert runtime.ready.wait(READY_TIMEOUT_S)
@@ -257,9 +296,9 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
 
 
 def test_a_local_hit_as_long_as_the_vault_prefix_is_left_alone(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
 ) -> None:
-    exo = start_exo(tmp_path, monkeypatch, vault.address, write_through=True)
+    exo = start_exo(tmp_path, monkeypatch, vault.address, write_through=True, exo_source=exo_source)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     model = tiny_llama()
@@ -269,8 +308,10 @@ def test_a_local_hit_as_long_as_the_vault_prefix_is_left_alone(
     assert runtime.flush(10)
     assert runtime.tier is not None and runtime.tier.stats()["queued_blocks"] == 4 * 2 * 2
 
+    exos_own = type(prefix_cache).get_kv_cache.__wrapped__(prefix_cache, model, prompt)
+    assert len(exos_own[1]) < 70 - 64  # EXO's own hit (68 or 69 tokens) beats the vault's 64
     again = exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=4)
-    assert again.prefilled == 2  # EXO's own hit (68 = len - 2 tokens) beats the vault's 64
+    assert again.prefilled == len(exos_own[1])
     assert again.tokens == exo.generate.mlx_generate(model, prompt, None, max_tokens=4).tokens
 
 
@@ -281,9 +322,10 @@ def test_with_the_vault_down_exo_gives_the_same_tokens_as_without_tierkv(
     vault: VaultHandle,
     free_port: int,
     never_up: bool,
+    exo_source: Path | None,
 ) -> None:
     address = f"127.0.0.1:{free_port}" if never_up else vault.address
-    exo = start_exo(tmp_path, monkeypatch, address)
+    exo = start_exo(tmp_path, monkeypatch, address, exo_source=exo_source)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     model = tiny_llama()
@@ -328,9 +370,10 @@ def test_other_cache_kinds_are_left_to_exo_and_reported_once(
     vault: VaultHandle,
     caplog: pytest.LogCaptureFixture,
     kind: str,
+    exo_source: Path | None,
 ) -> None:
     """Rotating and quantized (EXO's KV_CACHE_BITS) caches stay on EXO's own path."""
-    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     if kind == "RotatingKVCache":
@@ -359,9 +402,10 @@ def test_recurrent_state_entries_are_left_to_exo(
     monkeypatch: pytest.MonkeyPatch,
     vault: VaultHandle,
     caplog: pytest.LogCaptureFixture,
+    exo_source: Path | None,
 ) -> None:
     """An entry with SSM layers (ArraysCache) and their snapshots is evicted without a spill."""
-    exo = start_exo(tmp_path, monkeypatch, vault.address)
+    exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     model = tiny_llama()
@@ -388,8 +432,11 @@ def test_a_full_spill_budget_drops_the_entry_and_counts_it(
     monkeypatch: pytest.MonkeyPatch,
     vault: VaultHandle,
     caplog: pytest.LogCaptureFixture,
+    exo_source: Path | None,
 ) -> None:
-    exo = start_exo(tmp_path, monkeypatch, vault.address, staging_bytes="1KiB")
+    exo = start_exo(
+        tmp_path, monkeypatch, vault.address, staging_bytes="1KiB", exo_source=exo_source
+    )
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     model = tiny_llama()
@@ -406,11 +453,13 @@ def test_a_full_spill_budget_drops_the_entry_and_counts_it(
 
 
 def test_an_entry_many_times_the_staging_budget_spills_block_by_block(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
 ) -> None:
     """EXO allocates 256-token steps: 300 tokens of the bf16 tiny model are 128 KiB of arrays,
     32 times the 4 KiB budget; its filled blocks (1 KiB per layer and K or V) still all go."""
-    exo = start_exo(tmp_path, monkeypatch, vault.address, staging_bytes="4KiB")
+    exo = start_exo(
+        tmp_path, monkeypatch, vault.address, staging_bytes="4KiB", exo_source=exo_source
+    )
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     model = tiny_llama(dtype=mx.bfloat16)
@@ -431,15 +480,69 @@ def test_an_entry_many_times_the_staging_budget_spills_block_by_block(
     assert restored.tokens == cold.tokens
 
 
+def test_a_runner_compiles_only_the_kernels_its_blocks_use(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    caplog: pytest.LogCaptureFixture,
+    exo_source: Path | None,
+) -> None:
+    """The start compiles the codec for bf16, single-threaded: the tiny model's blocks (1 KiB)
+    are far below PARALLEL_MIN_BYTES. Blocks that large (the bound lowered here) need the
+    multi-threaded builds: the first prompt that needs them starts compiling them in the
+    background and is prefilled by EXO meanwhile; once they are ready, prompts are restored."""
+    compile_parallel = Threaded.compile_parallel
+    parallel_builds: list[Threaded] = []
+    gate = threading.Event()
+
+    def gated(kernel: Threaded) -> None:
+        assert gate.wait(READY_TIMEOUT_S)
+        parallel_builds.append(kernel)
+        compile_parallel(kernel)
+
+    monkeypatch.setattr(Threaded, "compile_parallel", gated)
+    with caplog.at_level(logging.INFO, logger="tierkv.exo"):
+        exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
+        runtime = hook.runtime()
+        assert runtime.ready.wait(READY_TIMEOUT_S)
+        assert "none and lossless kernels for bf16 (single-threaded) ready in" in caplog.text
+
+        # the tiny model's blocks (2 heads, 16 dims, bf16) count as large for the hook and the
+        # warm-up; the kernels still run their single-threaded builds on blocks that small
+        for module in (hook, quant_codec):
+            monkeypatch.setattr(module, "PARALLEL_MIN_BYTES", 2 * BLOCK * 16 * 2)
+        model = tiny_llama(dtype=mx.bfloat16)
+        prompt = random_tokens(100, seed=40)
+        prefix_cache = exo.cache.KVPrefixCache(None)
+        exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=1)
+        evict_everything(exo, monkeypatch, prefix_cache)  # its spill starts the compile
+        runtime._spills.join()
+        assert runtime.tier is not None and runtime.tier.flush(10)
+        longer = mx.concatenate([prompt, random_tokens(20, seed=41)])
+        assert exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=1).prefilled == 120
+        assert parallel_builds == []
+
+        gate.set()
+        evict_everything(exo, monkeypatch, prefix_cache)
+        assert runtime.flush(READY_TIMEOUT_S)
+        assert parallel_builds
+        assert "bf16 blocks of 1024 bytes (multi-threaded) ready in" in caplog.text
+    restored = exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=4)
+    cold = exo.generate.mlx_generate(model, longer, None, max_tokens=4)
+    assert restored.prefilled == 120 - 7 * BLOCK  # the miss above was spilled too
+    assert restored.tokens == cold.tokens
+
+
 def test_a_bad_config_is_reported_and_exo_runs_as_without_tierkv(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     vault: VaultHandle,
     caplog: pytest.LogCaptureFixture,
+    exo_source: Path | None,
 ) -> None:
     monkeypatch.setattr(hook, "_reported", set())
     with caplog.at_level(logging.WARNING, logger="tierkv.exo"):
-        exo = start_exo(tmp_path, monkeypatch, vault.address, block_tokens=0)
+        exo = start_exo(tmp_path, monkeypatch, vault.address, block_tokens=0, exo_source=exo_source)
         runtime = hook.runtime()
         runtime._starter.join(30)
     assert not runtime.ready.is_set()
@@ -454,19 +557,20 @@ def test_a_bad_config_is_reported_and_exo_runs_as_without_tierkv(
 
 
 def test_tierkv_disable_leaves_exo_unpatched(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exo_source: Path | None
 ) -> None:
     monkeypatch.setenv("TIERKV_DISABLE", "1")
-    exo = start_exo(tmp_path, monkeypatch, "127.0.0.1:1")
+    exo = start_exo(tmp_path, monkeypatch, "127.0.0.1:1", exo_source=exo_source)
     assert not boot.arm()
     assert not hasattr(exo.cache.KVPrefixCache, "__tierkv_patched__")
     assert not hasattr(exo.bootstrap.entrypoint, "__tierkv_patched__")
 
 
 def test_ranks_agree_on_the_shortest_restorable_prefix(
-    tmp_path: Path, vault: VaultHandle, free_port: int
+    tmp_path: Path, vault: VaultHandle, free_port: int, exo_source: Path | None
 ) -> None:
-    """Two ring-backend ranks on loopback (see fake_exo/two_ranks.py for the scenario)."""
+    """Two ring-backend ranks on loopback, pipeline then tensor shards (see fake_exo/two_ranks.py
+    for the scenario)."""
     config = tmp_path / "tierkv.toml"
     config.write_text(f'[cluster]\nkv_cold = "{vault.address}"\n[exo]\nblock_tokens = {BLOCK}\n')
     script = Path(__file__).parent / "fake_exo" / "two_ranks.py"
@@ -474,7 +578,11 @@ def test_ranks_agree_on_the_shortest_restorable_prefix(
     command = [str(launcher), "-n", "2", "-p", str(free_port), "--python", sys.executable]
     process = subprocess.Popen(
         [*command, str(script)],
-        env={**os.environ, "TIERKV_CONFIG": str(config)},
+        env={
+            **{k: v for k, v in os.environ.items() if k != "TIERKV_EXO_SRC"},
+            "TIERKV_CONFIG": str(config),
+            **({"TIERKV_EXO_SRC": str(exo_source)} if exo_source else {}),
+        },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -493,3 +601,5 @@ def test_ranks_agree_on_the_shortest_restorable_prefix(
         assert cold_prefilled == 120
         assert rank["partial"] == [120 - 3 * BLOCK, cold_tokens]  # rank 1 holds 3 blocks only
         assert rank["failed"] == [120, cold_tokens]  # rank 1's lookup failed: nobody restores
+        prefilled, tokens, tensor_cold_tokens = rank["tensor"]  # each rank holds its own heads
+        assert (prefilled, tokens) == (120 - 6 * BLOCK, tensor_cold_tokens)

@@ -4,13 +4,18 @@ Each rank binds a pipeline shard of its own (rank r holds global layers 2r and 2
 store different parts), spills an evicted prompt, then asks for a longer prompt twice:
 1. rank 1's lookup finds only three blocks: both ranks must restore the three blocks they agree on;
 2. rank 1's lookup raises: both ranks must recompute everything.
+Then each rank binds a tensor shard of its own (the model sharded over both ranks with mlx-lm's
+`shard`, so each rank's cache holds one of the two KV heads of every layer), spills a prompt and
+restores it (3.) into an empty prompt cache, where the hook reads the geometry from the model.
 Prints one JSON line per rank: what each request prefilled and its tokens, and a cold run's.
-Configuration comes from TIERKV_CONFIG (a vault on loopback).
+Configuration comes from TIERKV_CONFIG (a vault on loopback); with TIERKV_EXO_SRC, EXO's prompt
+cache is that real checkout's (see real_exo.py), else the fixture package's.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,9 +23,9 @@ from typing import Any
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).parent / "src"))
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
+from fake_exo.real_exo import FIXTURE_SRC, RealExoFinder
 from fake_exo.tiny_mlx import random_tokens, tiny_llama
 from tierkv.connectors.exo import boot, hook
 
@@ -31,26 +36,40 @@ def main() -> None:
     group = mx.distributed.init()
     rank = group.rank()
     boot.arm()
+    if real := os.environ.get("TIERKV_EXO_SRC"):
+        sys.meta_path.insert(1, RealExoFinder(Path(real)))  # behind the hook's finder
+    else:
+        sys.path.insert(0, str(FIXTURE_SRC))
     from exo.worker.engines.mlx import cache as exo_cache
     from exo.worker.engines.mlx.generator.generate import mlx_generate
     from exo.worker.runner.bootstrap import entrypoint
 
-    shard: Any = type("PipelineShardMetadata", (), {})()
-    shard.model_card = SimpleNamespace(model_id="tests/tiny-llama")
-    shard.start_layer, shard.end_layer, shard.device_rank, shard.world_size = 2 * rank, 2, rank, 2
-    entrypoint(SimpleNamespace(bound_shard=shard, work=lambda: None), None, None, None, None)
+    def bind(kind: str, start_layer: int) -> None:
+        """Start a runner through EXO's entry point with a shard of `kind` (binds it)."""
+        shard: Any = type(kind, (), {})()
+        shard.model_card = SimpleNamespace(model_id="tests/tiny-llama")
+        shard.start_layer, shard.end_layer = start_layer, start_layer + 2
+        shard.device_rank, shard.world_size = rank, 2
+        entrypoint(SimpleNamespace(bound_shard=shard, work=lambda: None), None, None, None, None)
+
+    def spill(model: Any, prompt: mx.array) -> None:
+        """Generate for `prompt`, evict its cache (under EXO_MEMORY_THRESHOLD=0) and wait."""
+        prefix_cache = exo_cache.KVPrefixCache(group)
+        mlx_generate(model, prompt, prefix_cache, max_tokens=1)
+        exo_cache._MEMORY_THRESHOLD = 0.0
+        prefix_cache._evict_if_needed()
+        exo_cache._MEMORY_THRESHOLD = 2.0
+        assert runtime.flush(10) and runtime.tier is not None
+        mx.eval(mx.distributed.all_sum(mx.array([1.0]), group=group))  # both spilled
+
+    bind("PipelineShardMetadata", 2 * rank)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
 
     model = tiny_llama()
     prompt = random_tokens(100, seed=1)
-    prefix_cache = exo_cache.KVPrefixCache(group)
-    mlx_generate(model, prompt, prefix_cache, max_tokens=1)
-    exo_cache._MEMORY_THRESHOLD = 0.0
-    prefix_cache._evict_if_needed()
-    exo_cache._MEMORY_THRESHOLD = 2.0
-    assert runtime.flush(10) and runtime.tier is not None
-    mx.eval(mx.distributed.all_sum(mx.array([1.0]), group=group))  # both spilled
+    spill(model, prompt)
+    assert runtime.tier is not None
 
     lookup = runtime.tier.lookup
     if rank == 1:
@@ -67,11 +86,22 @@ def main() -> None:
 
         runtime.tier.lookup = broken_lookup  # type: ignore[method-assign]
     failed = mlx_generate(model, longer, exo_cache.KVPrefixCache(group), max_tokens=4)
+
+    runtime.tier.lookup = lookup  # type: ignore[method-assign]
+    bind("TensorShardMetadata", 0)
+    sharded = tiny_llama()
+    sharded.shard(group)
+    text = random_tokens(100, seed=3)
+    spill(sharded, text)
+    longer_text = mx.concatenate([text, random_tokens(20, seed=4)])
+    tensor_cold = mlx_generate(sharded, longer_text, None, max_tokens=4)
+    tensor = mlx_generate(sharded, longer_text, exo_cache.KVPrefixCache(group), max_tokens=4)
     result = {
         "rank": rank,
         "cold": [cold.prefilled, cold.tokens],
         "partial": [partial.prefilled, partial.tokens],
         "failed": [failed.prefilled, failed.tokens],
+        "tensor": [tensor.prefilled, tensor.tokens, tensor_cold.tokens],
     }
     print(json.dumps(result), flush=True)
     hook.shutdown()

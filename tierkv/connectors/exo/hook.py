@@ -18,6 +18,12 @@ index (+1 for values); the namespace fingerprints model id, the weight files (wh
 size and FORMAT_VERSION. Only plain mlx-lm `KVCache` layers are handled; an entry with any other
 cache kind is left to EXO's normal path (reported once per kind).
 
+Kernels: the runner's start compiles (or loads from Numba's cache) the configured codec and the
+lossless one for bf16, MLX's usual KV dtype, single-threaded only, which is what blocks below
+PARALLEL_MIN_BYTES use. The first prompt whose blocks need more (another dtype, or blocks large
+enough for the multi-threaded builds) starts compiling those in the background; until they are
+ready such prompts are not restored (EXO prefills them), and spills just wait for them.
+
 In a distributed instance every rank takes part in agreeing (all_gather, minimum) on the number
 of restored tokens, even when its own lookup failed or tierkv is not configured on it; so the
 hook must be installed on all nodes of an instance or on none. Every error inside tierkv leaves
@@ -44,6 +50,7 @@ from mlx_lm.models.cache import KVCache
 from tierkv.config import TierKVConfig, load_config, resolve_auto_codec
 from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
 from tierkv.keys import chain_block_keys, namespace_fingerprint, weights_fingerprint
+from tierkv.quant.kernels import PARALLEL_MIN_BYTES
 from tierkv.tier import ColdTier
 
 log = logging.getLogger("tierkv.exo")
@@ -85,6 +92,11 @@ class Geometry:
     key_dim: int
     value_dim: int
     dtype: Any  # an mx.Dtype
+
+    def block_bytes(self, block_tokens: int) -> int:
+        """Bytes of the largest array one block of one layer is encoded from or decoded into."""
+        itemsize = np.dtype(_DTYPES[self.dtype][1]).itemsize
+        return self.kv_heads * block_tokens * max(self.key_dim, self.value_dim) * itemsize
 
 
 @dataclass(frozen=True)
@@ -305,6 +317,8 @@ class ExoRuntime:
         self.write_through = False
         self.ready = threading.Event()
         self.dropped_spills = 0
+        self._kernels: dict[tuple[str, bool], threading.Event] = {}
+        """(dtype, multi-threaded) -> set once compiling those kernels is over."""
         self._spill_budget = 0
         self._staged_bytes = 0  # block copies handed to the tier and not yet encoded
         self._lock = threading.Lock()
@@ -326,18 +340,22 @@ class ExoRuntime:
             self.block_tokens = cfg.exo.block_tokens
             self.write_through = cfg.exo.write_through
             self._spill_budget = cfg.connector.staging_bytes
-            # MLX models keep their KV in bf16: compile that now, other dtypes on first use.
-            tier = ColdTier.from_config(cfg, warm_dtypes=("bf16",))
+            tier = ColdTier.from_config(cfg, warm_dtypes=())
+            # MLX models keep their KV in bf16, and blocks of one layer are mostly far below
+            # PARALLEL_MIN_BYTES: compile that now, anything else once a prompt needs it.
+            seconds = tier.warm_up(("bf16",), largest_block_bytes=0)
             log.info(
-                "tierkv: %s and lossless kernels for bf16 ready in %.1f s",
+                "tierkv: %s and lossless kernels for bf16 (single-threaded) ready in %.1f s",
                 tier.codec.name,
-                tier.warmup_s,
+                seconds,
             )
             with self._lock:
                 if self._closed:
                     tier.close()
                     return
                 self.tier = tier
+                self._kernels[("bf16", False)] = threading.Event()
+                self._kernels[("bf16", False)].set()
             self._spiller.start()
             self.ready.set()
         except Exception as exc:
@@ -354,6 +372,47 @@ class ExoRuntime:
             self._spiller.join(timeout=10)
         if tier is not None:
             tier.close()
+
+    # ---- kernels ----
+
+    def kernels_ready(self, geometry: Geometry) -> bool:
+        """Whether the kernels blocks of `geometry` use are compiled; if not, start compiling
+        them in the background (once) and say False."""
+        dtype = _DTYPES[geometry.dtype][0]
+        largest = geometry.block_bytes(self.block_tokens)
+        need = (dtype, largest >= PARALLEL_MIN_BYTES)
+        with self._lock:
+            ready = self._kernels.get(need)
+            if ready is None:
+                ready = self._kernels[need] = threading.Event()
+                threading.Thread(
+                    target=self._compile,
+                    args=(dtype, largest, ready),
+                    name="tierkv-compile",
+                    daemon=True,
+                ).start()
+        return ready.is_set()
+
+    def _compile(self, dtype: str, largest: int, ready: threading.Event) -> None:
+        """Compile what blocks of `dtype` and `largest` bytes use, then set `ready` (also after
+        a failure, reported: the blocks then fail as they would have, as misses)."""
+        try:
+            tier = self.tier
+            if tier is None:
+                return
+            seconds = tier.warm_up((dtype,), largest)
+            log.info(
+                "tierkv: %s and lossless kernels for %s blocks of %d bytes (%s) ready in %.1f s",
+                tier.codec.name,
+                dtype,
+                largest,
+                "multi-threaded" if largest >= PARALLEL_MIN_BYTES else "single-threaded",
+                seconds,
+            )
+        except Exception as exc:
+            report_once("compile", "compiling the %s kernels failed (%r)", dtype, exc)
+        finally:
+            ready.set()
 
     # ---- identity ----
 
@@ -393,6 +452,7 @@ class ExoRuntime:
         geometry = entry_geometry(cache)
         if geometry is None or geometry.dtype not in _DTYPES:
             return
+        self.kernels_ready(geometry)  # the spill's encoders wait for them if need be
         cached = min(layer.offset for layer in cache)
         if cached < self.block_tokens:
             return
@@ -487,9 +547,14 @@ class ExoRuntime:
             self._staged.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued spill is handed to the tier and acknowledged by the vault."""
+        """Wait until the kernels being compiled are ready and every queued spill is handed to
+        the tier and acknowledged by the vault (False when `timeout` ran out first)."""
         if not self.ready.is_set():
             return True
+        with self._lock:
+            compiling = list(self._kernels.values())
+        if not all(ready.wait(timeout) for ready in compiling):
+            return False
         self._spills.join()
         tier = self.tier
         return tier is None or tier.flush(timeout)
@@ -556,6 +621,8 @@ class ExoRuntime:
         geometry = known_geometry(prefix_cache.caches) or model_geometry(model)
         if geometry is None or geometry.dtype not in _DTYPES:
             return None
+        if not self.kernels_ready(geometry):
+            return None  # still compiling: this prompt is prefilled, the next ones restored
         namespace = self.namespace(geometry)
         if namespace is None:
             return None
