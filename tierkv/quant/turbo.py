@@ -377,20 +377,23 @@ def _mix_rows(y, z, mix, p):
     sum_b mix[a, b] * block b (z is scratch of y's size), then the first butterfly stage
     (coordinates 2r and 2r + 1) on every row."""
     q = mix.shape[0]
-    width = (p // 2) * _LANES
-    z[: q * width] = y[: q * width]
+    rows = p // 2
+    z[: q * rows * _LANES] = y[: q * rows * _LANES]
     for a in range(q):
-        block = y[a * width : (a + 1) * width]
-        block[:] = np.float32(0.0)
-        for b in range(q):
-            c = mix[a, b]
-            src = z[b * width : (b + 1) * width]
-            for i in range(width):
-                block[i] += c * src[i]
-    for i in range(0, q * width, 2):
-        u, w = y[i], y[i + 1]
-        y[i] = u + w
-        y[i + 1] = u - w
+        for i in range(rows):
+            r = a * rows + i
+            dst = y[r * _LANES : (r + 1) * _LANES]
+            for lane in range(_LANES):
+                dst[lane] = np.float32(0.0)
+            for b in range(q):
+                c = mix[a, b]
+                src = z[(b * rows + i) * _LANES : (b * rows + i + 1) * _LANES]
+                for lane in range(_LANES):
+                    dst[lane] += c * src[lane]
+            for t in range(_DTILE):
+                u, w = dst[2 * t], dst[2 * t + 1]
+                dst[2 * t] = u + w
+                dst[2 * t + 1] = u - w
 
 
 @njit(cache=True, nogil=True)
@@ -465,9 +468,12 @@ def _decode_into_rows(body, n, v0, select, offset, inst, scratch, x, at, pow2k):
         _read_norms(body, n, norm_at, norm_stride, lane_norms)
         _rotate_back(y, z, inst, lane_norms, pow2k)
         for t in range(n):
-            chan = channels[((v0 + t) // sel_div) % sel_mod]
-            for j in range(m):
-                x[t, chan[offset + j]] = y[(j // 2) * _LANES + 2 * t + j % 2] * signs[j]
+            chan = channels[((v0 + t) // sel_div) % sel_mod][offset : offset + m]
+            row = x[t]
+            for r in range(m // 2):
+                at = r * _LANES + 2 * t
+                row[chan[2 * r]] = y[at] * signs[2 * r]
+                row[chan[2 * r + 1]] = y[at + 1] * signs[2 * r + 1]
     else:  # a dense m x m matrix (payload format version 1)
         for t in range(n):
             norm = half_to_f32(read_u16(body, norm_at + t * norm_stride))
