@@ -156,6 +156,21 @@ class Layout:
         self.offsets = (self.norms_offset, self.indices_offset, self.bytes_per_vector)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _radix4(y0, y1, y2, y3, n):
+    """Two Walsh-Hadamard butterfly stages on four rows of n lanes (y0 + y1, y0 - y1, the same
+    for y2, y3, then across the pairs), in place."""
+    for t in range(n):
+        s0 = y0[t] + y1[t]
+        s1 = y0[t] - y1[t]
+        s2 = y2[t] + y3[t]
+        s3 = y2[t] - y3[t]
+        y0[t] = s0 + s2
+        y1[t] = s1 + s3
+        y2[t] = s0 - s2
+        y3[t] = s1 - s3
+
+
 @njit(cache=True, nogil=True)
 def _fwht_columns(y, m, n):
     """Unnormalised fast Walsh–Hadamard transform of each column y[:m, t], t < n (in place).
@@ -166,16 +181,7 @@ def _fwht_columns(y, m, n):
     while 4 * h <= m:
         for i in range(0, m, 4 * h):
             for j in range(i, i + h):
-                y0, y1, y2, y3 = y[j], y[j + h], y[j + 2 * h], y[j + 3 * h]
-                for t in range(n):
-                    s0 = y0[t] + y1[t]
-                    s1 = y0[t] - y1[t]
-                    s2 = y2[t] + y3[t]
-                    s3 = y2[t] - y3[t]
-                    y0[t] = s0 + s2
-                    y1[t] = s1 + s3
-                    y2[t] = s0 - s2
-                    y3[t] = s1 - s3
+                _radix4(y[j], y[j + h], y[j + 2 * h], y[j + 3 * h], n)
         h *= 4
     if h < m:
         for j in range(h):
@@ -347,15 +353,7 @@ def _butterfly_rows(y, r0, rows, h):
                 )
                 y2 = y[(r + 2 * h) * _LANES : (r + 2 * h + 1) * _LANES]
                 y3 = y[(r + 3 * h) * _LANES : (r + 3 * h + 1) * _LANES]
-                for lane in range(_LANES):
-                    s0 = y0[lane] + y1[lane]
-                    s1 = y0[lane] - y1[lane]
-                    s2 = y2[lane] + y3[lane]
-                    s3 = y2[lane] - y3[lane]
-                    y0[lane] = s0 + s2
-                    y1[lane] = s1 + s3
-                    y2[lane] = s0 - s2
-                    y3[lane] = s1 - s3
+                _radix4(y0, y1, y2, y3, _LANES)
         h *= 4
     if h < rows:
         for i in range(r0, r0 + rows, 2 * h):
