@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from tierkv.bench import BenchResult
+from tierkv.bench import BenchResult, link_restore_s
 from tierkv.cli import app
 from tierkv.cli.bench import results_table
 from tierkv.config import parse_address
@@ -60,13 +60,30 @@ def test_figures_are_consistent(all_codecs: list[dict[str, object]]) -> None:
         for link, gbits in (("1GbE", 1), ("10GbE", 10), ("25GbE", 25)):
             wire_s = obj["stored_bytes"] * 8 / (gbits * 1e9)
             assert obj["link_s"][link] == pytest.approx(wire_s)
-            assert obj["link_restore_s"][link] == pytest.approx(
-                obj["lookup_s"] + wire_s + obj["decode_s"]
+            restore_s = obj["link_restore_s"][link]
+            assert restore_s == pytest.approx(
+                link_restore_s(
+                    obj["lookup_s"], obj["stored_bytes"], obj["decode_s"], obj["blocks"], gbits
+                )
             )
+            overlap = obj["lookup_s"] + max(wire_s, obj["decode_s"])
+            assert overlap <= restore_s * (1 + 1e-9)
+            assert restore_s <= obj["lookup_s"] + wire_s + obj["decode_s"] + 1e-12
         for speed in ("memcpy_gbps", "encode_gbps", "decode_gbps", "promote_gbps"):
             assert obj[speed] > 0
         # 600 tokens at 128 per block: 4 full blocks.
         assert obj["blocks"] == obj["hit_blocks"] == 4
+
+
+def test_link_restore_overlaps_decode_with_the_wire_run_by_run() -> None:
+    # 100 blocks of 1 MB, 10 Gbit/s: 80 ms on the wire. The first run (4 blocks) arrives before
+    # any decode starts, the last run's decode follows the wire.
+    wire_bound = link_restore_s(0.001, 100_000_000, 0.02, 100, 10)
+    assert 0.001 + 0.08 < wire_bound < 0.001 + 0.08 + 0.02
+    assert wire_bound == pytest.approx(0.001 + 0.08 + 0.02 * 8 / 100)  # runs of 8 blocks
+    decode_bound = link_restore_s(0.001, 100_000_000, 0.5, 100, 10)
+    assert decode_bound == pytest.approx(0.001 + 0.08 * 4 / 100 + 0.5)
+    assert link_restore_s(0.0, 0, 0.0, 0, 10) == 0.0
 
 
 def test_fidelity_within_each_codecs_bounds(all_codecs: list[dict[str, object]]) -> None:

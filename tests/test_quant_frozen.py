@@ -20,10 +20,11 @@ import pytest
 
 from tierkv.quant import CODEC_NAMES, decode_into, get_codec, read_header
 from tierkv.quant.codebooks import is_power_of_two
-from tierkv.quant.payload import DTYPE_BYTES, header_bytes
+from tierkv.quant.payload import DTYPE_BYTES, TURBO_MODES, header_bytes
 from tierkv.quant.turbo import named_codec
 
 DATA = Path(__file__).parent / "data"
+TURBO = tuple(TURBO_MODES)
 PAYLOADS = DATA / "frozen_payloads.npz"
 MANIFEST = DATA / "frozen_payloads.json"
 
@@ -83,3 +84,35 @@ def rotation_unchanged(codec: str, group_size: int) -> bool:
         return True
     turbo = named_codec(codec, group_size)
     return all(is_power_of_two(inst.m) for inst in (turbo.hi, turbo.lo) if inst is not None)
+
+
+PAYLOADS_V2 = DATA / "frozen_payloads_v2.npz"
+MANIFEST_V2 = DATA / "frozen_payloads_v2.json"
+"""Format 2 TurboQuant payloads of the inputs above (shapes a, b, c: Hadamard, Kronecker-mixed
+and mixed-precision rotations) and the sha256 of what the decoder before the SIMD tile decoder
+(commit dcf0ddd) decoded them to. That decoder used no reassociated sums there, so the hashes
+hold on any CPU."""
+
+
+@pytest.fixture(scope="module")
+def frozen_v2() -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    with np.load(PAYLOADS_V2) as data:
+        arrays = {name: data[name] for name in data.files}
+    return arrays, json.loads(MANIFEST_V2.read_text())
+
+
+@pytest.mark.parametrize(
+    ("shape", "codec", "dtype"), [case for case in cases() if case[0] != "d" and case[1] in TURBO]
+)
+def test_frozen_format_2_payload_decodes_to_the_same_bytes(
+    frozen: tuple[dict[str, np.ndarray], dict[str, str]],
+    frozen_v2: tuple[dict[str, np.ndarray], dict[str, str]],
+    shape: str,
+    codec: str,
+    dtype: str,
+) -> None:
+    x = frozen[0][f"input/{shape}/{dtype}"]
+    payloads, manifest = frozen_v2
+    payload = payloads[key(shape, codec, dtype)].tobytes()
+    assert read_header(payload).version == 2
+    assert decoded_sha256(payload, x) == manifest[key(shape, codec, dtype)]

@@ -255,8 +255,9 @@ def results_table(results: list[BenchResult]) -> Group:
     )
     caption = (
         "encode, decode: GB/s of raw bytes; put, promote: GB/s of stored bytes; "
-        "restore = lookup + promote + decode on loopback, GbE s = the same restore with the stored "
-        "bytes at that line rate; fidelity of the worst block"
+        "restore = lookup + promote + decode on loopback, GbE s = lookup, then the stored bytes at "
+        "that line rate with decode pipelined behind them run by run as ColdTier.load does; "
+        "fidelity of the worst block"
     )
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     rows: list[tuple[str, Callable[[BenchResult], str]]] = [

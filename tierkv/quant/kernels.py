@@ -112,6 +112,20 @@ def f32_to_bits(typingctx, x):
     return sig, codegen
 
 
+@intrinsic
+def load_u64(typingctx, buf, pos):
+    """The 8 bytes of a uint8 array `buf` from byte offset `pos` as a little-endian uint64, any
+    alignment (one load; the caller keeps pos + 8 <= buf.size)."""
+    sig = types.uint64(buf, pos)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        at = builder.gep(array.data, [args[1]])
+        return builder.load(builder.bitcast(at, ir.IntType(64).as_pointer()), align=1)
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def max_abs_bits(words, code):
     """Largest |x| of `words` as a bit pattern (monotonic in |x|); >= nonfinite_bits(code) means

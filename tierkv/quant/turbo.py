@@ -35,6 +35,7 @@ from tierkv.quant.kernels import (
     f32_to_half,
     from_f32,
     half_to_f32,
+    load_u64,
     max_abs_bits,
     nonfinite_bits,
     pow2,
@@ -57,7 +58,13 @@ from tierkv.quant.payload import (
 _ENERGY_CHUNK_VALUES = 1 << 17
 """Values per work item of the energy scan (each keeps its own per-channel sums)."""
 _TILE = 64
-"""Vectors processed together, laid out as columns so the inner loops run across vectors."""
+"""Vectors encoded together, laid out as columns so the inner loops run across vectors."""
+_DTILE = 32
+"""Vectors decoded together, in a tile of rows of _LANES float32: coordinates (2r, 2r + 1) of
+vector t sit in row r at lanes 2t and 2t + 1, so every butterfly stage that pairs coordinates
+further apart than 1 pairs whole rows (contiguous SIMD lanes), and a table look-up writes a
+coordinate pair with one 64-bit move."""
+_LANES = 2 * _DTILE
 
 
 def check_group_size(name: str, group_size: int) -> None:
@@ -82,6 +89,10 @@ def selection_groups(shape: tuple[int, ...]) -> tuple[int, int]:
     return (1, b) if b <= a else (b, a)
 
 
+_PAIR_TYPES = {2: np.uint32, 4: np.uint64}
+"""Unsigned type of two output words, by word size."""
+
+
 class Instance:
     """One quantizer: `m` channels at `bits` bits, with its rotation and codebook."""
 
@@ -90,10 +101,30 @@ class Instance:
         self.bits = bits
         self.rotation: Rotation = rotation(m, version)
         self.codebook: Codebook = lloyd_max(m, bits)
+        self.table = decode_table(self.codebook.centroids, m, bits, self.rotation.matrix.shape[0])
 
     def kernel_args(self) -> tuple[object, ...]:
         r, c = self.rotation, self.codebook
-        return (self.m, self.bits, r.signs, r.matrix, r.matrix_t, c.centroids, c.boundaries)
+        return (self.m, self.bits, r.signs, r.matrix, r.matrix_t, self.table, c.boundaries)
+
+
+def decode_table(centroids: np.ndarray, m: int, bits: int, q: int) -> np.ndarray:
+    """The decoder's look-up table: per byte of 4 indices of 2 bits (when m is a multiple of 4)
+    or per pair of indices (2 * bits bits, first index lowest), their levels; with the rotation's
+    first Walsh-Hadamard butterfly stages (of coordinate distance 1, and 2 for 4 levels) already
+    applied when the transform starts with them (a single Hadamard block, q <= 1). float32
+    arithmetic, as the kernel's butterflies, so a decode is bit for bit what it was without."""
+    c = centroids.astype(np.float32)
+    mask = (1 << bits) - 1
+    per_entry = 4 if bits == 2 and m % 4 == 0 else 2
+    codes = np.arange(1 << (bits * per_entry))
+    v = [c[(codes >> (bits * i)) & mask] for i in range(per_entry)]
+    if q <= 1:
+        v = [v[0] + v[1], v[0] - v[1], *v[2:]]
+        if per_entry == 4:
+            s2, s3 = v[2] + v[3], v[2] - v[3]
+            v = [v[0] + s2, v[1] + s3, v[0] - s2, v[1] - s3]
+    return np.ascontiguousarray(np.stack(v, axis=1), dtype=np.float32)
 
 
 _NO_INSTANCE = (
@@ -102,7 +133,7 @@ _NO_INSTANCE = (
     np.zeros(0, np.float32),
     np.zeros((0, 0), np.float32),
     np.zeros((0, 0), np.float32),
-    np.zeros(1, np.float32),
+    np.zeros((1, 2), np.float32),
     np.zeros(0, np.float32),
 )
 
@@ -125,6 +156,21 @@ class Layout:
         self.offsets = (self.norms_offset, self.indices_offset, self.bytes_per_vector)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _radix4(y0, y1, y2, y3, n):
+    """Two Walsh-Hadamard butterfly stages on four rows of n lanes (y0 + y1, y0 - y1, the same
+    for y2, y3, then across the pairs), in place."""
+    for t in range(n):
+        s0 = y0[t] + y1[t]
+        s1 = y0[t] - y1[t]
+        s2 = y2[t] + y3[t]
+        s3 = y2[t] - y3[t]
+        y0[t] = s0 + s2
+        y1[t] = s1 + s3
+        y2[t] = s0 - s2
+        y3[t] = s1 - s3
+
+
 @njit(cache=True, nogil=True)
 def _fwht_columns(y, m, n):
     """Unnormalised fast Walsh–Hadamard transform of each column y[:m, t], t < n (in place).
@@ -135,16 +181,7 @@ def _fwht_columns(y, m, n):
     while 4 * h <= m:
         for i in range(0, m, 4 * h):
             for j in range(i, i + h):
-                y0, y1, y2, y3 = y[j], y[j + h], y[j + 2 * h], y[j + 3 * h]
-                for t in range(n):
-                    s0 = y0[t] + y1[t]
-                    s1 = y0[t] - y1[t]
-                    s2 = y2[t] + y3[t]
-                    s3 = y2[t] - y3[t]
-                    y0[t] = s0 + s2
-                    y1[t] = s1 + s3
-                    y2[t] = s0 - s2
-                    y3[t] = s1 - s3
+                _radix4(y[j], y[j + h], y[j + 2 * h], y[j + 3 * h], n)
         h *= 4
     if h < m:
         for j in range(h):
@@ -199,30 +236,6 @@ def _pack(idx, m, n, bits, out, start, stride):
             pos = at + t * stride
             for byte in range(n_bytes):
                 out[pos + byte] = np.uint8((acc >> np.uint64(8 * byte)) & np.uint64(0xFF))
-
-
-@njit(cache=True, nogil=True)
-def _unpack_levels(buf, m, n, bits, start, stride, levels, y, acc):
-    """Read what _pack wrote and look the indices up: y[j, t] = levels[index j of vector t].
-
-    Each group of 8 indices is gathered into acc[t] for all n vectors first, so the lookups run
-    across vectors (one SIMD lane per vector)."""
-    mask = np.uint64((1 << bits) - 1)
-    for g in range(0, m, 8):
-        count = min(8, m - g)
-        n_bytes = (count * bits + 7) // 8
-        at = start + (g // 8) * bits
-        for t in range(n):
-            acc[t] = 0
-        for byte in range(n_bytes):
-            shift = np.uint64(8 * byte)
-            for t in range(n):
-                acc[t] |= np.uint64(buf[at + t * stride + byte]) << shift
-        for i in range(count):
-            shift = np.uint64(bits * i)
-            row = y[g + i]
-            for t in range(n):
-                row[t] = levels[(acc[t] >> shift) & mask]
 
 
 @njit(cache=True, nogil=True)
@@ -284,52 +297,195 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
 
 
 @njit(cache=True, nogil=True)
-def _decode_tile(body, n, v0, select, offset, inst, scratch, x, at, pow2k):
-    """x[:n, channels] = 2**k * norm * R^T centroids[indices] for one instance (see
-    _encode_tile); scratch = (rows, y, z, acc, norms)."""
-    channels, sel_div, sel_mod = select
-    m, bits, signs, matrix, matrix_t, centroids, _ = inst
-    rows, y, z, acc, norms = scratch
+def _unpack_rows(body, n, inst, index_at, stride, y):
+    """Look up the packed indices of vectors 0 .. n - 1 of a tile (the first at body[index_at],
+    `stride` bytes apart) in the instance's table: coordinates (2r, 2r + 1) of vector t go to
+    row r, lanes 2t and 2t + 1 of y (see _DTILE). A table of 4 values per entry covers a byte
+    (4 indices of 2 bits: rows 2i and 2i + 1), one of 2 a pair of indices."""
+    m, bits, _, _, _, table, _ = inst
+    lanes = table.reshape(-1).view(np.uint64)  # one 64-bit move per pair of coordinates
+    rows = y.view(np.uint64)
+    if table.shape[1] == 4:
+        for t in range(n):
+            pos = index_at + t * stride
+            for i in range(m // 4):
+                code = 2 * np.intp(body[pos + i])
+                rows[(2 * i) * _DTILE + t] = lanes[code]
+                rows[(2 * i + 1) * _DTILE + t] = lanes[code + 1]
+    elif bits == 4:
+        for t in range(n):
+            pos = index_at + t * stride
+            for r in range(m // 2):
+                rows[r * _DTILE + t] = lanes[body[pos + r]]
+    else:
+        pair_bits = np.uint64(2 * bits)
+        pair_mask = np.uint64((1 << (2 * bits)) - 1)
+        for t in range(n):
+            pos = index_at + t * stride
+            for g in range(0, m, 8):
+                count = min(8, m - g)
+                at = pos + (g // 8) * bits
+                row = (g // 2) * _DTILE + t
+                if count == 8 and at + 8 <= body.size:  # a whole group: one load, 4 look-ups
+                    acc = load_u64(body, at)
+                    rows[row] = lanes[acc & pair_mask]
+                    rows[row + _DTILE] = lanes[(acc >> pair_bits) & pair_mask]
+                    rows[row + 2 * _DTILE] = lanes[(acc >> (2 * pair_bits)) & pair_mask]
+                    rows[row + 3 * _DTILE] = lanes[(acc >> (3 * pair_bits)) & pair_mask]
+                    continue
+                acc = np.uint64(0)
+                for byte in range((count * bits + 7) // 8):
+                    acc |= np.uint64(body[at + byte]) << np.uint64(8 * byte)
+                for k in range(count // 2):
+                    rows[row + k * _DTILE] = lanes[(acc >> (pair_bits * np.uint64(k))) & pair_mask]
+
+
+@njit(cache=True, nogil=True)
+def _butterfly_rows(y, r0, rows, h):
+    """Butterfly stages of row distance h, 2h, 4h, ... < rows on rows [r0, r0 + rows) of a tile:
+    the Walsh-Hadamard stages of coordinate distance 2h and up, two per pass (radix 4)."""
+    while 4 * h <= rows:
+        for i in range(r0, r0 + rows, 4 * h):
+            for r in range(i, i + h):
+                y0, y1 = (
+                    y[r * _LANES : (r + 1) * _LANES],
+                    y[(r + h) * _LANES : (r + h + 1) * _LANES],
+                )
+                y2 = y[(r + 2 * h) * _LANES : (r + 2 * h + 1) * _LANES]
+                y3 = y[(r + 3 * h) * _LANES : (r + 3 * h + 1) * _LANES]
+                _radix4(y0, y1, y2, y3, _LANES)
+        h *= 4
+    if h < rows:
+        for i in range(r0, r0 + rows, 2 * h):
+            for r in range(i, i + h):
+                y0, y1 = (
+                    y[r * _LANES : (r + 1) * _LANES],
+                    y[(r + h) * _LANES : (r + h + 1) * _LANES],
+                )
+                for lane in range(_LANES):
+                    s0 = y0[lane] + y1[lane]
+                    s1 = y0[lane] - y1[lane]
+                    y0[lane] = s0
+                    y1[lane] = s1
+
+
+@njit(cache=True, nogil=True)
+def _mix_rows(y, z, mix, p):
+    """Mix the q = mix.shape[0] blocks of p / 2 rows of the tile y: block a becomes
+    sum_b mix[a, b] * block b (z is scratch of y's size), then the first butterfly stage
+    (coordinates 2r and 2r + 1) on every row."""
+    q = mix.shape[0]
+    rows = p // 2
+    z[: q * rows * _LANES] = y[: q * rows * _LANES]
+    for a in range(q):
+        for i in range(rows):
+            r = a * rows + i
+            dst = y[r * _LANES : (r + 1) * _LANES]
+            for lane in range(_LANES):
+                dst[lane] = np.float32(0.0)
+            for b in range(q):
+                c = mix[a, b]
+                src = z[(b * rows + i) * _LANES : (b * rows + i + 1) * _LANES]
+                for lane in range(_LANES):
+                    dst[lane] += c * src[lane]
+            for t in range(_DTILE):
+                u, w = dst[2 * t], dst[2 * t + 1]
+                dst[2 * t] = u + w
+                dst[2 * t + 1] = u - w
+
+
+@njit(cache=True, nogil=True)
+def _rotate_back(y, z, inst, lane_norms, pow2k):
+    """Undo the Hadamard-block rotation of a tile unpacked by _unpack_rows and scale it:
+    y = 2**k * norm * |R^T levels| for every coordinate, the signs of R left to the caller
+    (the products are rounded as norm * 2**k * sign * R^T levels was, sign flips being exact)."""
+    m, _, _, matrix, matrix_t, table, _ = inst
+    q = max(1, matrix.shape[0])
+    p = m // q
+    if q > 1:
+        _mix_rows(y, z, matrix_t, p)
+    first = 1 if q > 1 else table.shape[1] // 2  # row distance of the first stage left to do
+    for a in range(q):
+        _butterfly_rows(y, a * (p // 2), p // 2, first)
+    scale = np.float32(1.0 / math.sqrt(p))
+    for r in range(m // 2):
+        row = y[r * _LANES : (r + 1) * _LANES]
+        for lane in range(_LANES):
+            row[lane] = row[lane] * scale * lane_norms[lane] * pow2k
+
+
+@njit(cache=True, nogil=True)
+def _read_norms(body, n, norm_at, norm_stride, lane_norms):
+    """lane_norms[2t] = lane_norms[2t + 1] = norm of vector t of the tile (0 past n)."""
+    for t in range(_DTILE):
+        norm = half_to_f32(read_u16(body, norm_at + t * norm_stride)) if t < n else 0.0
+        lane_norms[2 * t] = norm
+        lane_norms[2 * t + 1] = norm
+
+
+@njit(cache=True, nogil=True)
+def _sign_masks(signs, word_bits, masks):
+    """masks[r]: the sign bits of coordinates 2r and 2r + 1 where signs < 0, placed as in a pair
+    of output words."""
+    top = np.uint64(word_bits - 1)
+    for r in range(signs.size // 2):
+        low = np.uint64(1 if signs[2 * r] < 0 else 0) << top
+        high = np.uint64(1 if signs[2 * r + 1] < 0 else 0) << (top + np.uint64(word_bits))
+        masks[r] = low | high
+
+
+@njit(cache=True, nogil=True)
+def _decode_direct(body, n, v0, inst, scratch, code, out_pairs, at, pow2k):
+    """Decode a tile of a one-instance Hadamard body straight into the output: the tile is
+    converted to output words in place of the SIMD rows, then moved out pair by pair with R's
+    signs applied as sign bits."""
+    m = inst[0]
+    y, z, lane_norms, words, pairs, masks = scratch
     norm_at, norm_stride, index_at, index_stride = at
-    _unpack_levels(body, m, n, bits, index_at, index_stride, centroids, y, acc)
+    _unpack_rows(body, n, inst, index_at, index_stride, y)
+    _read_norms(body, n, norm_at, norm_stride, lane_norms)
+    _rotate_back(y, z, inst, lane_norms, pow2k)
+    from_f32(y[: m * _DTILE], code, words[: m * _DTILE])
+    half = m // 2
     for t in range(n):
-        norms[t] = half_to_f32(read_u16(body, norm_at + t * norm_stride))
+        dst = out_pairs[(v0 + t) * half : (v0 + t + 1) * half]
+        for r in range(half):
+            dst[r] = pairs[r * _DTILE + t] ^ masks[r]
+
+
+@njit(cache=True, nogil=True)
+def _decode_into_rows(body, n, v0, select, offset, inst, scratch, x, at, pow2k):
+    """x[t, channels] = 2**k * norm * R^T levels for one instance of vectors v0 .. v0 + n - 1
+    (select and offset as in _encode_tile); scratch = (y, z, lane_norms, rows, signs)."""
+    channels, sel_div, sel_mod = select
+    m, _, signs, matrix, matrix_t, _, _ = inst
+    y, z, lane_norms, rows = scratch
+    norm_at, norm_stride, index_at, index_stride = at
+    _unpack_rows(body, n, inst, index_at, index_stride, y)
     if matrix.shape[0] < m:  # Hadamard blocks, mixed by matrix when there are several
-        q = max(1, matrix.shape[0])
-        p = m // q
-        if q > 1:
-            _mix_columns(y, z, matrix_t, p, n)
-        for a in range(q):
-            _fwht_columns(y[a * p : (a + 1) * p], p, n)
-        scale = np.float32(1.0 / math.sqrt(p))
-        for j in range(m):
-            f = signs[j] * scale
-            row = y[j]
-            for t in range(n):
-                row[t] = row[t] * f * norms[t] * pow2k
-        if m == x.shape[1]:  # every channel, in order
-            for t in range(n):
-                for j in range(m):
-                    x[t, j] = y[j, t]
-        else:
-            for t in range(n):
-                chan = channels[((v0 + t) // sel_div) % sel_mod]
-                for j in range(m):
-                    x[t, chan[offset + j]] = y[j, t]
+        _read_norms(body, n, norm_at, norm_stride, lane_norms)
+        _rotate_back(y, z, inst, lane_norms, pow2k)
+        for t in range(n):
+            chan = channels[((v0 + t) // sel_div) % sel_mod][offset : offset + m]
+            row = x[t]
+            for r in range(m // 2):
+                at = r * _LANES + 2 * t
+                row[chan[2 * r]] = y[at] * signs[2 * r]
+                row[chan[2 * r + 1]] = y[at + 1] * signs[2 * r + 1]
     else:  # a dense m x m matrix (payload format version 1)
         for t in range(n):
+            norm = half_to_f32(read_u16(body, norm_at + t * norm_stride))
             for j in range(m):
-                rows[t, j] = y[j, t]
-        for t in range(n):
+                rows[t, j] = y[(j // 2) * _LANES + 2 * t + j % 2]
             chan = channels[((v0 + t) // sel_div) % sel_mod]
             for i in range(m):
-                x[t, chan[offset + i]] = _dot(matrix_t[i], rows[t], m) * norms[t] * pow2k
+                x[t, chan[offset + i]] = _dot(matrix_t[i], rows[t], m) * norm * pow2k
 
 
 @njit(cache=True, nogil=True)
 def _tile_buffers(d):
-    """Scratch space for one tile: x and rows (vectors as rows), y and z (as columns), indices,
-    norms."""
+    """Scratch space for one encoder tile: x and rows (vectors as rows), y and z (as columns),
+    indices, norms."""
     return (
         np.empty((_TILE, d), np.float32),
         np.empty((_TILE, d), np.float32),
@@ -413,25 +569,38 @@ def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
 
 
 @njit(cache=True, nogil=True)
-def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi):
-    """Decode tiles [t_lo, t_hi) of a TurboQuant body into `out_words` (see _encode_tiles)."""
+def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, t_lo, t_hi):
+    """Decode tiles [t_lo, t_hi) of _DTILE vectors of a TurboQuant body into `out_words`
+    (`out_pairs` is the same memory as words of twice the size); see _encode_tiles."""
     norms_offset, indices_offset, bpv = offsets
     n_vectors = out_words.size // d
     n_inst = 2 if lo[0] > 0 else 1
     lo_index_offset = packed_bytes(hi[0], hi[1])
     pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
-    x, rows, y, z, _, norms = _tile_buffers(d)
-    scratch = (rows, y, z, np.empty(_TILE, np.uint64), norms)
+    y = np.zeros(d * _LANES, np.float32)
+    z = np.empty(d * _LANES, np.float32)
+    lane_norms = np.empty(_LANES, np.float32)
+    direct = n_inst == 1 and hi[3].shape[0] < d
+    pairs = np.empty(d * _DTILE // 2, out_pairs.dtype)
+    masks = np.zeros(d // 2, out_pairs.dtype)
+    if direct:
+        _sign_masks(hi[2], 8 * out_words.itemsize, masks)
+    scratch = (y, z, lane_norms, pairs.view(out_words.dtype), pairs, masks)
+    x = np.empty((_DTILE, d), np.float32)
+    rows_scratch = (y, z, lane_norms, np.empty((_DTILE, d), np.float32))
     for tile in range(t_lo, t_hi):
-        v0 = tile * _TILE
-        n = min(_TILE, n_vectors - v0)
+        v0 = tile * _DTILE
+        n = min(_DTILE, n_vectors - v0)
         norm_at = norms_offset + 2 * n_inst * v0
         index_at = indices_offset + bpv * v0
         at = (norm_at, 2 * n_inst, index_at, bpv)
-        _decode_tile(body, n, v0, select, 0, hi, scratch, x, at, pow2k)
+        if direct:
+            _decode_direct(body, n, v0, hi, scratch, code, out_pairs, at, pow2k)
+            continue
+        _decode_into_rows(body, n, v0, select, 0, hi, rows_scratch, x, at, pow2k)
         if n_inst == 2:
             at = (norm_at + 2, 2 * n_inst, index_at + lo_index_offset, bpv)
-            _decode_tile(body, n, v0, select, hi[0], lo, scratch, x, at, pow2k)
+            _decode_into_rows(body, n, v0, select, hi[0], lo, rows_scratch, x, at, pow2k)
         from_f32(x.reshape(-1)[: n * d], code, out_words[v0 * d : (v0 + n) * d])
 
 
@@ -453,20 +622,21 @@ def encode_parallel(words, code, d, select, k, out, offsets, hi, lo):
 
 
 @njit(cache=True, nogil=True)
-def decode_serial(body, code, d, select, out_words, offsets, hi, lo):
-    """Decode every vector of a TurboQuant body into `out_words`."""
-    n_tiles = (out_words.size // d + _TILE - 1) // _TILE
-    _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, 0, n_tiles)
+def decode_serial(body, code, d, select, out_words, out_pairs, offsets, hi, lo):
+    """Decode every vector of a TurboQuant body into `out_words` (`out_pairs`: the same memory
+    as words of twice the size)."""
+    n_tiles = (out_words.size // d + _DTILE - 1) // _DTILE
+    _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, 0, n_tiles)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def decode_parallel(body, code, d, select, out_words, offsets, hi, lo):
+def decode_parallel(body, code, d, select, out_words, out_pairs, offsets, hi, lo):
     """decode_serial split across threads."""
-    n_tiles = (out_words.size // d + _TILE - 1) // _TILE
-    per_chunk = max(1, CHUNK_VALUES // (_TILE * d))
+    n_tiles = (out_words.size // d + _DTILE - 1) // _DTILE
+    per_chunk = max(1, CHUNK_VALUES // (_DTILE * d))
     for c in prange((n_tiles + per_chunk - 1) // per_chunk):
         t_lo, t_hi = c * per_chunk, min(n_tiles, (c + 1) * per_chunk)
-        _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
+        _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, t_lo, t_hi)
 
 
 scan_kernel = Threaded(scan_serial, scan_parallel)
@@ -595,8 +765,17 @@ class TurboCodec:
         layout = self.layout(shape)
         select = (self.body_channels(body, layout), layout.sel_div, layout.sel_mod)
         code = DTYPE_CODES[dtype]
+        out_pairs = out_words.view(_PAIR_TYPES[out_words.itemsize])
         decode_kernel(
-            out_words.nbytes, body, code, d, select, out_words, layout.offsets, *self.kernel_args()
+            out_words.nbytes,
+            body,
+            code,
+            d,
+            select,
+            out_words,
+            out_pairs,
+            layout.offsets,
+            *self.kernel_args(),
         )
 
 
