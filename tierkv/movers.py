@@ -13,6 +13,11 @@ l of part p, stacked ([layers, *block]); attention has one part, a Mamba layer o
   device for device decode); `BlockMover.scatter(staged, slots, block_ids)` writes the decoded
   slots into their engine blocks with one indexed copy per layer and part. Slots that failed to
   decode are simply left out, so their bytes never reach the paged buffer.
+- `BlockMover.load(block_ids, fetch, ...)` restores blocks as their payloads arrive. On the CPU,
+  lossless payloads are not decoded at all: those received back to back in one buffer are a
+  strided numpy view, and one indexed copy per layer writes them from the receive buffer into
+  the paged buffer (the only copy after the socket's); other codecs decode into a little
+  staging first.
 
 Nothing here issues torch operations per block: the work per call is a constant number of
 operations per layer and part, whatever the number of blocks.
@@ -32,6 +37,7 @@ engine's stream wait on it), and vLLM reads none of them before that.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,9 +53,10 @@ CODEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 """The torch dtypes the codecs take, by their codec dtype name."""
 
 
-Decoder = Callable[[memoryview, Any], None]
-Fetch = Callable[[int, int, Callable[[int, int], Any], Decoder], set[int]]
-"""fetch(start, stop, out_for, decoder) -> failed indices, relative to start (BlockMover.load)"""
+Blocks = list[tuple[int, int, memoryview]]
+"""(index, part, payload) of received blocks"""
+Fetch = Callable[[int, int, Callable[[Blocks], set[int]]], set[int]]
+"""fetch(start, stop, consume) -> failed indices, relative to start (BlockMover.load)"""
 Send = Callable[[int, int, np.ndarray, str, Callable[[], None]], None]
 """send(index, part, array, codec dtype, on_done); see hand_over"""
 
@@ -376,17 +383,29 @@ class BlockMover:
         """Restore blocks into engine blocks `block_ids`, in batches of `batch_blocks`; the
         indices (into block_ids) that failed.
 
-        Per batch, `fetch(start, stop, out_for, decoder)` decodes blocks start..stop-1 (as their
-        payloads arrive) with `decoder(payload, out_for(i - start, part))` and returns the
-        failed ones (relative to start); then one scatter writes the others into the paged
-        buffer. Decoding goes to host staging with the Numba codecs, or with `on_device` to
-        device staging with torch_ops. Returns once every copy has completed (on CUDA: its
-        event), so the blocks may be reported loaded.
+        Per batch, `fetch(start, stop, consume)` fetches blocks start..stop-1 and hands them to
+        `consume(blocks)` as their payloads arrive ((i - start, part, payload), every part of a
+        block in one call), which returns the ones it could not restore; fetch returns every
+        failed one (relative to start). With the paged buffer on the CPU, each call restores
+        its blocks into it at once (`_restore_host`: lossless payloads straight from the
+        receive buffers, others decoded by the Numba codecs into a little staging first), so
+        copying overlaps the rest of the transfer. On a device, blocks are decoded into host
+        staging (Numba) or, with `on_device`, device staging (torch_ops), and one scatter per
+        batch writes them. Returns once every copy has completed (on CUDA: its event), so the
+        blocks may be reported loaded.
         """
         from tierkv.quant import decode_into  # Numba: only once a load runs
+        from tierkv.tier import decode_each
 
+        if self._host_layers is not None and not on_device:
+            failed: set[int] = set()
+            for start in range(0, len(block_ids), batch_blocks):
+                ids = block_ids[start : start + batch_blocks]
+                bad = fetch(start, start + len(ids), functools.partial(self._restore_host, ids))
+                failed.update(start + index for index in bad)
+            return failed
         decoder = self.decode_on_device if on_device else decode_into
-        failed: set[int] = set()
+        failed = set()
         in_flight: deque[Staged] = deque()
         try:
             for start in range(0, len(block_ids), batch_blocks):
@@ -397,8 +416,9 @@ class BlockMover:
                     oldest.release()
                 staged = self.staging(len(ids), on_device=on_device)
                 in_flight.append(staged)
-                outputs: list[Any] = staged.tensors if on_device else staged.arrays()
-                bad = fetch(start, start + len(ids), _slot_of(outputs), decoder)
+                out_for = _slot_of(staged.tensors if on_device else staged.arrays())
+                consume = functools.partial(decode_each, out_for=out_for, decoder=decoder)
+                bad = fetch(start, start + len(ids), consume)
                 good = [index for index in range(len(ids)) if index not in bad]
                 self.scatter(staged, good, [ids[index] for index in good])
                 failed.update(start + index for index in bad)
@@ -407,6 +427,85 @@ class BlockMover:
                 staged.wait()
                 staged.release()
         return failed
+
+    def _restore_host(self, block_ids: Sequence[int], blocks: Blocks) -> set[int]:
+        """Write received blocks (`(i, part, payload)`, every part of each) into engine blocks
+        `block_ids[i]` of host layers; the indices that failed, whose bytes were not written.
+
+        Lossless payloads of a one-part mover are copied straight from the receive buffers
+        (`_scatter_lossless`); the others are decoded into a staging region and scattered from
+        there, a block only once all its parts decoded.
+        """
+        from tierkv.quant import decode_into
+        from tierkv.tier import decode_each
+
+        if len(self.parts) == 1:
+            blocks = self._scatter_lossless(block_ids, blocks)
+        if not blocks:
+            return set()
+        indices = sorted({index for index, _, _ in blocks})
+        slot = {index: number for number, index in enumerate(indices)}
+        staged = self.staging(len(indices))
+        try:
+            arrays = staged.arrays()
+            failed = decode_each(blocks, lambda i, part: arrays[part][slot[i]], decode_into)
+            good = [index for index in indices if index not in failed]
+            self.scatter(staged, [slot[i] for i in good], [block_ids[i] for i in good])
+        finally:
+            staged.release()
+        return failed
+
+    def _scatter_lossless(self, block_ids: Sequence[int], blocks: Blocks) -> Blocks:
+        """Copy lossless payloads of this one-part mover straight into the engine blocks; the
+        blocks it did not handle (another codec or shape, a header that does not validate).
+
+        Payloads received back to back (one receive buffer, one length) are one strided array,
+        [n, length]; past their headers it is [n, layers, *block], and one indexed copy per
+        layer writes the whole run. A run starts at a payload whose header validates as codec
+        none of this part's dtype and element count, and takes only the payloads whose header
+        bytes equal that one.
+        """
+        assert self._host_layers is not None
+        layers = self._host_layers[0]
+        rest: Blocks = []
+        for run in _back_to_back(blocks):
+            start = next((at for at, block in enumerate(run) if self._lossless(block[2])), len(run))
+            rest.extend(run[:start])
+            run = run[start:]
+            if not run:
+                continue
+            first = run[0][2]
+            head = len(first) - self.part_bytes(0)  # header bytes: the payload less its body
+            rows = np.lib.stride_tricks.as_strided(
+                np.frombuffer(first, np.uint8),
+                (len(run), len(first)),
+                (len(first), 1),
+                writeable=False,
+            )
+            same = (rows[:, :head] == rows[0, :head]).all(axis=1)
+            if not same.all():
+                rest.extend(block for block, ok in zip(run, same, strict=True) if not ok)
+                rows = rows[same]
+            bodies = rows[:, head:].view(layers[0].dtype).reshape(len(rows), *self.shapes[0])
+            ids = np.asarray(
+                [block_ids[index] for (index, _, _), ok in zip(run, same, strict=True) if ok],
+                dtype=np.int64,
+            )
+            for layer, array in enumerate(layers):
+                array[ids] = bodies[:, layer]
+        return rest
+
+    def _lossless(self, payload: memoryview) -> bool:
+        """Whether `payload` validates as codec none holding this one-part mover's block."""
+        from tierkv.quant import PayloadError
+        from tierkv.quant.codec import checked_body
+
+        try:
+            header, _ = checked_body(payload)
+        except PayloadError:
+            return False
+        elements = int(np.prod(self.shapes[0]))
+        return (header.codec, header.dtype, header.size) == ("none", self.codec_dtypes[0], elements)
 
     def decode_on_device(self, payload: memoryview, out: torch.Tensor) -> None:
         """Decode `payload` into device staging with tierkv.quant.torch_ops, on the load stream
@@ -446,6 +545,22 @@ def hand_over(staged: Staged, dtypes: Sequence[str], send: Send) -> None:
     for index in range(staged.count):
         for part, array in enumerate(arrays):
             send(index, part, array[index], dtypes[part], on_done)
+
+
+def _back_to_back(blocks: Blocks) -> list[Blocks]:
+    """`blocks` split into runs whose payloads have one length and lie back to back in memory
+    (as promoted payloads do in one receive buffer), in order."""
+    runs: list[Blocks] = []
+    end = -1
+    for block in blocks:
+        payload = block[2]
+        start = np.frombuffer(payload, np.uint8).ctypes.data if len(payload) else -2
+        if runs and start == end and len(payload) == len(runs[-1][0][2]):
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+        end = start + len(payload)
+    return runs
 
 
 def _slot_of(outputs: list[Any]) -> Callable[[int, int], Any]:
