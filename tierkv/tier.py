@@ -253,7 +253,7 @@ class ColdTier:
         Returns the indices of the keys that could not be restored whole (a part missing,
         failing its checksum or refused by `consume`).
         """
-        consumed: list[Future[set[int]]] = []
+        consumed: list[tuple[Future[set[int] | None], list[list[Block]]]] = []
         wanted = sum(len(parts) for parts in parts_by_vault.values())
         waiting: dict[int, list[Block]] = {}
         waiting_lock = threading.Lock()
@@ -269,8 +269,8 @@ class ColdTier:
                     if len(parts) == wanted:
                         whole.append(waiting.pop(block[0]))
             for batch in batched_by_size(whole, _payload_bytes, DECODE_TASK_BYTES):
-                task = [block for parts in batch for block in parts]
-                consumed.append(self._decoders.submit(self._consume, task, consume))
+                claim = [[block for parts in batch for block in parts]]
+                consumed.append((self._decoders.submit(self._claimed, claim, consume), claim))
 
         # The first vault is promoted from on this thread (no hand-off before the first
         # request leaves), any others on the promote threads meanwhile.
@@ -299,8 +299,11 @@ class ColdTier:
             for vault, parts in parts_by_vault.items()
             if any((index, part) not in found[vault] for part in parts)
         }
-        for future in consumed:  # every promote has returned: nothing is submitted any more
-            failed |= future.result()
+        # Every promote has returned, nothing is submitted any more: this thread runs the
+        # calls no decode thread has started (waking one costs milliseconds on a busy machine).
+        mine = [self._claimed(claim, consume) for _, claim in consumed]
+        for (future, _), result in zip(consumed, mine, strict=True):
+            failed |= result if result is not None else (future.result() or set())
         with self._lock:
             self._stats.loaded_blocks += len(keys) - len(failed)
             self._stats.load_failures += len(failed)
@@ -421,6 +424,16 @@ class ColdTier:
             start = stop
             run = max(1, PROMOTE_RUN_BYTES * start // max(1, received))
         return got
+
+    def _claimed(self, claim: list[list[Block]], consume: Consume) -> set[int] | None:
+        """`_consume` the blocks in `claim` unless another thread took them first (None):
+        list.pop is atomic, so each call of a load runs once, on a decode thread or on the
+        loading thread."""
+        try:
+            blocks = claim.pop()
+        except IndexError:
+            return None
+        return self._consume(blocks, consume)
 
     def _consume(self, blocks: list[Block], consume: Consume) -> set[int]:
         """`consume(blocks)`, counting the payload bytes of the keys it restored; every key
