@@ -314,3 +314,28 @@ def test_no_promote_run_starts_after_the_load_deadline(
     assert len(recorder.calls) <= 2  # runs 1 and (if run 1 ended by 0.5 s) 2, never 3 or 4
     assert failed == set(range(len(recorder.calls), len(KEYS)))
     tier.close()
+
+
+def test_load_blocks_hands_each_key_whole_to_the_consumer_and_a_raising_one_fails_its_keys(
+    vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tierkv.tier
+
+    monkeypatch.setattr(tierkv.tier, "DECODE_TASK_BYTES", 1)  # a call per key
+    data = {slot: array for slot, array in blocks().items() if slot[1] == "kv"}
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    store_all(tier, data)
+    calls: list[list[tuple[int, int]]] = []
+
+    def consume(arrived: list[tuple[int, int, memoryview]]) -> set[int]:
+        calls.append([(index, part) for index, part, _ in arrived])
+        if any(index == 2 for index, _, _ in arrived):
+            raise RuntimeError("the engine buffer went away")
+        return {1} if any(index == 1 for index, _, _ in arrived) else set()
+
+    assert tier.load_blocks(NS, KEYS, {"kv": KV_PARTS}, consume) == {1, 2}
+    assert sorted(sorted(call) for call in calls) == [[(i, p) for p in KV_PARTS] for i in range(4)]
+    stats = tier.stats()
+    assert (stats["loaded_blocks"], stats["load_failures"]) == (2, 2)
+    assert stats["loaded_payload_bytes"] > 0
+    tier.close()
