@@ -16,8 +16,8 @@ l of part p, stacked ([layers, *block]); attention has one part, a Mamba layer o
 - `BlockMover.load(block_ids, fetch, ...)` restores blocks as their payloads arrive. On the CPU,
   lossless payloads are not decoded at all: those received back to back in one buffer are a
   strided numpy view, and one indexed copy per layer writes them from the receive buffer into
-  the paged buffer (the only copy after the socket's); other codecs decode into a little
-  staging first.
+  the paged buffer (the only copy after the socket's) while the rest is on the wire; other
+  codecs decode into the batch's staging, scattered once per batch.
 
 Nothing here issues torch operations per block: the work per call is a constant number of
 operations per layer and part, whatever the number of blocks.
@@ -386,26 +386,20 @@ class BlockMover:
         Per batch, `fetch(start, stop, consume)` fetches blocks start..stop-1 and hands them to
         `consume(blocks)` as their payloads arrive ((i - start, part, payload), every part of a
         block in one call), which returns the ones it could not restore; fetch returns every
-        failed one (relative to start). With the paged buffer on the CPU, each call restores
-        its blocks into it at once (`_restore_host`: lossless payloads straight from the
-        receive buffers, others decoded by the Numba codecs into a little staging first), so
-        copying overlaps the rest of the transfer. On a device, blocks are decoded into host
-        staging (Numba) or, with `on_device`, device staging (torch_ops), and one scatter per
-        batch writes them. Returns once every copy has completed (on CUDA: its event), so the
-        blocks may be reported loaded.
+        failed one (relative to start). Blocks are decoded into host staging with the Numba
+        codecs, or with `on_device` into device staging with torch_ops, and one scatter per
+        batch writes them. With host layers and one part, lossless payloads skip all that: each
+        call copies them straight from the receive buffers into the paged buffer
+        (`_scatter_lossless`), while the rest of the batch is still on the wire, and the
+        scatter leaves them out. Returns once every copy has completed (on CUDA: its event), so
+        the blocks may be reported loaded.
         """
         from tierkv.quant import decode_into  # Numba: only once a load runs
         from tierkv.tier import decode_each
 
-        if self._host_layers is not None and not on_device:
-            failed: set[int] = set()
-            for start in range(0, len(block_ids), batch_blocks):
-                ids = block_ids[start : start + batch_blocks]
-                bad = fetch(start, start + len(ids), functools.partial(self._restore_host, ids))
-                failed.update(start + index for index in bad)
-            return failed
         decoder = self.decode_on_device if on_device else decode_into
-        failed = set()
+        direct = self._host_layers is not None and len(self.parts) == 1 and not on_device
+        failed: set[int] = set()
         in_flight: deque[Staged] = deque()
         try:
             for start in range(0, len(block_ids), batch_blocks):
@@ -417,9 +411,15 @@ class BlockMover:
                 staged = self.staging(len(ids), on_device=on_device)
                 in_flight.append(staged)
                 out_for = _slot_of(staged.tensors if on_device else staged.arrays())
-                consume = functools.partial(decode_each, out_for=out_for, decoder=decoder)
+                decode = functools.partial(decode_each, out_for=out_for, decoder=decoder)
+                written: set[int] = set()
+                consume = (
+                    functools.partial(self._write_lossless, ids, written, decode)
+                    if direct
+                    else decode
+                )
                 bad = fetch(start, start + len(ids), consume)
-                good = [index for index in range(len(ids)) if index not in bad]
+                good = [i for i in range(len(ids)) if i not in bad and i not in written]
                 self.scatter(staged, good, [ids[index] for index in good])
                 failed.update(start + index for index in bad)
         finally:
@@ -428,32 +428,20 @@ class BlockMover:
                 staged.release()
         return failed
 
-    def _restore_host(self, block_ids: Sequence[int], blocks: Blocks) -> set[int]:
-        """Write received blocks (`(i, part, payload)`, every part of each) into engine blocks
-        `block_ids[i]` of host layers; the indices that failed, whose bytes were not written.
-
-        Lossless payloads of a one-part mover are copied straight from the receive buffers
-        (`_scatter_lossless`); the others are decoded into a staging region and scattered from
-        there, a block only once all its parts decoded.
-        """
-        from tierkv.quant import decode_into
-        from tierkv.tier import decode_each
-
-        if len(self.parts) == 1:
-            blocks = self._scatter_lossless(block_ids, blocks)
-        if not blocks:
-            return set()
-        indices = sorted({index for index, _, _ in blocks})
-        slot = {index: number for number, index in enumerate(indices)}
-        staged = self.staging(len(indices))
-        try:
-            arrays = staged.arrays()
-            failed = decode_each(blocks, lambda i, part: arrays[part][slot[i]], decode_into)
-            good = [index for index in indices if index not in failed]
-            self.scatter(staged, [slot[i] for i in good], [block_ids[i] for i in good])
-        finally:
-            staged.release()
-        return failed
+    def _write_lossless(
+        self,
+        block_ids: Sequence[int],
+        written: set[int],
+        decode: Callable[[Blocks], set[int]],
+        blocks: Blocks,
+    ) -> set[int]:
+        """consume of a host load: lossless payloads straight into engine blocks `block_ids[i]`
+        (their indices added to `written`), the others `decode`d into the batch's staging; the
+        indices that failed."""
+        lossy = blocks and self._lossless(blocks[0][2]) is False  # the tier's codec, surely
+        rest = blocks if lossy else self._scatter_lossless(block_ids, blocks)
+        written.update({index for index, _, _ in blocks} - {index for index, _, _ in rest})
+        return decode(rest) if rest else set()
 
     def _scatter_lossless(self, block_ids: Sequence[int], blocks: Blocks) -> Blocks:
         """Copy lossless payloads of this one-part mover straight into the engine blocks; the
@@ -469,7 +457,12 @@ class BlockMover:
         layers = self._host_layers[0]
         rest: Blocks = []
         for run in _back_to_back(blocks):
-            start = next((at for at, block in enumerate(run) if self._lossless(block[2])), len(run))
+            start = len(run)  # the first payload that validates decides for the run
+            for at, block in enumerate(run):
+                lossless = self._lossless(block[2])
+                if lossless is not None:
+                    start = at if lossless else len(run)
+                    break
             rest.extend(run[:start])
             run = run[start:]
             if not run:
@@ -495,15 +488,16 @@ class BlockMover:
                 array[ids] = bodies[:, layer]
         return rest
 
-    def _lossless(self, payload: memoryview) -> bool:
-        """Whether `payload` validates as codec none holding this one-part mover's block."""
+    def _lossless(self, payload: memoryview) -> bool | None:
+        """Whether `payload` validates as codec none holding this one-part mover's block (None:
+        it does not validate at all)."""
         from tierkv.quant import PayloadError
         from tierkv.quant.codec import checked_body
 
         try:
             header, _ = checked_body(payload)
         except PayloadError:
-            return False
+            return None
         elements = int(np.prod(self.shapes[0]))
         return (header.codec, header.dtype, header.size) == ("none", self.codec_dtypes[0], elements)
 

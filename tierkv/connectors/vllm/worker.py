@@ -14,9 +14,9 @@ and counted.
 Loads run on a background thread (or, when the scheduler asks for it because nothing else is
 running, before the step's forward). Per KV-cache group, in batches of up to half the staging,
 one ColdTier.load_blocks (Promote runs per vault) hands payloads to the data mover as they
-arrive: with the paged buffer on the CPU it writes them in at once (lossless ones straight from
-the receive buffers), on a GPU it decodes them into staging and one scatter per batch writes
-them (any layout). Blocks that failed are left out, so their bytes never reach the paged
+arrive: with the paged buffer on the CPU, lossless ones are written in at once, straight from
+the receive buffers; the others are decoded into staging and one scatter per batch writes them
+(CPU or GPU, any layout). Blocks that failed are left out, so their bytes never reach the paged
 buffer, and are reported through vLLM's load-error path, so vLLM recomputes them. A request is
 reported finished only once its copies have completed. On CUDA with a lossy codec, the
 compressed payloads are decoded on the device (tierkv.quant.torch_ops), so only compressed
