@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vault import running_vault
 
 from tierkv.config import format_size, parse_size
-from tierkv.movers import BlockMover, Decoder, StagingRing, hand_over
+from tierkv.movers import BlockMover, Blocks, StagingRing, hand_over
 from tierkv.quant import decode_into, get_codec, torch_ops
 from tierkv.quant import warmup as warmup_codecs
 from tierkv.tier import ColdTier
@@ -118,10 +118,8 @@ def restore_all(
     batch_blocks: int,
     on_device: bool,
 ) -> tuple[float, set[int]]:
-    def fetch(
-        start: int, stop: int, out_for: Callable[[int, int], Any], decoder: Decoder
-    ) -> set[int]:
-        return tier.load(namespace, keys[start:stop], {"kv": [0]}, out_for, decoder)
+    def fetch(start: int, stop: int, consume: Callable[[Blocks], set[int]]) -> set[int]:
+        return tier.load_blocks(namespace, keys[start:stop], {"kv": [0]}, consume)
 
     synchronize(mover.device)
     started = time.perf_counter()

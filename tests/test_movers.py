@@ -118,6 +118,48 @@ def test_staging_never_exceeds_the_ring_and_drops_what_does_not_fit():
     assert mover.fitting(5, mover.store_ring) == 2
 
 
+def back_to_back(payloads: list[bytes]) -> list[memoryview]:
+    """The payloads as a Promote receives them: slices of one buffer, one after the other."""
+    buffer = memoryview(b"".join(payloads)).toreadonly()
+    ends = np.cumsum([len(payload) for payload in payloads])
+    return [buffer[end - len(payload) : end] for payload, end in zip(payloads, ends, strict=True)]
+
+
+def test_a_load_copies_lossless_payloads_from_the_receive_buffer_and_never_bad_ones():
+    from tierkv.quant import encode_block, get_codec
+
+    n = 12
+    caches = paged(2 * n)
+    mover = mover_of(caches)
+    staged = mover.store(list(range(n)))
+    assert staged is not None
+    blocks = staged.arrays()[0]
+    none, int8 = get_codec("none", 16), get_codec("int8", 16)
+    payloads = [encode_block(int8 if i == 5 else none, blocks[i], "bf16") for i in range(n)]
+    staged.release()
+    for bad in (7, 9):  # a header byte (group size): its checksum fails
+        corrupt = bytearray(payloads[bad])
+        corrupt[10] ^= 1
+        payloads[bad] = bytes(corrupt)
+    received = back_to_back(payloads)
+    before = [cache.clone() for cache in caches]
+
+    def fetch(start: int, stop: int, consume) -> set[int]:
+        arrived = [(i - start, 0, received[i]) for i in range(start, stop)]
+        return consume(arrived[:7]) | consume(arrived[7:])  # bad block 7 first of its run
+
+    assert mover.load(list(range(n, 2 * n)), fetch, batch_blocks=n) == {7, 9}
+    for cache, old in zip(caches, before, strict=True):
+        for i in range(n):
+            restored, original = cache[:, n + i], cache[:, i]
+            if i in (7, 9):
+                assert torch.equal(restored, old[:, n + i])  # never written
+            elif i == 5:  # another codec among lossless ones: decoded
+                assert torch.allclose(restored.float(), original.float(), atol=0.05, rtol=0.02)
+            else:
+                assert torch.equal(restored, original)
+
+
 def test_countdown_runs_once_on_the_last_call():
     calls: list[int] = []
     tick = countdown(3, lambda: calls.append(1))

@@ -341,3 +341,28 @@ def test_warm_up_compiles_the_lossless_encoder_only_when_something_is_stored_los
     )
     codecs = ("int8", "none") if lossless else ("int8",)
     assert done.stdout.split("\n")[-2] == f"{codecs} {lossless}"
+
+
+def test_load_blocks_hands_each_key_whole_to_the_consumer_and_a_raising_one_fails_its_keys(
+    vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tierkv.tier
+
+    monkeypatch.setattr(tierkv.tier, "DECODE_TASK_BYTES", 1)  # a call per key
+    data = {slot: array for slot, array in blocks().items() if slot[1] == "kv"}
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    store_all(tier, data)
+    calls: list[list[tuple[int, int]]] = []
+
+    def consume(arrived: list[tuple[int, int, memoryview]]) -> set[int]:
+        calls.append([(index, part) for index, part, _ in arrived])
+        if any(index == 2 for index, _, _ in arrived):
+            raise RuntimeError("the engine buffer went away")
+        return {1} if any(index == 1 for index, _, _ in arrived) else set()
+
+    assert tier.load_blocks(NS, KEYS, {"kv": KV_PARTS}, consume) == {1, 2}
+    assert sorted(sorted(call) for call in calls) == [[(i, p) for p in KV_PARTS] for i in range(4)]
+    stats = tier.stats()
+    assert (stats["loaded_blocks"], stats["load_failures"]) == (2, 2)
+    assert stats["loaded_payload_bytes"] > 0
+    tier.close()

@@ -13,6 +13,11 @@ l of part p, stacked ([layers, *block]); attention has one part, a Mamba layer o
   device for device decode); `BlockMover.scatter(staged, slots, block_ids)` writes the decoded
   slots into their engine blocks with one indexed copy per layer and part. Slots that failed to
   decode are simply left out, so their bytes never reach the paged buffer.
+- `BlockMover.load(block_ids, fetch, ...)` restores blocks as their payloads arrive. On the CPU,
+  lossless payloads are not decoded at all: those received back to back in one buffer are a
+  strided numpy view, and one indexed copy per layer writes them from the receive buffer into
+  the paged buffer (the only copy after the socket's) while the rest is on the wire; other
+  codecs decode into the batch's staging, scattered once per batch.
 
 Nothing here issues torch operations per block: the work per call is a constant number of
 operations per layer and part, whatever the number of blocks.
@@ -32,6 +37,7 @@ engine's stream wait on it), and vLLM reads none of them before that.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,9 +53,10 @@ CODEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 """The torch dtypes the codecs take, by their codec dtype name."""
 
 
-Decoder = Callable[[memoryview, Any], None]
-Fetch = Callable[[int, int, Callable[[int, int], Any], Decoder], set[int]]
-"""fetch(start, stop, out_for, decoder) -> failed indices, relative to start (BlockMover.load)"""
+Blocks = list[tuple[int, int, memoryview]]
+"""(index, part, payload) of received blocks"""
+Fetch = Callable[[int, int, Callable[[Blocks], set[int]]], set[int]]
+"""fetch(start, stop, consume) -> failed indices, relative to start (BlockMover.load)"""
 Send = Callable[[int, int, np.ndarray, str, Callable[[], None]], None]
 """send(index, part, array, codec dtype, on_done); see hand_over"""
 
@@ -376,16 +383,22 @@ class BlockMover:
         """Restore blocks into engine blocks `block_ids`, in batches of `batch_blocks`; the
         indices (into block_ids) that failed.
 
-        Per batch, `fetch(start, stop, out_for, decoder)` decodes blocks start..stop-1 (as their
-        payloads arrive) with `decoder(payload, out_for(i - start, part))` and returns the
-        failed ones (relative to start); then one scatter writes the others into the paged
-        buffer. Decoding goes to host staging with the Numba codecs, or with `on_device` to
-        device staging with torch_ops. Returns once every copy has completed (on CUDA: its
-        event), so the blocks may be reported loaded.
+        Per batch, `fetch(start, stop, consume)` fetches blocks start..stop-1 and hands them to
+        `consume(blocks)` as their payloads arrive ((i - start, part, payload), every part of a
+        block in one call), which returns the ones it could not restore; fetch returns every
+        failed one (relative to start). Blocks are decoded into host staging with the Numba
+        codecs, or with `on_device` into device staging with torch_ops, and one scatter per
+        batch writes them. With host layers and one part, lossless payloads skip all that: each
+        call copies them straight from the receive buffers into the paged buffer
+        (`_scatter_lossless`), while the rest of the batch is still on the wire, and the
+        scatter leaves them out. Returns once every copy has completed (on CUDA: its event), so
+        the blocks may be reported loaded.
         """
         from tierkv.quant import decode_into  # Numba: only once a load runs
+        from tierkv.tier import decode_each
 
         decoder = self.decode_on_device if on_device else decode_into
+        direct = self._host_layers is not None and len(self.parts) == 1 and not on_device
         failed: set[int] = set()
         in_flight: deque[Staged] = deque()
         try:
@@ -397,9 +410,16 @@ class BlockMover:
                     oldest.release()
                 staged = self.staging(len(ids), on_device=on_device)
                 in_flight.append(staged)
-                outputs: list[Any] = staged.tensors if on_device else staged.arrays()
-                bad = fetch(start, start + len(ids), _slot_of(outputs), decoder)
-                good = [index for index in range(len(ids)) if index not in bad]
+                out_for = _slot_of(staged.tensors if on_device else staged.arrays())
+                decode = functools.partial(decode_each, out_for=out_for, decoder=decoder)
+                written: set[int] = set()
+                consume = (
+                    functools.partial(self._write_lossless, ids, written, decode)
+                    if direct
+                    else decode
+                )
+                bad = fetch(start, start + len(ids), consume)
+                good = [i for i in range(len(ids)) if i not in bad and i not in written]
                 self.scatter(staged, good, [ids[index] for index in good])
                 failed.update(start + index for index in bad)
         finally:
@@ -407,6 +427,79 @@ class BlockMover:
                 staged.wait()
                 staged.release()
         return failed
+
+    def _write_lossless(
+        self,
+        block_ids: Sequence[int],
+        written: set[int],
+        decode: Callable[[Blocks], set[int]],
+        blocks: Blocks,
+    ) -> set[int]:
+        """consume of a host load: lossless payloads straight into engine blocks `block_ids[i]`
+        (their indices added to `written`), the others `decode`d into the batch's staging; the
+        indices that failed."""
+        lossy = blocks and self._lossless(blocks[0][2]) is False  # the tier's codec, surely
+        rest = blocks if lossy else self._scatter_lossless(block_ids, blocks)
+        written.update({index for index, _, _ in blocks} - {index for index, _, _ in rest})
+        return decode(rest) if rest else set()
+
+    def _scatter_lossless(self, block_ids: Sequence[int], blocks: Blocks) -> Blocks:
+        """Copy lossless payloads of this one-part mover straight into the engine blocks; the
+        blocks it did not handle (another codec or shape, a header that does not validate).
+
+        Payloads received back to back (one receive buffer, one length) are one strided array,
+        [n, length]; past their headers it is [n, layers, *block], and one indexed copy per
+        layer writes the whole run. A run starts at a payload whose header validates as codec
+        none of this part's dtype and element count, and takes only the payloads whose header
+        bytes equal that one.
+        """
+        assert self._host_layers is not None
+        layers = self._host_layers[0]
+        rest: Blocks = []
+        for run in _back_to_back(blocks):
+            start = len(run)  # the first payload that validates decides for the run
+            for at, block in enumerate(run):
+                lossless = self._lossless(block[2])
+                if lossless is not None:
+                    start = at if lossless else len(run)
+                    break
+            rest.extend(run[:start])
+            run = run[start:]
+            if not run:
+                continue
+            first = run[0][2]
+            head = len(first) - self.part_bytes(0)  # header bytes: the payload less its body
+            rows = np.lib.stride_tricks.as_strided(
+                np.frombuffer(first, np.uint8),
+                (len(run), len(first)),
+                (len(first), 1),
+                writeable=False,
+            )
+            same = (rows[:, :head] == rows[0, :head]).all(axis=1)
+            if not same.all():
+                rest.extend(block for block, ok in zip(run, same, strict=True) if not ok)
+                rows = rows[same]
+            bodies = rows[:, head:].view(layers[0].dtype).reshape(len(rows), *self.shapes[0])
+            ids = np.asarray(
+                [block_ids[index] for (index, _, _), ok in zip(run, same, strict=True) if ok],
+                dtype=np.int64,
+            )
+            for layer, array in enumerate(layers):
+                array[ids] = bodies[:, layer]
+        return rest
+
+    def _lossless(self, payload: memoryview) -> bool | None:
+        """Whether `payload` validates as codec none holding this one-part mover's block (None:
+        it does not validate at all)."""
+        from tierkv.quant import PayloadError
+        from tierkv.quant.codec import checked_body
+
+        try:
+            header, _ = checked_body(payload)
+        except PayloadError:
+            return None
+        elements = int(np.prod(self.shapes[0]))
+        return (header.codec, header.dtype, header.size) == ("none", self.codec_dtypes[0], elements)
 
     def decode_on_device(self, payload: memoryview, out: torch.Tensor) -> None:
         """Decode `payload` into device staging with tierkv.quant.torch_ops, on the load stream
@@ -446,6 +539,22 @@ def hand_over(staged: Staged, dtypes: Sequence[str], send: Send) -> None:
     for index in range(staged.count):
         for part, array in enumerate(arrays):
             send(index, part, array[index], dtypes[part], on_done)
+
+
+def _back_to_back(blocks: Blocks) -> list[Blocks]:
+    """`blocks` split into runs whose payloads have one length and lie back to back in memory
+    (as promoted payloads do in one receive buffer), in order."""
+    runs: list[Blocks] = []
+    end = -1
+    for block in blocks:
+        payload = block[2]
+        start = np.frombuffer(payload, np.uint8).ctypes.data if len(payload) else -2
+        if runs and start == end and len(payload) == len(runs[-1][0][2]):
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+        end = start + len(payload)
+    return runs
 
 
 def _slot_of(outputs: list[Any]) -> Callable[[int, int], Any]:

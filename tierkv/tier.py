@@ -8,7 +8,9 @@ block between those two points lives here.
 Call order, per engine request:
 1. `lookup(namespace, keys, parts_by_vault)` -> how many leading blocks every vault holds.
 2. `load(namespace, keys[:hit], parts_by_vault, out_for)` -> the key indices that failed; the
-   engine recomputes those (and everything after the first one).
+   engine recomputes those (and everything after the first one). `load_blocks` hands the
+   received payloads to a consumer instead (the data mover writes lossless ones straight from
+   the receive buffers into the paged KV buffer).
 and, whenever the engine lets go of a block:
 3. `store(namespace, key, part, block, dtype, vault)` -> returns at once; encoding and sending
    happen on background threads.
@@ -55,6 +57,11 @@ FIRST_PROMOTE_RUN_KEYS = 4
 """Keys of a load's first run (short, so decoding starts early; it also measures payload size)."""
 DECODE_TASK_BYTES = 2 * 1024 * 1024
 """Arrived payloads are decoded in tasks of about this many bytes (spread over the threads)."""
+
+Block = tuple[int, int, memoryview]
+"""(key index, part, payload) of a block a load received."""
+Consume = Callable[[list[Block]], set[int]]
+"""consume(blocks) -> the key indices it could not restore (see ColdTier.load_blocks)."""
 
 
 @dataclass
@@ -227,47 +234,72 @@ class ColdTier:
         out_for: Callable[[int, int], Any],
         decoder: Callable[[memoryview, Any], None] = decode_into,
     ) -> set[int]:
-        """Fetch every part of every key and decode into `out_for(i, part)`.
+        """Fetch every part of every key and decode into `out_for(i, part)` with
+        `decoder(payload, out)`: by default the Numba codecs into numpy arrays
+        (`tierkv.quant.torch_ops.decode_into` decodes into torch tensors on their device).
+        `load_blocks` with `decode_each` as the consumer; returns the indices of the keys that
+        could not be restored whole, whose outputs must be treated as garbage."""
+        return self.load_blocks(
+            namespace, keys, parts_by_vault, lambda blocks: decode_each(blocks, out_for, decoder)
+        )
+
+    def load_blocks(
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts_by_vault: Mapping[str, Sequence[int]],
+        consume: Consume,
+    ) -> set[int]:
+        """Fetch every part of every key and hand the payloads to `consume` as they arrive.
 
         Each vault is asked in runs of keys of about PROMOTE_RUN_BYTES (one Promote each, the
-        first run short), and the blocks of a run are decoded while the next run is on the wire,
-        by `decoder(payload, out)`: by default the Numba codecs into numpy arrays
-        (`tierkv.quant.torch_ops.decode_into` decodes into torch tensors on their device). A run
-        that returns nothing ends the vault's load (it is down or lost the rest: no point in
-        waiting for the remaining runs), and no run starts once `load_deadline_s` has passed
-        since the load began, so a vault that answers each run slowly costs at most that plus
-        one Promote deadline, not one deadline per run. Returns the indices of the keys that
-        could not be restored whole (a part missing, failing its checksum or failing to decode);
-        their outputs must be treated as garbage.
+        first run short). Keys whose every part has arrived go to `consume(blocks)` (a list of
+        (key index, part, payload), all parts of a key in one call) on the decode threads, in
+        calls of about DECODE_TASK_BYTES, while the next run is on the wire; it returns the key
+        indices it could not restore. A run that returns nothing ends the vault's load (it is
+        down or lost the rest: no point in waiting for the remaining runs), and no run starts
+        once `load_deadline_s` has passed since the load began, so a vault that answers each
+        run slowly costs at most that plus one Promote deadline, not one deadline per run.
+        Returns the indices of the keys that could not be restored whole (a part missing,
+        failing its checksum or refused by `consume`).
         """
-        decodes: list[Future[set[int]]] = []
+        consumed: list[tuple[Future[set[int] | None], list[list[Block]]]] = []
         wanted = sum(len(parts) for parts in parts_by_vault.values())
-        waiting: dict[int, list[tuple[int, int, memoryview]]] = {}
+        waiting: dict[int, list[Block]] = {}
         waiting_lock = threading.Lock()
 
-        def arrived(blocks: list[tuple[int, int, memoryview]]) -> None:
-            """Decode the blocks whose every part has now arrived (a partial block is
-            recomputed anyway, its decode would be wasted work)."""
+        def arrived(blocks: list[Block]) -> None:
+            """Hand on the keys whose every part has now arrived (a partial key is recomputed
+            anyway, decoding it would be wasted work)."""
             whole = []
             with waiting_lock:
                 for block in blocks:
                     parts = waiting.setdefault(block[0], [])
                     parts.append(block)
                     if len(parts) == wanted:
-                        whole.extend(waiting.pop(block[0]))
-            for batch in batched_by_size(whole, lambda b: len(b[2]), DECODE_TASK_BYTES):
-                decodes.append(self._decoders.submit(self._decode, batch, out_for, decoder))
+                        whole.append(waiting.pop(block[0]))
+            for batch in batched_by_size(whole, _payload_bytes, DECODE_TASK_BYTES):
+                claim = [[block for parts in batch for block in parts]]
+                consumed.append((self._decoders.submit(self._claimed, claim, consume), claim))
 
+        # The first vault is promoted from on this thread (no hand-off before the first
+        # request leaves), any others on the promote threads meanwhile.
+        others = list(parts_by_vault)[1:]
         promotes = {
             vault: self._promoters.submit(
                 self._promote_runs, self._client(vault), namespace, keys, parts, arrived
             )
             for vault, parts in parts_by_vault.items()
+            if vault in others
         }
         found: dict[str, set[tuple[int, int]]] = {}
-        for vault in parts_by_vault:
+        for vault, parts in parts_by_vault.items():
             try:
-                found[vault] = promotes[vault].result()
+                found[vault] = (
+                    promotes[vault].result()
+                    if vault in promotes
+                    else self._promote_runs(self._client(vault), namespace, keys, parts, arrived)
+                )
             except Exception:
                 log.exception("tierkv: promote from the %s vault failed; recomputing", vault)
                 found[vault] = set()
@@ -277,8 +309,11 @@ class ColdTier:
             for vault, parts in parts_by_vault.items()
             if any((index, part) not in found[vault] for part in parts)
         }
-        for future in decodes:  # every promote has returned: no decode is submitted any more
-            failed |= future.result()
+        # Every promote has returned, nothing is submitted any more: this thread runs the
+        # calls no decode thread has started (waking one costs milliseconds on a busy machine).
+        mine = [self._claimed(claim, consume) for _, claim in consumed]
+        for (future, _), result in zip(consumed, mine, strict=True):
+            failed |= result if result is not None else (future.result() or set())
         with self._lock:
             self._stats.loaded_blocks += len(keys) - len(failed)
             self._stats.load_failures += len(failed)
@@ -370,7 +405,7 @@ class ColdTier:
         namespace: bytes,
         keys: Sequence[bytes],
         parts: Sequence[int],
-        arrived: Callable[[list[tuple[int, int, memoryview]]], None],
+        arrived: Callable[[list[Block]], None],
     ) -> set[tuple[int, int]]:
         """Promote `keys` run by run, handing each run's payloads to `arrived`, until a run
         returns nothing or the load deadline has passed; what arrived."""
@@ -400,33 +435,53 @@ class ColdTier:
             run = max(1, PROMOTE_RUN_BYTES * start // max(1, received))
         return got
 
-    def _decode(
-        self,
-        blocks: list[tuple[int, int, memoryview]],
-        out_for: Callable[[int, int], Any],
-        decoder: Callable[[memoryview, Any], None],
-    ) -> set[int]:
-        """Decode arrived payloads; the key indices of those that failed."""
-        failed = set()
-        decoded_bytes = 0
-        for index, part, payload in blocks:
-            try:
-                decoder(payload, out_for(index, part))
-            except PayloadError as exc:
-                log.warning(
-                    "tierkv: block %d part %d does not decode (%s); recomputing it",
-                    index,
-                    part,
-                    exc,
-                )
-                failed.add(index)
-            except Exception:
-                log.exception(
-                    "tierkv: decoding block %d part %d failed; recomputing it", index, part
-                )
-                failed.add(index)
-            else:
-                decoded_bytes += len(payload)
+    def _claimed(self, claim: list[list[Block]], consume: Consume) -> set[int] | None:
+        """`_consume` the blocks in `claim` unless another thread took them first (None):
+        list.pop is atomic, so each call of a load runs once, on a decode thread or on the
+        loading thread."""
+        try:
+            blocks = claim.pop()
+        except IndexError:
+            return None
+        return self._consume(blocks, consume)
+
+    def _consume(self, blocks: list[Block], consume: Consume) -> set[int]:
+        """`consume(blocks)`, counting the payload bytes of the keys it restored; every key
+        fails when it raises."""
+        try:
+            failed = consume(blocks)
+        except Exception:
+            log.exception(
+                "tierkv: restoring %d arrived blocks failed; recomputing them", len(blocks)
+            )
+            failed = {index for index, _, _ in blocks}
+        restored = sum(len(payload) for index, _, payload in blocks if index not in failed)
         with self._lock:
-            self._stats.loaded_payload_bytes += decoded_bytes
+            self._stats.loaded_payload_bytes += restored
         return failed
+
+
+def decode_each(
+    blocks: list[Block],
+    out_for: Callable[[int, int], Any],
+    decoder: Callable[[memoryview, Any], None],
+) -> set[int]:
+    """Decode each arrived block with `decoder(payload, out_for(index, part))`; the key
+    indices of those that failed (each logged)."""
+    failed = set()
+    for index, part, payload in blocks:
+        try:
+            decoder(payload, out_for(index, part))
+        except PayloadError as exc:
+            log.warning(
+                "tierkv: block %d part %d does not decode (%s); recomputing it", index, part, exc
+            )
+            failed.add(index)
+        except Exception:
+            log.exception("tierkv: decoding block %d part %d failed; recomputing it", index, part)
+            failed.add(index)
+    return failed
+
+
+def _payload_bytes(blocks: list[Block]) -> int:
+    return sum(len(payload) for _, _, payload in blocks)

@@ -12,14 +12,15 @@ background and hands the staging back. Blocks that do not fit in the free stagin
 and counted.
 
 Loads run on a background thread (or, when the scheduler asks for it because nothing else is
-running, before the step's forward). Per KV-cache group, in batches of up to half the staging:
-one ColdTier.load (one Promote per vault) decodes payloads into staging as they arrive, then one
-scatter writes the batch's decoded blocks into the paged buffer (CPU or GPU, any layout), while
-the next batch is fetched. Blocks that failed are left out of the scatter, so their bytes never
-reach the paged buffer, and are reported through vLLM's load-error path, so vLLM recomputes
-them. A request is reported finished only once its copies have completed. On CUDA with a lossy
-codec, the compressed payloads are decoded on the device (tierkv.quant.torch_ops), so only
-compressed bytes cross PCIe.
+running, before the step's forward). Per KV-cache group, in batches of up to half the staging,
+one ColdTier.load_blocks (Promote runs per vault) hands payloads to the data mover as they
+arrive: with the paged buffer on the CPU, lossless ones are written in at once, straight from
+the receive buffers; the others are decoded into staging and one scatter per batch writes them
+(CPU or GPU, any layout). Blocks that failed are left out, so their bytes never reach the paged
+buffer, and are reported through vLLM's load-error path, so vLLM recomputes them. A request is
+reported finished only once its copies have completed. On CUDA with a lossy codec, the
+compressed payloads are decoded on the device (tierkv.quant.torch_ops), so only compressed
+bytes cross PCIe.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ from tierkv.config import kv_pair_codecs
 from tierkv.connectors.vllm.groups import GroupPlan
 from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
-from tierkv.movers import BlockMover, Decoder, Staged, StagingRing, codec_dtype, hand_over
+from tierkv.movers import BlockMover, Blocks, Staged, StagingRing, codec_dtype, hand_over
 
 if TYPE_CHECKING:
     from tierkv.tier import ColdTier
@@ -223,11 +224,9 @@ class TierWorker:
         plan = self.plans[load.group_id]
         namespace = plan.namespaces[self.tp_rank]
 
-        def fetch(
-            start: int, stop: int, out_for: Callable[[int, int], Any], decoder: Decoder
-        ) -> set[int]:
+        def fetch(start: int, stop: int, consume: Callable[[Blocks], set[int]]) -> set[int]:
             parts = {plan.vault: plan.parts}
-            return self.tier.load(namespace, load.keys[start:stop], parts, out_for, decoder)
+            return self.tier.load_blocks(namespace, load.keys[start:stop], parts, consume)
 
         failed = mover.load(
             load.block_ids,
