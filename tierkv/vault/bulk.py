@@ -518,16 +518,19 @@ class BulkConnection:
                 _send_frame(self._sock, PUT, index, send_clock, payloads)
                 blocks.append(len(index.keys))
                 while len(blocks) - len(summaries) >= MAX_UNANSWERED_PUTS:
-                    summaries.append(self._put_summary(deadline, blocks[len(summaries)]))
+                    summaries.append(self._put_summary(deadline, blocks[len(summaries) :]))
             while len(summaries) < len(blocks):
-                summaries.append(self._put_summary(deadline, blocks[len(summaries)]))
+                summaries.append(self._put_summary(deadline, blocks[len(summaries) :]))
             return summaries
 
         return self._guarded(call)
 
-    def _put_summary(self, deadline: float, blocks: int) -> vault_pb2.PutSummary:
-        """The summary of a frame of `blocks` blocks: the vault may take timeout_s plus their
-        storing time (at MIN_PUT_BLOCKS_PER_S) to answer."""
+    def _put_summary(self, deadline: float, unanswered: list[int]) -> vault_pb2.PutSummary:
+        """The summary of the first of the frames sent and not answered yet (`unanswered`: their
+        block counts). The vault stores the next frame, when it is already arriving, before it
+        answers one, so it may take timeout_s plus the storing time (at MIN_PUT_BLOCKS_PER_S) of
+        this frame's blocks and the next one's."""
+        blocks = sum(unanswered[:2])
         clock = Deadline(deadline, self.timeout_s + blocks / MIN_PUT_BLOCKS_PER_S)
         _, index_len, data_len = _parse_header(
             _recv_bytes(self._sock, HEADER.size, clock), PUT_REPLY
