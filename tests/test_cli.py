@@ -72,6 +72,28 @@ def test_every_usage_error_exits_2(args: list[str]) -> None:
     assert runner.invoke(app, args).exit_code == 2
 
 
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["eval", "--model", "m", "--engine", "exo"], "--engine 'exo'"),
+        (["eval", "--model", "m", "--codecs", "tq9"], "--codecs: unknown codec 'tq9'"),
+        (["eval", "--model", "m", "--config", "{missing}"], "missing.toml"),
+        (["install", "--exo-path", "{missing}"], "missing.toml"),
+        (["serve", "m", "--config", "{missing}"], "missing.toml"),
+        (["status", "--config", "{missing}"], "missing.toml"),
+    ],
+)
+def test_a_bad_input_is_one_line_naming_the_command_and_the_bad_thing(
+    args: list[str], names: str, tmp_path: Path
+) -> None:
+    missing = str(tmp_path / "missing.toml")
+    result = runner.invoke(app, [arg.format(missing=missing) for arg in args])
+    assert result.exit_code in (1, 2), result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tierkv {args[0]}: "), result.stderr
+    assert names in lines[0], lines[0]
+
+
 def test_the_cli_knows_every_codec_without_importing_it() -> None:
     assert ("none", *TURBO_QUANT_CODECS) == CODEC_NAMES
 

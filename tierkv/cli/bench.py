@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from tierkv.cli import app
+from tierkv.cli.errors import fail
 from tierkv.config import (
     TURBO_QUANT_CODECS,
     ConfigError,
@@ -33,11 +34,6 @@ if TYPE_CHECKING:  # numpy, gRPC and Numba are imported when a bench runs, not f
 
 CODECS = ("none", *TURBO_QUANT_CODECS)
 console = Console(stderr=True)
-
-
-def _fail(message: str, code: int) -> typer.Exit:
-    console.print(f"tierkv bench: {message}", style="red", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
 
 
 def _note(message: str) -> None:
@@ -133,10 +129,10 @@ def bench(
     try:
         cfg = load_config(config)
     except ConfigError as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail("bench", str(exc), 2) from None
     codec = codec or cfg.turbo_quant.codec_name
     if codec != "all" and codec not in CODECS:
-        raise _fail(f"--codec {codec!r} is unknown; use one of {', '.join(CODECS)}, all", 2)
+        raise fail("bench", f"--codec {codec!r} is unknown; use one of {', '.join(CODECS)}, all", 2)
     vaults = vault or []
     for address in vaults:
         _check_address("--vault", address)
@@ -165,7 +161,7 @@ def _check_address(option: str, address: str) -> None:
     try:
         parse_cold_address(address)
     except ValueError as exc:
-        raise _fail(f"{option}: {exc}", 2) from None
+        raise fail("bench", f"{option}: {exc}", 2) from None
 
 
 def _run_bench(
@@ -231,9 +227,9 @@ def _run_bench(
                 on_phase=on_phase,
             )
         except ValueError as exc:
-            raise _fail(str(exc), 2) from None
+            raise fail("bench", str(exc), 2) from None
         except (VaultUnavailable, RuntimeError, OSError) as exc:
-            raise _fail(_one_line(str(exc)), 1) from None
+            raise fail("bench", _one_line(str(exc)), 1) from None
 
 
 def _one_line(text: str) -> str:
@@ -306,9 +302,9 @@ def _vllm_bench(
     as_json: bool,
 ) -> None:
     if not model:
-        raise _fail("--engine vllm needs --model (a model directory or name)", 2)
+        raise fail("bench", "--engine vllm needs --model (a model directory or name)", 2)
     if codec == "all":
-        raise _fail("--codec all: --engine vllm runs one codec; name one", 2)
+        raise fail("bench", "--codec all: --engine vllm runs one codec; name one", 2)
     from tierkv.bench import vault_addresses
     from tierkv.bench_engines import vllm_bench
 
@@ -334,16 +330,16 @@ def _size_option(name: str, value: str | None) -> int | None:
     try:
         return None if value is None else parse_size(value)
     except ValueError as exc:
-        raise _fail(f"{name}: {exc}", 2) from None
+        raise fail("bench", f"{name}: {exc}", 2) from None
 
 
 def _exo_bench(
     engine: str, model: str | None, exo_api: str | None, prompt: str, as_json: bool
 ) -> None:
     if engine != "exo":
-        raise _fail(f"--engine {engine!r} is unknown; use vllm or exo", 2)
+        raise fail("bench", f"--engine {engine!r} is unknown; use vllm or exo", 2)
     if not exo_api or not model:
-        raise _fail("--engine exo needs --exo-api URL and --model NAME", 2)
+        raise fail("bench", "--engine exo needs --exo-api URL and --model NAME", 2)
     from tierkv.bench_engines import exo_bench
 
     with console.status("asking EXO") as status:

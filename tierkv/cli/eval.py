@@ -12,6 +12,7 @@ from rich.table import Table
 
 from tierkv.cli import app
 from tierkv.cli.bench import _size_option
+from tierkv.cli.errors import fail
 from tierkv.config import CODEC_BITS, ConfigError, kv_pair_codecs, load_config
 
 if TYPE_CHECKING:
@@ -107,22 +108,23 @@ def eval_command(
     try:
         cfg = load_config(config)
     except ConfigError as exc:
-        console.print(f"[red]{exc}")
-        raise typer.Exit(2) from None
+        raise fail("eval", str(exc), 2) from None
     if engine != "vllm":
-        console.print(
-            f"[red]--engine {engine!r}: tierkv eval drives vLLM only (EXO's API returns no "
-            "log-probabilities and cannot switch codecs between runs)"
+        raise fail(
+            "eval",
+            f"--engine {engine!r}: tierkv eval drives vLLM only (EXO's API returns no "
+            "log-probabilities and cannot switch codecs between runs)",
+            2,
         )
-        raise typer.Exit(2)
     names = [name.strip() for name in codecs.split(",") if name.strip()]
     for name in names:
         if name not in CODEC_BITS and _pair(name) is None:
-            console.print(
-                f"[red]--codecs: unknown codec {name!r}; use {', '.join(CODEC_BITS)} or a K/V "
-                'pair like "k8v4"'
+            raise fail(
+                "eval",
+                f"--codecs: unknown codec {name!r}; use {', '.join(CODEC_BITS)} or a K/V "
+                'pair like "k8v4"',
+                2,
             )
-            raise typer.Exit(2)
     prompt_set = _read_prompts(prompts, tokens) if prompts else builtin_prompts(tokens)
     kv_bytes = _size_option("--kv-cache-bytes", kv_cache_bytes)
     with (
@@ -149,13 +151,11 @@ def eval_command(
     if write_config is None:
         return
     if verdict is None:
-        console.print("[red]no codec passed the gate, not even none: nothing written")
-        raise typer.Exit(1)
+        raise fail("eval", "no codec passed the gate, not even none: nothing written", 1)
     try:
         write_verdict(write_config, report, verdict, min_identical, max_kl)
     except (OSError, ValueError) as exc:
-        console.print(f"[red]--write-config {write_config}: {exc}")
-        raise typer.Exit(1) from None
+        raise fail("eval", f"--write-config {write_config}: {exc}", 1) from None
     console.print(
         f"{write_config}: [codec_verdicts] {report.fingerprint} = {verdict.codec!r}; "
         '[turbo_quant] enabled = true, codec = "auto" uses it'
@@ -175,8 +175,7 @@ def _read_prompts(path: Path, tokens: int) -> list[tuple[str, int]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        console.print(f"[red]--prompts {path}: {exc}")
-        raise typer.Exit(2) from None
+        raise fail("eval", f"--prompts {path}: {exc}", 2) from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -186,14 +185,14 @@ def _read_prompts(path: Path, tokens: int) -> list[tuple[str, int]]:
         except (ValueError, KeyError):
             text = None
         if not isinstance(text, str) or not text:
-            console.print(
-                f'[red]--prompts {path}:{number}: expected a JSON string or {{"prompt": "..."}}'
+            raise fail(
+                "eval",
+                f'--prompts {path}:{number}: expected a JSON string or {{"prompt": "..."}}',
+                2,
             )
-            raise typer.Exit(2)
         found.append((text, tokens))
     if not found:
-        console.print(f"[red]--prompts {path}: no prompts in it")
-        raise typer.Exit(2)
+        raise fail("eval", f"--prompts {path}: no prompts in it", 2)
     return found
 
 

