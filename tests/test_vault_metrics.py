@@ -100,6 +100,8 @@ def test_metrics_show_the_disk_tier(tmp_path: Path) -> None:
         metrics = scrape(server.metrics_address)
         assert metrics[("tierkv_vault_entries", (("tier", "disk"),))] == 0
         assert metrics[("tierkv_vault_cap_bytes", (("tier", "disk"),))] == 1 << 30
+        assert metrics[("tierkv_vault_disk_kept_total", ())] == 0
+        assert metrics[("tierkv_vault_disk_corrupt_total", ())] == 0
     finally:
         server.stop()
         server.store.close(timeout=10)

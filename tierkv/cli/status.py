@@ -195,11 +195,13 @@ def _used(used: int, cap: int) -> str:
 
 
 def _tier(tier: dict[str, Any]) -> str:
-    """One tier's figures in a cell: entries, used / cap, hits, reads/s (and damaged blocks)."""
+    """One tier's figures in a cell: entries, used / cap, hits, reads/s (and second chances and
+    damaged blocks, where a disk tier has them)."""
     text = (
         f"{tier['entries']} entries, {_used(tier['bytes_used'], tier['max_bytes'])}, "
         f"{tier['hits']} hits, {tier['reads_per_s']:.1f} reads/s"
     )
+    text += f", {tier['kept']} kept" if tier["kept"] else ""
     return text + (f", [red]{tier['corrupt']} corrupt[/red]" if tier["corrupt"] else "")
 
 

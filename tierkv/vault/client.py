@@ -88,6 +88,7 @@ class TierStats(NamedTuple):
     evictions: int
     corrupt: int
     queued_bytes: int
+    kept: int
 
 
 @dataclass(frozen=True)
@@ -624,4 +625,5 @@ def _tier_stats(reply: vault_pb2.TierStats) -> TierStats:
         reply.evictions,
         reply.corrupt,
         reply.queued_bytes,
+        reply.kept,
     )

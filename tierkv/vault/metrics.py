@@ -102,6 +102,13 @@ class _StoreCollector(Collector):
         yield from families
         yield CounterMetricFamily("tierkv_vault_misses", "Block parts asked for, not held",
                                   value=stats.misses)  # fmt: skip
+        if disk is not None:
+            yield CounterMetricFamily("tierkv_vault_disk_kept",
+                                      "Read blocks copied forward when their segment was dropped",
+                                      value=disk.kept)  # fmt: skip
+            yield CounterMetricFamily("tierkv_vault_disk_corrupt",
+                                      "Disk blocks that failed their checksum when read",
+                                      value=disk.corrupt)  # fmt: skip
 
 
 def _channelz(query: str, *args: int) -> dict[str, Any]:

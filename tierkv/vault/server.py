@@ -373,6 +373,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 evictions=stats.disk.evictions,
                 corrupt=stats.disk.corrupt,
                 queued_bytes=stats.disk.queued_bytes,
+                kept=stats.disk.kept,
             )
         reply.MergeFrom(
             vault_pb2.StatsReply(
