@@ -2,11 +2,11 @@
 payloads as the Numba kernels.
 
 INT8 is bit for bit the Numba result both ways (the same float32 operations; the per-group
-scales and steps are computed on the host in float64 as the kernels do). TurboQuant encodes with
-MLX's Walsh–Hadamard transform (and the q x q mix of format 2) and decodes with a dense matrix
-instead of the kernels' butterflies, so it matches within float32 rounding: a decoded value to
-about one unit in the last place, and an encoded index only where a rotated coordinate sits
-within rounding of a decision boundary (a different index, or an fp16 norm one unit apart).
+scales and steps are computed on the host in float64 as the kernels do). TurboQuant rotates with
+MLX's Walsh–Hadamard transform and the q x q mix of format 2 (a format-1 payload's dense matrix
+on decode) instead of the kernels' butterflies, so it matches within float32 rounding: a decoded
+value to about one unit in the last place, and an encoded index only where a rotated coordinate
+sits within rounding of a decision boundary (a different index, or an fp16 norm one unit apart).
 The mixed modes' channel energies are summed in float32 (the kernels use float64), which picks
 the same channels unless two of them have energies equal to about 1e-6. Tested with mlx[cpu];
 Metal is untested. Only this module of tierkv.quant imports MLX.
@@ -180,7 +180,7 @@ def _int8_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
 
 
 @functools.lru_cache(maxsize=64)
-def _encoder_constants(inst: Instance) -> tuple[mx.array, mx.array | None, mx.array, int]:
+def _rotation_constants(inst: Instance) -> tuple[mx.array, mx.array | None, mx.array, int]:
     """(signs times the Hadamard normalisation, the q x q mix or None, the decision
     boundaries, Hadamard block size p) of one quantizer's rotation y = (Q ⊗ H_p) (signs * u)."""
     rot = inst.rotation
@@ -192,21 +192,31 @@ def _encoder_constants(inst: Instance) -> tuple[mx.array, mx.array | None, mx.ar
 
 
 def _rotate(u: mx.array, inst: Instance) -> mx.array:
-    """The rotated coordinates of the unit vectors u [..., m] (format 2's rotation)."""
-    signs, mix, _, p = _encoder_constants(inst)
+    """The rotated coordinates y = (Q ⊗ H_p) (signs * u) of unit vectors u [..., m] (format 2)."""
+    signs, mix, _, p = _rotation_constants(inst)
     blocks = mx.hadamard_transform((u * signs).reshape(*u.shape[:-1], -1, p), scale=1.0)
     if mix is not None:
         blocks = mix @ blocks
     return blocks.reshape(u.shape)
 
 
-def _quantize(y: mx.array, boundaries: mx.array, bits: int) -> mx.array:
-    """Per coordinate the number of decision boundaries below it (binary search, `bits` steps
-    over the 2**bits - 1 ascending boundaries), as uint32."""
-    index = mx.zeros(y.shape, mx.uint32)
-    for step in (1 << b for b in reversed(range(bits))):
-        index = index + mx.where(y > mx.take(boundaries, index + (step - 1)), step, 0)
-    return index.astype(mx.uint32)
+def _rotate_back(y: mx.array, inst: Instance) -> mx.array:
+    """u = R^T y for rotated coordinates y [..., m]: the Hadamard blocks and the mix transposed,
+    or the dense matrix of a format-1 payload."""
+    rot = inst.rotation
+    if rot.matrix.shape[0] == inst.m:
+        return y @ mx.array(rot.matrix)
+    signs, mix, _, p = _rotation_constants(inst)
+    blocks = y.reshape(*y.shape[:-1], -1, p)
+    if mix is not None:
+        blocks = mix.T @ blocks
+    return mx.hadamard_transform(blocks, scale=1.0).reshape(y.shape) * signs
+
+
+def _quantize(y: mx.array, boundaries: mx.array) -> mx.array:
+    """Per coordinate the number of decision boundaries below it (one comparison with each:
+    faster on mlx[cpu] than a binary search of gathers), as uint32."""
+    return (y[..., None] > boundaries).sum(axis=-1).astype(mx.uint32)
 
 
 def _pack(index: mx.array, m: int, bits: int) -> mx.array:
@@ -242,9 +252,9 @@ def _turbo_encode(x: mx.array, codec: TurboCodec, shape: tuple[int, ...], body: 
             v = scaled
         norm = mx.sqrt(mx.square(v).sum(axis=-1, keepdims=True))
         u = v * mx.where(norm > 0, 1.0 / norm, 0.0)
-        _, _, boundaries, _ = _encoder_constants(inst)
+        _, _, boundaries, _ = _rotation_constants(inst)
         norms.append(norm)
-        indices.append(_pack(_quantize(_rotate(u, inst), boundaries, inst.bits), inst.m, inst.bits))
+        indices.append(_pack(_quantize(_rotate(u, inst), boundaries), inst.m, inst.bits))
     body[:2] = np.frombuffer(np.int16(k).astype("<i2").tobytes(), np.uint8)
     if codec.lo is not None:
         mask = np.zeros((layout.sel_mod, d), bool)
@@ -275,8 +285,7 @@ def _turbo_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
         low, high = mx.take(indices, at, axis=-1), mx.take(indices, at + 1, axis=-1)
         idx = ((low | (high << 8)) >> mx.array(shift.astype(np.uint32))) & ((1 << inst.bits) - 1)
         levels = mx.take(mx.array(inst.codebook.centroids), idx.astype(mx.int32))
-        rotation = mx.array(inst.rotation.as_matrix().astype(np.float32))
-        parts.append((levels @ rotation) * norms[..., i : i + 1])
+        parts.append(_rotate_back(levels, inst) * norms[..., i : i + 1])
     ordered = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
     inverse = np.argsort(channels, axis=1).astype(np.int32)  # channel c sits at inverse[s, c]
     x = mx.take_along_axis(ordered, mx.array(inverse)[None, :, None, :], axis=-1)
