@@ -228,3 +228,11 @@ def test_mlx_encodes_keys_or_values_of_a_pair_codec() -> None:
         mlx_ops.encode(pair, as_mlx(keys, "bf16"), kv_split=(2, 64))
     with pytest.raises(ValueError, match="keys only or values only"):
         mlx_ops.encode(pair, as_mlx(keys, "bf16"))
+
+
+@pytest.mark.parametrize("magnitude", [1e25, 1e-25])
+def test_mlx_picks_numbas_channels_for_huge_and_tiny_fp32_values(magnitude: float) -> None:
+    """The float32 channel energies are summed after the block's 2**-k scaling: squares of
+    1e25 would overflow float32 (every channel "inf") and squares of 1e-25 underflow to 0."""
+    x = block("fp32", (4, 32, 128), seed=9) * np.float32(magnitude)
+    assert_encodes_like_numba(x, "tq3.5", "fp32", 128)

@@ -7,9 +7,9 @@ MLX's Walsh–Hadamard transform and the q x q mix of format 2 (a format-1 paylo
 on decode) instead of the kernels' butterflies, so it matches within float32 rounding: a decoded
 value to about one unit in the last place, and an encoded index only where a rotated coordinate
 sits within rounding of a decision boundary (a different index, or an fp16 norm one unit apart).
-The mixed modes' channel energies are summed in float32 (the kernels use float64), which picks
-the same channels unless two of them have energies equal to about 1e-6. Tested with mlx[cpu];
-Metal is untested. Only this module of tierkv.quant imports MLX.
+The mixed modes' channel energies are summed in float32 (the kernels use float64), of the block
+scaled by 2**-k, which picks the same channels unless two have energies equal to about 1e-6.
+Tested with mlx[cpu]; Metal is untested. Only this module of tierkv.quant imports MLX.
 """
 
 from __future__ import annotations
@@ -248,12 +248,11 @@ def _turbo_encode(
     layout = codec.layout(shape)
     n = layout.n_vectors
     k = int(block_exponent(max_abs * math.sqrt(d)))
-    grouped = x.reshape(-1, layout.sel_mod, layout.sel_div, d)
+    scaled = x.reshape(-1, layout.sel_mod, layout.sel_div, d) * 2.0**-k
     energy = np.zeros((layout.sel_mod, d))
-    if codec.lo is not None and n:
-        energy[:] = np.asarray(mx.square(grouped).sum(axis=(0, 2)))
+    if codec.lo is not None and n:  # scaled: float32 squares of |x| up to 3e38 neither overflow
+        energy[:] = np.asarray(mx.square(scaled).sum(axis=(0, 2)))  # nor underflow
     channels = codec.channel_map(energy)
-    scaled = grouped * 2.0**-k
     norms, indices = [], []
     for start, inst, _ in codec.instances():
         if inst.m < d:
