@@ -230,9 +230,10 @@ def test_mlx_encodes_keys_or_values_of_a_pair_codec() -> None:
         mlx_ops.encode(pair, as_mlx(keys, "bf16"))
 
 
-@pytest.mark.parametrize("magnitude", [1e25, 1e-25])
-def test_mlx_picks_numbas_channels_for_huge_and_tiny_fp32_values(magnitude: float) -> None:
-    """The float32 channel energies are summed after the block's 2**-k scaling: squares of
-    1e25 would overflow float32 (every channel "inf") and squares of 1e-25 underflow to 0."""
+@pytest.mark.parametrize("name", ["int8", "tq4", "tq3.5"])
+@pytest.mark.parametrize("magnitude", [1e36, 1e25, 1e-25, 1e-39])
+def test_mlx_encodes_huge_and_tiny_fp32_values_like_numba(name: str, magnitude: float) -> None:
+    """Down to subnormals. The float32 channel energies are summed after the block's 2**-k
+    scaling: squares of 1e25 would overflow float32 (every channel "inf"), of 1e-25 underflow."""
     x = block("fp32", (4, 32, 128), seed=9) * np.float32(magnitude)
-    assert_encodes_like_numba(x, "tq3.5", "fp32", 128)
+    assert_encodes_like_numba(x, name, "fp32", 128)
