@@ -55,9 +55,9 @@ def encode(
     dtype is inferred from float16 / bfloat16 / float32 arrays; integer views of the raw words
     need it ("bf16" for uint16 bfloat16 bits). A K/V pair codec needs `kv_split` and takes a
     block of keys only or values only (as EXO stores them); NonFiniteError for NaN/Inf."""
-    if isinstance(codec, PairCodec):
-        codec = _pair_half(codec, src, kv_split)
     values, dtype = _float_input(src, dtype)
+    if isinstance(codec, PairCodec):
+        codec = _pair_half(codec, values, kv_split)
     shape = tuple(src.shape)
     n, code = values.size, DTYPE_CODES[dtype]
     words = values.reshape(-1).view(_WORD_TYPES[DTYPE_BYTES[dtype]])
