@@ -202,6 +202,8 @@ def test_mlx_encodes_raw_words_with_their_dtype() -> None:
         mlx_ops.encode(codec, mx.array(x), "fp32")
     with pytest.raises(TypeError, match="mlx array"):
         mlx_ops.encode(codec, x, "bf16")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="mlx array"):
+        mlx_ops.encode(get_codec("k8v4"), x, "bf16", kv_split=(0, 4))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["none", "int8", "tq3"])
