@@ -203,7 +203,7 @@ def test_mlx_encodes_raw_words_with_their_dtype() -> None:
     with pytest.raises(TypeError, match="mlx array"):
         mlx_ops.encode(codec, x, "bf16")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="mlx array"):
-        mlx_ops.encode(get_codec("k8v4"), x, "bf16", kv_split=(0, 4))  # type: ignore[arg-type]
+        mlx_ops.encode(get_codec("k8v4"), x.tolist(), kv_split=(0, 4))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", ["none", "int8", "tq3"])
