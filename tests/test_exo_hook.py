@@ -506,6 +506,8 @@ def test_a_runner_compiles_only_the_kernels_its_blocks_use(
         runtime = hook.runtime()
         assert runtime.ready.wait(READY_TIMEOUT_S)
         assert "none and lossless kernels for bf16 (single-threaded) ready in" in caplog.text
+        said = "encoded and decoded by the Numba kernels on the host: tierkv.quant.mlx_ops"
+        assert caplog.text.count(said) == 1  # the choice, said once (mlx[cpu] here)
 
         # the tiny model's blocks (2 heads, 16 dims, bf16) count as large for the hook and the
         # warm-up; the kernels still run their single-threaded builds on blocks that small

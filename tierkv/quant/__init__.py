@@ -2,7 +2,7 @@
 
 `get_codec(name, group_size)` gives a codec whose `encode` makes a payload; `decode_into` reads the
 codec from the payload header and writes into a preallocated array. `torch_ops` does the same for
-torch tensors (imports torch; import it explicitly).
+torch tensors and `mlx_ops` for MLX arrays (they import torch / MLX; import them explicitly).
 """
 
 from tierkv.quant.codec import DTYPES, Codec, decode_into, encode_block, get_codec, warmup

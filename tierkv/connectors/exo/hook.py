@@ -24,6 +24,11 @@ PARALLEL_MIN_BYTES use. The first prompt whose blocks need more (another dtype, 
 enough for the multi-threaded builds) starts compiling those in the background; until they are
 ready such prompts are not restored (EXO prefills them), and spills just wait for them.
 
+Codecs: the blocks are encoded and decoded by the Numba kernels on the host, a choice the
+runner's start logs once (`codec_engine`): tierkv.quant.mlx_ops encodes and decodes the same
+payloads on MLX arrays, but with mlx[cpu] it measured many times slower than Numba
+(benchmarks/bench_mlx.py), and on Metal it is untested, so nothing measured favours it yet.
+
 In a distributed instance every rank takes part in agreeing (all_gather, minimum) on the number
 of restored tokens, even when its own lookup failed or tierkv is not configured on it; so the
 hook must be installed on all nodes of an instance or on none. Every error inside tierkv leaves
@@ -124,6 +129,21 @@ _reported: set[str] = set()
 _shard: ShardContext | None = None
 _runtime: ExoRuntime | None = None
 _runtime_lock = threading.Lock()
+
+
+def codec_engine() -> str:
+    """Which code encodes and decodes this runner's blocks, and why (logged once at the start).
+
+    Always the Numba kernels for now: mlx_ops is used only where benchmarks/bench_mlx.py has
+    measured it faster, and so far it has been measured on mlx[cpu] only, where it is slower."""
+    device = mx.default_device()
+    why = (
+        "tierkv.quant.mlx_ops measured slower than Numba with mlx[cpu] (benchmarks/bench_mlx.py)"
+        if device.type == mx.cpu
+        else f"tierkv.quant.mlx_ops is untested on {device} (Metal); measure it with "
+        "benchmarks/bench_mlx.py first"
+    )
+    return f"KV blocks are encoded and decoded by the Numba kernels on the host: {why}"
 
 
 def report_once(topic: str, message: str, *args: object) -> None:
@@ -349,6 +369,7 @@ class ExoRuntime:
                 tier.codec.name,
                 seconds,
             )
+            log.info("tierkv: %s", codec_engine())
             with self._lock:
                 if self._closed:
                     tier.close()
