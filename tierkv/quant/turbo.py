@@ -381,10 +381,10 @@ def _mix_rows(y, z, mix, p):
             src = y[b * size : (b + 1) * size]
             for i in range(size):
                 dst[i] += c * src[i]
-    for i in range(0, q * size, 2):
-        u, w = z[i], z[i + 1]
-        z[i] = u + w
-        z[i + 1] = u - w
+    for i in range(q * size // 2):
+        u, w = z[2 * i], z[2 * i + 1]
+        z[2 * i] = u + w
+        z[2 * i + 1] = u - w
 
 
 @njit(cache=True, nogil=True)
