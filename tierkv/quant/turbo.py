@@ -366,25 +366,29 @@ def _butterfly_rows(y, r0, rows, h):
 
 @njit(cache=True, nogil=True)
 def _mix_rows(y, z, mix, p):
-    """z = the tile y with its q = mix.shape[0] blocks of p / 2 rows mixed: block a of z is
+    """z = the tile y with its q = mix.shape[0] > 1 blocks of p / 2 rows mixed: block a of z is
     sum_b mix[a, b] * block b of y (summed in order of b from 0), then the first butterfly
-    stage (coordinates 2r and 2r + 1) on every row of z."""
+    stage (coordinates 2r and 2r + 1, neighbouring lanes) on every row of z, in the pass that
+    adds the last block."""
     q = mix.shape[0]
     size = p // 2 * _LANES
+    last = y[(q - 1) * size : q * size]
     for a in range(q):
         dst = z[a * size : (a + 1) * size]
         c = mix[a, 0]
         for i in range(size):
             dst[i] = np.float32(0.0) + c * y[i]
-        for b in range(1, q):
+        for b in range(1, q - 1):
             c = mix[a, b]
             src = y[b * size : (b + 1) * size]
             for i in range(size):
                 dst[i] += c * src[i]
-    for i in range(q * size // 2):
-        u, w = z[2 * i], z[2 * i + 1]
-        z[2 * i] = u + w
-        z[2 * i + 1] = u - w
+        c = mix[a, q - 1]
+        for i in range(size // 2):
+            u = dst[2 * i] + c * last[2 * i]
+            w = dst[2 * i + 1] + c * last[2 * i + 1]
+            dst[2 * i] = u + w
+            dst[2 * i + 1] = u - w
 
 
 @njit(cache=True, nogil=True)
@@ -696,7 +700,7 @@ def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, 
             _pair_sources(channels[g], hi[0], hi[2], 0, word_bits, sources[g], flips[g])
             chan = channels[g][hi[0] :]
             _pair_sources(chan, lo[0], lo[2], hi[0] // 2, word_bits, sources[g], flips[g])
-    ordered = np.empty_like(pairs)
+    ordered = z.view(out_pairs.dtype)[: pairs.size]  # z is free once a tile is converted
     scratch = (y, z, lane_norms, pairs.view(out_words.dtype), pairs, masks, sources, flips, ordered)
     x = np.empty((_DTILE, d), np.float32)
     rows_scratch = (y, z, lane_norms, np.empty((_DTILE, d), np.float32))
