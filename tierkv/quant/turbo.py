@@ -40,6 +40,7 @@ from tierkv.quant.kernels import (
     nonfinite_bits,
     pow2,
     read_u16,
+    store_le,
     to_f32,
     write_u16,
 )
@@ -194,22 +195,23 @@ def _fwht_columns(y, m, n):
 
 
 @njit(cache=True, nogil=True)
-def _mix_columns(y, z, mix, p, n):
-    """Mix the q = mix.shape[0] blocks of p rows of y[:, :n]: block a becomes
-    sum_b mix[a, b] * block b (z is scratch of y's shape)."""
+def _mix_columns(y, z, mix, p):
+    """z = y with its q = mix.shape[0] blocks of p rows mixed: block a of z is
+    sum_b mix[a, b] * block b of y (summed in order of b from 0). Whole blocks of rows at a
+    time (the columns past a partial tile's vectors are mixed too, and never read)."""
     q = mix.shape[0]
-    for j in range(q * p):
-        z[j, :n] = y[j, :n]
+    size = p * y.shape[1]
+    flat_y, flat_z = y.reshape(-1), z.reshape(-1)
     for a in range(q):
-        for i in range(p):
-            row = y[a * p + i]
-            for t in range(n):
-                row[t] = np.float32(0.0)
-            for b in range(q):
-                c = mix[a, b]
-                src = z[b * p + i]
-                for t in range(n):
-                    row[t] += c * src[t]
+        dst = flat_z[a * size : (a + 1) * size]
+        c = mix[a, 0]
+        for i in range(size):
+            dst[i] = np.float32(0.0) + c * flat_y[i]
+        for b in range(1, q):
+            c = mix[a, b]
+            src = flat_y[b * size : (b + 1) * size]
+            for i in range(size):
+                dst[i] += c * src[i]
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
@@ -224,18 +226,29 @@ def _dot(a, b, m):
 @njit(cache=True, nogil=True)
 def _pack(idx, m, n, bits, out, start, stride):
     """Bit-pack idx[:m, t] for each vector t into out[start + t * stride:], LSB first, in groups
-    of 8 indices (bits bytes each; a last partial group is padded to a byte)."""
+    of 8 indices (bits bytes each; a last partial group is padded to a byte). Each group is
+    assembled for the whole tile at once (across vectors), then stored 4, 2 and 1 bytes at a
+    time."""
+    groups = np.empty(n, np.uint64)
     for g in range(0, m, 8):
         count = min(8, m - g)
         n_bytes = (count * bits + 7) // 8
         at = start + (g // 8) * bits
+        groups[:] = 0
+        for i in range(count):
+            row, shift = idx[g + i], np.uint64(bits * i)
+            for t in range(n):
+                groups[t] |= np.uint64(row[t]) << shift
         for t in range(n):
-            acc = np.uint64(0)
-            for i in range(count):
-                acc |= np.uint64(idx[g + i, t]) << np.uint64(bits * i)
-            pos = at + t * stride
-            for byte in range(n_bytes):
-                out[pos + byte] = np.uint8((acc >> np.uint64(8 * byte)) & np.uint64(0xFF))
+            acc, pos, done = groups[t], at + t * stride, 0
+            while n_bytes - done >= 4:
+                store_le(out, pos + done, np.uint32(acc >> np.uint64(8 * done)))
+                done += 4
+            if n_bytes - done >= 2:
+                store_le(out, pos + done, np.uint16(acc >> np.uint64(8 * done)))
+                done += 2
+            if n_bytes > done:
+                out[pos + done] = np.uint8(acc >> np.uint64(8 * done))
 
 
 @njit(cache=True, nogil=True)
@@ -281,7 +294,8 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
         for a in range(q):
             _fwht_columns(y[a * p : (a + 1) * p], p, n)
         if q > 1:
-            _mix_columns(y, z, matrix, p, n)
+            _mix_columns(y, z, matrix, p)
+            y = z
     else:  # a dense m x m matrix (payload format version 1)
         for i in range(m):
             for t in range(n):
