@@ -126,6 +126,23 @@ def load_u64(typingctx, buf, pos):
     return sig, codegen
 
 
+@intrinsic
+def store_le(typingctx, buf, pos, value):
+    """Write the unsigned integer `value` (uint16, uint32 or uint64) into a uint8 array `buf` at
+    byte offset `pos`, little-endian, any alignment (one store; the caller keeps pos plus its
+    size <= buf.size)."""
+    sig = types.void(buf, pos, value)
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        at = builder.gep(array.data, [args[1]])
+        pointer = context.get_value_type(signature.args[2]).as_pointer()
+        builder.store(args[2], builder.bitcast(at, pointer), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @njit(cache=True, nogil=True)
 def max_abs_bits(words, code):
     """Largest |x| of `words` as a bit pattern (monotonic in |x|); >= nonfinite_bits(code) means

@@ -40,6 +40,7 @@ from tierkv.quant.kernels import (
     nonfinite_bits,
     pow2,
     read_u16,
+    store_le,
     to_f32,
     write_u16,
 )
@@ -194,22 +195,23 @@ def _fwht_columns(y, m, n):
 
 
 @njit(cache=True, nogil=True)
-def _mix_columns(y, z, mix, p, n):
-    """Mix the q = mix.shape[0] blocks of p rows of y[:, :n]: block a becomes
-    sum_b mix[a, b] * block b (z is scratch of y's shape)."""
+def _mix_columns(y, z, mix, p):
+    """z = y with its q = mix.shape[0] blocks of p rows mixed: block a of z is
+    sum_b mix[a, b] * block b of y (summed in order of b from 0). Whole blocks of rows at a
+    time (the columns past a partial tile's vectors are mixed too, and never read)."""
     q = mix.shape[0]
-    for j in range(q * p):
-        z[j, :n] = y[j, :n]
+    size = p * y.shape[1]
+    flat_y, flat_z = y.reshape(-1), z.reshape(-1)
     for a in range(q):
-        for i in range(p):
-            row = y[a * p + i]
-            for t in range(n):
-                row[t] = np.float32(0.0)
-            for b in range(q):
-                c = mix[a, b]
-                src = z[b * p + i]
-                for t in range(n):
-                    row[t] += c * src[t]
+        dst = flat_z[a * size : (a + 1) * size]
+        c = mix[a, 0]
+        for i in range(size):
+            dst[i] = np.float32(0.0) + c * flat_y[i]
+        for b in range(1, q):
+            c = mix[a, b]
+            src = flat_y[b * size : (b + 1) * size]
+            for i in range(size):
+                dst[i] += c * src[i]
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
@@ -224,18 +226,29 @@ def _dot(a, b, m):
 @njit(cache=True, nogil=True)
 def _pack(idx, m, n, bits, out, start, stride):
     """Bit-pack idx[:m, t] for each vector t into out[start + t * stride:], LSB first, in groups
-    of 8 indices (bits bytes each; a last partial group is padded to a byte)."""
+    of 8 indices (bits bytes each; a last partial group is padded to a byte). Each group is
+    assembled for the whole tile at once (across vectors), then stored 4, 2 and 1 bytes at a
+    time."""
+    groups = np.empty(n, np.uint64)
     for g in range(0, m, 8):
         count = min(8, m - g)
         n_bytes = (count * bits + 7) // 8
         at = start + (g // 8) * bits
+        groups[:] = 0
+        for i in range(count):
+            row, shift = idx[g + i], np.uint64(bits * i)
+            for t in range(n):
+                groups[t] |= np.uint64(row[t]) << shift
         for t in range(n):
-            acc = np.uint64(0)
-            for i in range(count):
-                acc |= np.uint64(idx[g + i, t]) << np.uint64(bits * i)
-            pos = at + t * stride
-            for byte in range(n_bytes):
-                out[pos + byte] = np.uint8((acc >> np.uint64(8 * byte)) & np.uint64(0xFF))
+            acc, pos, done = groups[t], at + t * stride, 0
+            while n_bytes - done >= 4:
+                store_le(out, pos + done, np.uint32(acc >> np.uint64(8 * done)))
+                done += 4
+            if n_bytes - done >= 2:
+                store_le(out, pos + done, np.uint16(acc >> np.uint64(8 * done)))
+                done += 2
+            if n_bytes > done:
+                out[pos + done] = np.uint8(acc >> np.uint64(8 * done))
 
 
 @njit(cache=True, nogil=True)
@@ -281,7 +294,8 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
         for a in range(q):
             _fwht_columns(y[a * p : (a + 1) * p], p, n)
         if q > 1:
-            _mix_columns(y, z, matrix, p, n)
+            _mix_columns(y, z, matrix, p)
+            y = z
     else:  # a dense m x m matrix (payload format version 1)
         for i in range(m):
             for t in range(n):
@@ -297,9 +311,9 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
 
 
 @njit(cache=True, nogil=True)
-def _unpack_rows(body, n, inst, index_at, stride, y):
-    """Look up the packed indices of vectors 0 .. n - 1 of a tile (the first at body[index_at],
-    `stride` bytes apart) in the instance's table: coordinates (2r, 2r + 1) of vector t go to
+def _unpack_rows(body, n, vec, inst, index_at, stride, y):
+    """Look up the packed indices of the n vectors of a tile (vector t's at body[index_at +
+    vec[t] * stride]) in the instance's table: coordinates (2r, 2r + 1) of vector t go to
     row r, lanes 2t and 2t + 1 of y (see _DTILE). A table of 4 values per entry covers a byte
     (4 indices of 2 bits: rows 2i and 2i + 1), one of 2 a pair of indices."""
     m, bits, _, _, _, table, _ = inst
@@ -307,32 +321,34 @@ def _unpack_rows(body, n, inst, index_at, stride, y):
     rows = y.view(np.uint64)
     if table.shape[1] == 4:
         for t in range(n):
-            pos = index_at + t * stride
+            pos = index_at + vec[t] * stride
             for i in range(m // 4):
                 code = 2 * np.intp(body[pos + i])
                 rows[(2 * i) * _DTILE + t] = lanes[code]
                 rows[(2 * i + 1) * _DTILE + t] = lanes[code + 1]
     elif bits == 4:
         for t in range(n):
-            pos = index_at + t * stride
+            pos = index_at + vec[t] * stride
             for r in range(m // 2):
                 rows[r * _DTILE + t] = lanes[body[pos + r]]
     else:
         pair_bits = np.uint64(2 * bits)
         pair_mask = np.uint64((1 << (2 * bits)) - 1)
+        whole = m // 8  # groups of 8 indices: one 64-bit load, 4 look-ups
         for t in range(n):
-            pos = index_at + t * stride
-            for g in range(0, m, 8):
+            pos = index_at + vec[t] * stride
+            loaded = whole if pos + (whole - 1) * bits + 8 <= body.size else 0
+            for k in range(loaded):
+                acc = load_u64(body, pos + k * bits)
+                row = 4 * k * _DTILE + t
+                rows[row] = lanes[acc & pair_mask]
+                rows[row + _DTILE] = lanes[(acc >> pair_bits) & pair_mask]
+                rows[row + 2 * _DTILE] = lanes[(acc >> (2 * pair_bits)) & pair_mask]
+                rows[row + 3 * _DTILE] = lanes[(acc >> (3 * pair_bits)) & pair_mask]
+            for g in range(8 * loaded, m, 8):  # the rest byte by byte
                 count = min(8, m - g)
                 at = pos + (g // 8) * bits
                 row = (g // 2) * _DTILE + t
-                if count == 8 and at + 8 <= body.size:  # a whole group: one load, 4 look-ups
-                    acc = load_u64(body, at)
-                    rows[row] = lanes[acc & pair_mask]
-                    rows[row + _DTILE] = lanes[(acc >> pair_bits) & pair_mask]
-                    rows[row + 2 * _DTILE] = lanes[(acc >> (2 * pair_bits)) & pair_mask]
-                    rows[row + 3 * _DTILE] = lanes[(acc >> (3 * pair_bits)) & pair_mask]
-                    continue
                 acc = np.uint64(0)
                 for byte in range((count * bits + 7) // 8):
                     acc |= np.uint64(body[at + byte]) << np.uint64(8 * byte)
@@ -343,67 +359,64 @@ def _unpack_rows(body, n, inst, index_at, stride, y):
 @njit(cache=True, nogil=True)
 def _butterfly_rows(y, r0, rows, h):
     """Butterfly stages of row distance h, 2h, 4h, ... < rows on rows [r0, r0 + rows) of a tile:
-    the Walsh-Hadamard stages of coordinate distance 2h and up, two per pass (radix 4)."""
+    the Walsh-Hadamard stages of coordinate distance 2h and up, two per pass (radix 4). The h
+    rows paired with the next h rows are contiguous, so each group is one loop over h rows."""
     while 4 * h <= rows:
-        for i in range(r0, r0 + rows, 4 * h):
-            for r in range(i, i + h):
-                y0, y1 = (
-                    y[r * _LANES : (r + 1) * _LANES],
-                    y[(r + h) * _LANES : (r + h + 1) * _LANES],
-                )
-                y2 = y[(r + 2 * h) * _LANES : (r + 2 * h + 1) * _LANES]
-                y3 = y[(r + 3 * h) * _LANES : (r + 3 * h + 1) * _LANES]
-                _radix4(y0, y1, y2, y3, _LANES)
+        span = h * _LANES
+        for i in range(r0 * _LANES, (r0 + rows) * _LANES, 4 * span):
+            y0, y1 = y[i : i + span], y[i + span : i + 2 * span]
+            _radix4(y0, y1, y[i + 2 * span : i + 3 * span], y[i + 3 * span : i + 4 * span], span)
         h *= 4
     if h < rows:
-        for i in range(r0, r0 + rows, 2 * h):
-            for r in range(i, i + h):
-                y0, y1 = (
-                    y[r * _LANES : (r + 1) * _LANES],
-                    y[(r + h) * _LANES : (r + h + 1) * _LANES],
-                )
-                for lane in range(_LANES):
-                    s0 = y0[lane] + y1[lane]
-                    s1 = y0[lane] - y1[lane]
-                    y0[lane] = s0
-                    y1[lane] = s1
+        span = h * _LANES
+        for i in range(r0 * _LANES, (r0 + rows) * _LANES, 2 * span):
+            y0, y1 = y[i : i + span], y[i + span : i + 2 * span]
+            for lane in range(span):
+                s0 = y0[lane] + y1[lane]
+                s1 = y0[lane] - y1[lane]
+                y0[lane] = s0
+                y1[lane] = s1
 
 
 @njit(cache=True, nogil=True)
 def _mix_rows(y, z, mix, p):
-    """Mix the q = mix.shape[0] blocks of p / 2 rows of the tile y: block a becomes
-    sum_b mix[a, b] * block b (z is scratch of y's size), then the first butterfly stage
-    (coordinates 2r and 2r + 1) on every row."""
+    """z = the tile y with its q = mix.shape[0] > 1 blocks of p / 2 rows mixed: block a of z is
+    sum_b mix[a, b] * block b of y (summed in order of b from 0), then the first butterfly
+    stage (coordinates 2r and 2r + 1, neighbouring lanes) on every row of z, in the pass that
+    adds the last block."""
     q = mix.shape[0]
-    rows = p // 2
-    z[: q * rows * _LANES] = y[: q * rows * _LANES]
+    size = p // 2 * _LANES
+    last = y[(q - 1) * size : q * size]
     for a in range(q):
-        for i in range(rows):
-            r = a * rows + i
-            dst = y[r * _LANES : (r + 1) * _LANES]
-            for lane in range(_LANES):
-                dst[lane] = np.float32(0.0)
-            for b in range(q):
-                c = mix[a, b]
-                src = z[(b * rows + i) * _LANES : (b * rows + i + 1) * _LANES]
-                for lane in range(_LANES):
-                    dst[lane] += c * src[lane]
-            for t in range(_DTILE):
-                u, w = dst[2 * t], dst[2 * t + 1]
-                dst[2 * t] = u + w
-                dst[2 * t + 1] = u - w
+        dst = z[a * size : (a + 1) * size]
+        c = mix[a, 0]
+        for i in range(size):
+            dst[i] = np.float32(0.0) + c * y[i]
+        for b in range(1, q - 1):
+            c = mix[a, b]
+            src = y[b * size : (b + 1) * size]
+            for i in range(size):
+                dst[i] += c * src[i]
+        c = mix[a, q - 1]
+        for i in range(size // 2):
+            u = dst[2 * i] + c * last[2 * i]
+            w = dst[2 * i + 1] + c * last[2 * i + 1]
+            dst[2 * i] = u + w
+            dst[2 * i + 1] = u - w
 
 
 @njit(cache=True, nogil=True)
 def _rotate_back(y, z, inst, lane_norms, pow2k):
-    """Undo the Hadamard-block rotation of a tile unpacked by _unpack_rows and scale it:
-    y = 2**k * norm * |R^T levels| for every coordinate, the signs of R left to the caller
-    (the products are rounded as norm * 2**k * sign * R^T levels was, sign flips being exact)."""
+    """Undo the Hadamard-block rotation of a tile unpacked by _unpack_rows into y and scale it,
+    in y, or in z when blocks are mixed (the array returned): 2**k * norm * |R^T levels| for
+    every coordinate, the signs of R left to the caller (the products are rounded as
+    norm * 2**k * sign * R^T levels was, sign flips being exact)."""
     m, _, _, matrix, matrix_t, table, _ = inst
     q = max(1, matrix.shape[0])
     p = m // q
     if q > 1:
         _mix_rows(y, z, matrix_t, p)
+        y = z
     first = 1 if q > 1 else table.shape[1] // 2  # row distance of the first stage left to do
     for a in range(q):
         _butterfly_rows(y, a * (p // 2), p // 2, first)
@@ -412,13 +425,15 @@ def _rotate_back(y, z, inst, lane_norms, pow2k):
         row = y[r * _LANES : (r + 1) * _LANES]
         for lane in range(_LANES):
             row[lane] = row[lane] * scale * lane_norms[lane] * pow2k
+    return y
 
 
 @njit(cache=True, nogil=True)
-def _read_norms(body, n, norm_at, norm_stride, lane_norms):
-    """lane_norms[2t] = lane_norms[2t + 1] = norm of vector t of the tile (0 past n)."""
+def _read_norms(body, n, vec, norm_at, norm_stride, lane_norms):
+    """lane_norms[2t] = lane_norms[2t + 1] = norm of vector t of the tile (at body[norm_at +
+    vec[t] * norm_stride]; 0 past n)."""
     for t in range(_DTILE):
-        norm = half_to_f32(read_u16(body, norm_at + t * norm_stride)) if t < n else 0.0
+        norm = half_to_f32(read_u16(body, norm_at + vec[t] * norm_stride)) if t < n else 0.0
         lane_norms[2 * t] = norm
         lane_norms[2 * t + 1] = norm
 
@@ -435,49 +450,137 @@ def _sign_masks(signs, word_bits, masks):
 
 
 @njit(cache=True, nogil=True)
-def _decode_direct(body, n, v0, inst, scratch, code, out_pairs, at, pow2k):
+def _decode_direct(body, n, vec, inst, scratch, code, out_pairs, at, pow2k):
     """Decode a tile of a one-instance Hadamard body straight into the output: the tile is
     converted to output words in place of the SIMD rows, then moved out pair by pair with R's
     signs applied as sign bits."""
     m = inst[0]
-    y, z, lane_norms, words, pairs, masks = scratch
+    y, z, lane_norms, words, pairs, masks = scratch[:6]
     norm_at, norm_stride, index_at, index_stride = at
-    _unpack_rows(body, n, inst, index_at, index_stride, y)
-    _read_norms(body, n, norm_at, norm_stride, lane_norms)
-    _rotate_back(y, z, inst, lane_norms, pow2k)
-    from_f32(y[: m * _DTILE], code, words[: m * _DTILE])
+    _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
+    _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
+    rotated = _rotate_back(y, z, inst, lane_norms, pow2k)
+    from_f32(rotated[: m * _DTILE], code, words[: m * _DTILE])
     half = m // 2
     for t in range(n):
-        dst = out_pairs[(v0 + t) * half : (v0 + t + 1) * half]
+        dst = out_pairs[vec[t] * half : (vec[t] + 1) * half]
         for r in range(half):
             dst[r] = pairs[r * _DTILE + t] ^ masks[r]
 
 
 @njit(cache=True, nogil=True)
-def _decode_into_rows(body, n, v0, select, offset, inst, scratch, x, at, pow2k):
-    """x[t, channels] = 2**k * norm * R^T levels for one instance of vectors v0 .. v0 + n - 1
-    (select and offset as in _encode_tile); scratch = (y, z, lane_norms, rows, signs)."""
+def _group_tiles(n_vectors, sel_div, sel_mod):
+    """(order, tiles): the vectors sorted by selection group (ascending within one), and per
+    tile of up to _DTILE vectors of one group its first entry in `order` and its size."""
+    starts = np.zeros(sel_mod + 1, np.int64)
+    for v in range(n_vectors):
+        starts[(v // sel_div) % sel_mod + 1] += 1
+    n_tiles = 0
+    for g in range(sel_mod):
+        n_tiles += (starts[g + 1] + _DTILE - 1) // _DTILE
+        starts[g + 1] += starts[g]
+    order = np.empty(n_vectors, np.int64)
+    fill = starts[:sel_mod].copy()
+    for v in range(n_vectors):
+        g = (v // sel_div) % sel_mod
+        order[fill[g]] = v
+        fill[g] += 1
+    tiles = np.empty((n_tiles, 2), np.int64)
+    i = 0
+    for g in range(sel_mod):
+        for first in range(starts[g], starts[g + 1], _DTILE):
+            tiles[i, 0] = first
+            tiles[i, 1] = min(_DTILE, starts[g + 1] - first)
+            i += 1
+    return order, tiles
+
+
+@njit(cache=True, nogil=True)
+def _pair_sources(chan, m, signs, r0, word_bits, sources, flips):
+    """For output channels chan[:m] of one instance (converted to rows r0 .. r0 + m / 2 of a tile
+    of output word pairs, see _decode_mixed): sources[c] = 2 * row + the half of the pair holding
+    c, and in flips[c // 2] the sign bit of c where R's sign is negative, placed as in a pair of
+    output words."""
+    top = np.uint64(word_bits - 1)
+    for j in range(m):
+        c = chan[j]
+        sources[c] = 2 * (r0 + j // 2) + j % 2
+        if signs[j] < 0:
+            flips[c // 2] |= np.uint64(1) << (top + np.uint64(word_bits * (c % 2)))
+
+
+@njit(cache=True, nogil=True)
+def _convert_instance(body, n, vec, inst, scratch, code, at, pow2k, r0):
+    """Unpack, rotate back and scale one Hadamard-block instance of a tile, then convert it to
+    output words in rows r0 .. r0 + m / 2 of the tile of output words (laid out as the rows)."""
+    y, z, lane_norms, words = scratch[:4]
+    norm_at, norm_stride, index_at, index_stride = at
+    m = inst[0]
+    _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
+    _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
+    rotated = _rotate_back(y, z, inst, lane_norms, pow2k)
+    from_f32(rotated[: m * _DTILE], code, words[r0 * _LANES : r0 * _LANES + m * _DTILE])
+
+
+@njit(cache=True, nogil=True)
+def _decode_mixed(body, n, vec, g, hi, lo, scratch, code, out_pairs, at, pow2k):
+    """Decode a tile of vectors vec[:n] of one selection group g of a two-instance
+    Hadamard-block body straight into the output. Both instances are converted to output words
+    in their rows of one tile; as every vector of the tile has the same channel order, putting
+    the channels in order is a fixed choice of word per pair row, the same across the tile's
+    SIMD lanes (with R's signs as sign bits); the tile is then moved out pair by pair."""
+    words, pairs = scratch[3], scratch[4]
+    sources, flips, ordered = scratch[6], scratch[7], scratch[8]
+    norm_at, norm_stride, index_at, index_stride = at
+    _convert_instance(body, n, vec, hi, scratch, code, at, pow2k, 0)
+    lo_at = (norm_at + 2, norm_stride, index_at + packed_bytes(hi[0], hi[1]), index_stride)
+    _convert_instance(body, n, vec, lo, scratch, code, lo_at, pow2k, hi[0] // 2)
+    word_bits = 8 * words.itemsize
+    low = (np.uint64(1) << np.uint64(word_bits)) - np.uint64(1)
+    half = (hi[0] + lo[0]) // 2
+    for r in range(half):
+        even, odd = sources[g, 2 * r], sources[g, 2 * r + 1]
+        a = pairs[(even >> 1) * _DTILE : ((even >> 1) + 1) * _DTILE]
+        b = pairs[(odd >> 1) * _DTILE : ((odd >> 1) + 1) * _DTILE]
+        a_shift = pairs.dtype.type(word_bits * (even & 1))
+        b_shift = pairs.dtype.type(word_bits * (odd & 1))
+        up = pairs.dtype.type(word_bits)
+        mask = pairs.dtype.type(low)
+        flip = pairs.dtype.type(flips[g, r])
+        dst = ordered[r * _DTILE : (r + 1) * _DTILE]
+        for t in range(_DTILE):
+            dst[t] = (((a[t] >> a_shift) & mask) | ((b[t] >> b_shift) << up)) ^ flip
+    for t in range(n):
+        dst = out_pairs[vec[t] * half : (vec[t] + 1) * half]
+        for r in range(half):
+            dst[r] = ordered[r * _DTILE + t]
+
+
+@njit(cache=True, nogil=True)
+def _decode_into_rows(body, n, vec, select, offset, inst, scratch, x, at, pow2k):
+    """x[t, channels] = 2**k * norm * R^T levels for one instance of vectors vec[:n]
+    (select and offset as in _encode_tile); scratch = (y, z, lane_norms, rows)."""
     channels, sel_div, sel_mod = select
     m, _, signs, matrix, matrix_t, _, _ = inst
     y, z, lane_norms, rows = scratch
     norm_at, norm_stride, index_at, index_stride = at
-    _unpack_rows(body, n, inst, index_at, index_stride, y)
+    _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
     if matrix.shape[0] < m:  # Hadamard blocks, mixed by matrix when there are several
-        _read_norms(body, n, norm_at, norm_stride, lane_norms)
-        _rotate_back(y, z, inst, lane_norms, pow2k)
+        _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
+        rotated = _rotate_back(y, z, inst, lane_norms, pow2k)
         for t in range(n):
-            chan = channels[((v0 + t) // sel_div) % sel_mod][offset : offset + m]
+            chan = channels[(vec[t] // sel_div) % sel_mod][offset : offset + m]
             row = x[t]
             for r in range(m // 2):
                 at = r * _LANES + 2 * t
-                row[chan[2 * r]] = y[at] * signs[2 * r]
-                row[chan[2 * r + 1]] = y[at + 1] * signs[2 * r + 1]
+                row[chan[2 * r]] = rotated[at] * signs[2 * r]
+                row[chan[2 * r + 1]] = rotated[at + 1] * signs[2 * r + 1]
     else:  # a dense m x m matrix (payload format version 1)
         for t in range(n):
-            norm = half_to_f32(read_u16(body, norm_at + t * norm_stride))
+            norm = half_to_f32(read_u16(body, norm_at + vec[t] * norm_stride))
             for j in range(m):
                 rows[t, j] = y[(j // 2) * _LANES + 2 * t + j % 2]
-            chan = channels[((v0 + t) // sel_div) % sel_mod]
+            chan = channels[(vec[t] // sel_div) % sel_mod]
             for i in range(m):
                 x[t, chan[offset + i]] = _dot(matrix_t[i], rows[t], m) * norm * pow2k
 
@@ -569,11 +672,27 @@ def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
 
 
 @njit(cache=True, nogil=True)
-def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, t_lo, t_hi):
-    """Decode tiles [t_lo, t_hi) of _DTILE vectors of a TurboQuant body into `out_words`
+def _is_mixed_hadamard(hi, lo):
+    """Whether both instances exist and rotate by Hadamard blocks (payload format 2 mixed)."""
+    return lo[0] > 0 and hi[3].shape[0] < hi[0] and lo[3].shape[0] < lo[0]
+
+
+@njit(cache=True, nogil=True)
+def _decode_plan(n_vectors, select, hi, lo):
+    """_group_tiles of the decoder: tiles of one selection group when _decode_mixed decodes
+    them, else of consecutive vectors."""
+    _, sel_div, sel_mod = select
+    if _is_mixed_hadamard(hi, lo):
+        return _group_tiles(n_vectors, sel_div, sel_mod)
+    return _group_tiles(n_vectors, 1, 1)
+
+
+@njit(cache=True, nogil=True)
+def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, plan, t_lo, t_hi):
+    """Decode tiles [t_lo, t_hi) of `plan` (_decode_plan) of a TurboQuant body into `out_words`
     (`out_pairs` is the same memory as words of twice the size); see _encode_tiles."""
     norms_offset, indices_offset, bpv = offsets
-    n_vectors = out_words.size // d
+    order, tiles = plan
     n_inst = 2 if lo[0] > 0 else 1
     lo_index_offset = packed_bytes(hi[0], hi[1])
     pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
@@ -581,27 +700,40 @@ def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, 
     z = np.empty(d * _LANES, np.float32)
     lane_norms = np.empty(_LANES, np.float32)
     direct = n_inst == 1 and hi[3].shape[0] < d
+    mixed = _is_mixed_hadamard(hi, lo)
     pairs = np.empty(d * _DTILE // 2, out_pairs.dtype)
     masks = np.zeros(d // 2, out_pairs.dtype)
     if direct:
         _sign_masks(hi[2], 8 * out_words.itemsize, masks)
-    scratch = (y, z, lane_norms, pairs.view(out_words.dtype), pairs, masks)
+    channels, sel_div, sel_mod = select
+    sources = np.zeros((channels.shape[0], d), np.int64)
+    flips = np.zeros((channels.shape[0], d // 2), out_pairs.dtype)
+    if mixed:
+        for g in range(channels.shape[0]):
+            word_bits = 8 * out_words.itemsize
+            _pair_sources(channels[g], hi[0], hi[2], 0, word_bits, sources[g], flips[g])
+            chan = channels[g][hi[0] :]
+            _pair_sources(chan, lo[0], lo[2], hi[0] // 2, word_bits, sources[g], flips[g])
+    ordered = z.view(out_pairs.dtype)[: pairs.size]  # z is free once a tile is converted
+    scratch = (y, z, lane_norms, pairs.view(out_words.dtype), pairs, masks, sources, flips, ordered)
     x = np.empty((_DTILE, d), np.float32)
     rows_scratch = (y, z, lane_norms, np.empty((_DTILE, d), np.float32))
+    at = (norms_offset, 2 * n_inst, indices_offset, bpv)
+    lo_at = (norms_offset + 2, 2 * n_inst, indices_offset + lo_index_offset, bpv)
     for tile in range(t_lo, t_hi):
-        v0 = tile * _DTILE
-        n = min(_DTILE, n_vectors - v0)
-        norm_at = norms_offset + 2 * n_inst * v0
-        index_at = indices_offset + bpv * v0
-        at = (norm_at, 2 * n_inst, index_at, bpv)
+        first, n = tiles[tile, 0], tiles[tile, 1]
+        vec = order[first : first + n]
         if direct:
-            _decode_direct(body, n, v0, hi, scratch, code, out_pairs, at, pow2k)
-            continue
-        _decode_into_rows(body, n, v0, select, 0, hi, rows_scratch, x, at, pow2k)
-        if n_inst == 2:
-            at = (norm_at + 2, 2 * n_inst, index_at + lo_index_offset, bpv)
-            _decode_into_rows(body, n, v0, select, hi[0], lo, rows_scratch, x, at, pow2k)
-        from_f32(x.reshape(-1)[: n * d], code, out_words[v0 * d : (v0 + n) * d])
+            _decode_direct(body, n, vec, hi, scratch, code, out_pairs, at, pow2k)
+        elif mixed:
+            g = (vec[0] // sel_div) % sel_mod
+            _decode_mixed(body, n, vec, g, hi, lo, scratch, code, out_pairs, at, pow2k)
+        else:
+            _decode_into_rows(body, n, vec, select, 0, hi, rows_scratch, x, at, pow2k)
+            if n_inst == 2:
+                _decode_into_rows(body, n, vec, select, hi[0], lo, rows_scratch, x, lo_at, pow2k)
+            v0 = vec[0]
+            from_f32(x.reshape(-1)[: n * d], code, out_words[v0 * d : (v0 + n) * d])
 
 
 @njit(cache=True, nogil=True)
@@ -625,18 +757,22 @@ def encode_parallel(words, code, d, select, k, out, offsets, hi, lo):
 def decode_serial(body, code, d, select, out_words, out_pairs, offsets, hi, lo):
     """Decode every vector of a TurboQuant body into `out_words` (`out_pairs`: the same memory
     as words of twice the size)."""
-    n_tiles = (out_words.size // d + _DTILE - 1) // _DTILE
-    _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, 0, n_tiles)
+    plan = _decode_plan(out_words.size // d, select, hi, lo)
+    n_tiles = plan[1].shape[0]
+    _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, plan, 0, n_tiles)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def decode_parallel(body, code, d, select, out_words, out_pairs, offsets, hi, lo):
     """decode_serial split across threads."""
-    n_tiles = (out_words.size // d + _DTILE - 1) // _DTILE
+    plan = _decode_plan(out_words.size // d, select, hi, lo)
+    n_tiles = plan[1].shape[0]
     per_chunk = max(1, CHUNK_VALUES // (_DTILE * d))
     for c in prange((n_tiles + per_chunk - 1) // per_chunk):
         t_lo, t_hi = c * per_chunk, min(n_tiles, (c + 1) * per_chunk)
-        _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, t_lo, t_hi)
+        _decode_tiles(
+            body, code, d, select, out_words, out_pairs, offsets, hi, lo, plan, t_lo, t_hi
+        )
 
 
 scan_kernel = Threaded(scan_serial, scan_parallel)
