@@ -51,6 +51,35 @@ def test_put_and_promote_travel_the_bulk_path(vault: Any) -> None:
         )
 
 
+def test_a_promote_receives_payloads_into_the_buffers_it_is_given(vault: Any) -> None:
+    """`into` places payloads (in pieces) where the caller wants them: each is returned as its
+    first buffer, one whose checksum then fails is absent; the others land in run buffers."""
+    sizes = [100, 7, 300, 64 * 1024, 50]
+    with VaultClient(vault.address) as client:
+        for i, size in enumerate(sizes):
+            client.put(NS, key(i), 0, payload(i, size))
+        assert client.flush(timeout=30)
+        entries = vault.store._entries
+        stored, checksum = entries[(NS, key(3), 0)]
+        entries[(NS, key(3), 0)] = (b"\x00" + stored[1:], checksum)
+        pieces = {i: [bytearray(3), bytearray(size - 3)] for i, size in enumerate(sizes) if i != 2}
+        asked: list[tuple[int, int, int]] = []
+
+        def into(indices, parts, lengths):
+            asked.extend(zip(indices, parts, lengths, strict=True))
+            return [[memoryview(b) for b in pieces[i]] if i in pieces else None for i in indices]
+
+        found = client.promote(NS, [key(i) for i in range(len(sizes))], [0], into)
+        assert client.transport == "bulk"
+        assert sorted(asked) == [(i, 0, size) for i, size in enumerate(sizes)]
+        assert sorted(found) == [(0, 0), (1, 0), (2, 0), (4, 0)]  # 3: its checksum failed
+        assert client.checksum_failures == 1
+        for i in (0, 1, 4):
+            assert found[(i, 0)].obj is pieces[i][0]
+            assert b"".join(pieces[i]) == payload(i, sizes[i])
+        assert bytes(found[(2, 0)]) == payload(2, sizes[2])
+
+
 def test_a_vault_without_bulk_path_is_served_over_grpc() -> None:
     server = serve("127.0.0.1:0", 0, bulk_port=None)
     try:

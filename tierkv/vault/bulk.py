@@ -20,6 +20,7 @@ Client side: `BulkConnection(host, port, timeout_s, ...)` sends one request at a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import select
@@ -57,6 +58,8 @@ SMALL_RUN_BYTES = 256 * KIB
 costs less than a system call per payload."""
 SEND_BUFFERS = 512
 """Buffers per sendmsg call (the kernel takes at most IOV_MAX, 1024 on Linux)."""
+RECV_BUFFERS = 256
+"""Buffers per recvmsg_into call (each call fills what has arrived, usually far fewer)."""
 CLIENT_RUN_BYTES = 8 * MIB
 """The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
 MAX_POOLED_BYTES = 1024 * MIB
@@ -85,6 +88,10 @@ class BulkError(ConnectionError):
 
 
 Payload = bytes | memoryview
+Into = Callable[[Sequence[int], Sequence[int], Sequence[int]], list[list[memoryview] | None]]
+"""into(key indices, parts, lengths) -> per promoted payload, the writable buffers (summing to its
+length) it is received straight into, in order, or None: into the client's own (see
+BulkConnection.promote)."""
 T = TypeVar("T")
 MessageT = TypeVar("MessageT", bound=Message)
 
@@ -161,6 +168,26 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline) -> Non
         if received == 0:
             raise ConnectionError("the peer closed the connection mid-frame")
         filled += received
+
+
+def _recv_scattered(sock: socket.socket, buffers: list[memoryview], deadline: Deadline) -> None:
+    """Fill `buffers` in order from the socket by the deadline (scatter-gather); ConnectionError
+    when the peer closes first."""
+    if isinstance(sock, ssl.SSLSocket):  # no recvmsg_into
+        for buf in buffers:
+            _recv_into(sock, buf, deadline)
+        return
+    first = 0  # buffers[first:] are still to fill
+    while first < len(buffers):
+        deadline.arm(sock)
+        received = sock.recvmsg_into(buffers[first : first + RECV_BUFFERS])[0]
+        if received == 0:
+            raise ConnectionError("the peer closed the connection mid-frame")
+        while first < len(buffers) and received >= len(buffers[first]):
+            received -= len(buffers[first])
+            first += 1
+        if received:
+            buffers[first] = buffers[first][received:]
 
 
 def _recv_bytes(sock: socket.socket, size: int, deadline: Deadline) -> bytes:
@@ -464,6 +491,24 @@ class BulkServer:
 # ---- client side -------------------------------------------------------------------------------
 
 
+def _placed(
+    index: vault_pb2.PromoteIndex, keys: int, into: Into | None
+) -> list[list[memoryview] | None]:
+    """Per payload of a PROMOTE_REPLY, the buffers `into` gives for it; None: a run buffer's
+    (also for every payload when the index is malformed)."""
+    key_indices, parts, lengths = index.key_indices, index.parts, index.lengths
+    if (
+        into is None
+        or not len(key_indices) == len(parts) == len(lengths)
+        or any(key_index >= keys for key_index in key_indices)
+    ):
+        return [None] * len(lengths)
+    placed = into(key_indices, parts, lengths)
+    if len(placed) != len(lengths):
+        return [None] * len(lengths)
+    return placed
+
+
 class BulkConnection:
     """One client connection to a vault's bulk port; one call at a time (not thread-safe).
 
@@ -540,25 +585,42 @@ class BulkConnection:
         return _parse(vault_pb2.PutSummary, _recv_bytes(self._sock, index_len, clock))
 
     def promote(
-        self, request: vault_pb2.PromoteRequest, deadline: float
-    ) -> tuple[vault_pb2.PromoteIndex, list[memoryview]]:
-        """(index, payloads) of every block the vault has; payloads are views of run buffers."""
+        self, request: vault_pb2.PromoteRequest, deadline: float, into: Into | None = None
+    ) -> tuple[vault_pb2.PromoteIndex, list[list[memoryview]]]:
+        """(index, payloads) of every block the vault has, each payload as the buffers it lies
+        in: the ones `into(key indices, parts, lengths)` gave for it, else one view
+        of a run buffer. Payloads `into` places are received straight into their buffers, with
+        no copy of ours (the caller verifies them: they may hold anything the vault sent)."""
         clock = Deadline(deadline, self.timeout_s)
 
-        def call() -> tuple[vault_pb2.PromoteIndex, list[memoryview]]:
+        def call() -> tuple[vault_pb2.PromoteIndex, list[list[memoryview]]]:
             _send_frame(self._sock, PROMOTE, request, clock)
             _, index_len, data_len = _parse_header(
                 _recv_bytes(self._sock, HEADER.size, clock), PROMOTE_REPLY
             )
             index = _parse(vault_pb2.PromoteIndex, _recv_bytes(self._sock, index_len, clock))
             _check_lengths(index.lengths, data_len)
-            payloads: list[memoryview] = []
-            for run in batched_by_size(list(index.lengths), int, CLIENT_RUN_BYTES):
-                size = sum(run)
-                buf = RECEIVE_BUFFERS.take().data if size <= CLIENT_RUN_BYTES else None
-                buf = buf[:size] if buf is not None else _empty_buffer(size)
-                _recv_into(self._sock, buf, clock)
-                payloads.extend(split_payloads(buf.toreadonly(), run))
+            placed = _placed(index, len(request.keys), into)
+            payloads: list[list[memoryview]] = []
+            at = 0
+            for own, group in itertools.groupby(placed, key=lambda bufs: bufs is None):
+                stretch = list(group)
+                lengths = index.lengths[at : at + len(stretch)]
+                at += len(stretch)
+                if not own:  # payloads `into` placed, received with one scatter
+                    placed_bufs = [bufs for bufs in stretch if bufs is not None]
+                    flat = [buf for bufs in placed_bufs for buf in bufs]
+                    if sum(map(len, flat)) != sum(lengths):
+                        raise ValueError("the buffers given for placed payloads do not fit them")
+                    _recv_scattered(self._sock, flat, clock)
+                    payloads.extend(placed_bufs)
+                    continue
+                for run in batched_by_size(list(lengths), int, CLIENT_RUN_BYTES):
+                    size = sum(run)
+                    buf = RECEIVE_BUFFERS.take().data if size <= CLIENT_RUN_BYTES else None
+                    buf = buf[:size] if buf is not None else _empty_buffer(size)
+                    _recv_into(self._sock, buf, clock)
+                    payloads.extend([view] for view in split_payloads(buf.toreadonly(), run))
             return index, payloads
 
         return self._guarded(call)

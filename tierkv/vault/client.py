@@ -32,7 +32,7 @@ from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
 from tierkv.reliability import CircuitBreaker, PendingPut, PutQueue
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import call_metadata, channel_credentials, client_token, ssl_context
-from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError
+from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError, Into
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
     already_encoded,
@@ -328,12 +328,19 @@ class VaultClient:
         return min(reply.present, len(keys))
 
     def promote(
-        self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts: Sequence[int],
+        into: Into | None = None,
     ) -> dict[tuple[int, int], memoryview]:
         """(key index, part) → verified payload for every block the vault returned in time.
 
-        Payloads are zero-copy views of the received chunks. Missing, checksum-failed and
-        failed-call blocks are simply absent; this never raises (any failure, MemoryError
+        Payloads are zero-copy views of the received chunks. With `into`, a payload the bulk
+        path receives straight into the buffers `into(key indices, parts, lengths)` gives for it
+        is returned as the first of them (that very object; the gRPC path ignores `into`); the
+        buffers of a payload that is then absent may hold anything. Missing, checksum-failed
+        and failed-call blocks are simply absent; this never raises (any failure, MemoryError
         included, is a miss and a counted failure). The whole call is bounded by
         promote_deadline_s, and a vault that sends nothing for deadline_s is given up on.
         """
@@ -345,22 +352,22 @@ class VaultClient:
         bad_checksums = 0
         try:
             request = vault_pb2.PromoteRequest(namespace=namespace, keys=keys, parts=parts)
-            bulk_reply = self._promote_bulk(request, deadline)
-            chunks: Iterable[tuple[vault_pb2.PromoteIndex, list[memoryview]]]
+            bulk_reply = self._promote_bulk(request, deadline, into)
+            chunks: Iterable[tuple[vault_pb2.PromoteIndex, list[list[memoryview]]]]
             if bulk_reply is None:
                 chunks, transport = self._promote_grpc(request, deadline), "grpc"
             else:
                 chunks, transport = [bulk_reply], "bulk"
             for index, payloads in chunks:
-                for key_index, part, payload, checksum in zip(
+                for key_index, part, pieces, checksum in zip(
                     index.key_indices, index.parts, payloads, index.checksums, strict=False
                 ):
                     if key_index >= len(keys) or part not in wanted_parts:
                         continue
-                    if block_checksum(namespace, keys[key_index], part, payload) != checksum:
+                    if block_checksum(namespace, keys[key_index], part, *pieces) != checksum:
                         bad_checksums += 1
                         continue
-                    found[(key_index, part)] = payload
+                    found[(key_index, part)] = pieces[0]
         except BulkError:  # timed out on the bulk path: counted already
             found = {}
         except Exception:  # the promise: never raise, whatever the vault or the machine does
@@ -375,10 +382,12 @@ class VaultClient:
         return found
 
     def _promote_bulk(
-        self, request: vault_pb2.PromoteRequest, deadline: float
-    ) -> tuple[vault_pb2.PromoteIndex, list[memoryview]] | None:
+        self, request: vault_pb2.PromoteRequest, deadline: float, into: Into | None
+    ) -> tuple[vault_pb2.PromoteIndex, list[list[memoryview]]] | None:
         """The Promote over the bulk path (one chunk); None: use gRPC (none, or it failed)."""
-        return self._on_bulk(deadline, lambda connection: connection.promote(request, deadline))
+        return self._on_bulk(
+            deadline, lambda connection: connection.promote(request, deadline, into)
+        )
 
     def _on_bulk(self, deadline: float, call: Callable[[BulkConnection], T]) -> T | None:
         """`call` on a bulk connection; None: use gRPC (no bulk path, or the vault refused)."""
@@ -395,8 +404,9 @@ class VaultClient:
 
     def _promote_grpc(
         self, request: vault_pb2.PromoteRequest, deadline: float
-    ) -> Iterator[tuple[vault_pb2.PromoteIndex, list[memoryview]]]:
-        """The gRPC Promote stream as (index, payloads) chunks; a stalled stream is cancelled."""
+    ) -> Iterator[tuple[vault_pb2.PromoteIndex, list[list[memoryview]]]]:
+        """The gRPC Promote stream as (index, payloads) chunks, each payload one view; a
+        stalled stream is cancelled."""
         call = self._promote_call(
             request, timeout=deadline - time.monotonic(), metadata=self._metadata
         )
@@ -404,7 +414,7 @@ class VaultClient:
         try:
             for index, data in call:
                 guard.progress()
-                yield index, split_payloads(data, index.lengths)
+                yield index, [[view] for view in split_payloads(data, index.lengths)]
         finally:
             guard.done()
 
