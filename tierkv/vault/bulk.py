@@ -62,6 +62,9 @@ RECV_BUFFERS = 256
 """Buffers per recvmsg_into call (each call fills what has arrived, usually far fewer)."""
 CLIENT_RUN_BYTES = 8 * MIB
 """The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
+RECEIVED_BYTES = 1 * MIB
+"""A Promote hands on the payloads it received in groups of about this many bytes, so they are
+checked while the next group is on the wire."""
 MAX_POOLED_BYTES = 1024 * MIB
 """The client keeps at most this many bytes of receive buffers for reuse (per process)."""
 HUGE_PAGE_BYTES = 2 * MIB
@@ -491,6 +494,10 @@ class BulkServer:
 # ---- client side -------------------------------------------------------------------------------
 
 
+def _second(pair: tuple[object, int]) -> int:
+    return pair[1]
+
+
 def _placed(
     index: vault_pb2.PromoteIndex, keys: int, into: Into | None
 ) -> list[list[memoryview] | None]:
@@ -585,15 +592,21 @@ class BulkConnection:
         return _parse(vault_pb2.PutSummary, _recv_bytes(self._sock, index_len, clock))
 
     def promote(
-        self, request: vault_pb2.PromoteRequest, deadline: float, into: Into | None = None
-    ) -> tuple[vault_pb2.PromoteIndex, list[list[memoryview]]]:
-        """(index, payloads) of every block the vault has, each payload as the buffers it lies
-        in: the ones `into(key indices, parts, lengths)` gave for it, else one view
-        of a run buffer. Payloads `into` places are received straight into their buffers, with
-        no copy of ours (the caller verifies them: they may hold anything the vault sent)."""
+        self,
+        request: vault_pb2.PromoteRequest,
+        deadline: float,
+        received: Callable[[vault_pb2.PromoteIndex, int, list[list[memoryview]]], None],
+        into: Into | None = None,
+    ) -> vault_pb2.PromoteIndex:
+        """Receive every block the vault has; returns the reply's index. Each group of about
+        RECEIVED_BYTES of payloads is handed to `received(index, first, payloads)` as soon as
+        it has arrived (payloads[i] is the one at position first + i of the index), each as
+        the buffers it lies in: the ones `into(key indices, parts, lengths)` gave for it,
+        received straight into them with no copy of ours, else one view of a run buffer. The
+        caller verifies them: they may hold anything the vault sent."""
         clock = Deadline(deadline, self.timeout_s)
 
-        def call() -> tuple[vault_pb2.PromoteIndex, list[list[memoryview]]]:
+        def call() -> vault_pb2.PromoteIndex:
             _send_frame(self._sock, PROMOTE, request, clock)
             _, index_len, data_len = _parse_header(
                 _recv_bytes(self._sock, HEADER.size, clock), PROMOTE_REPLY
@@ -601,27 +614,34 @@ class BulkConnection:
             index = _parse(vault_pb2.PromoteIndex, _recv_bytes(self._sock, index_len, clock))
             _check_lengths(index.lengths, data_len)
             placed = _placed(index, len(request.keys), into)
-            payloads: list[list[memoryview]] = []
             at = 0
             for own, group in itertools.groupby(placed, key=lambda bufs: bufs is None):
                 stretch = list(group)
-                lengths = index.lengths[at : at + len(stretch)]
-                at += len(stretch)
-                if not own:  # payloads `into` placed, received with one scatter
-                    placed_bufs = [bufs for bufs in stretch if bufs is not None]
-                    flat = [buf for bufs in placed_bufs for buf in bufs]
-                    if sum(map(len, flat)) != sum(lengths):
-                        raise ValueError("the buffers given for placed payloads do not fit them")
-                    _recv_scattered(self._sock, flat, clock)
-                    payloads.extend(placed_bufs)
+                lengths = list(index.lengths[at : at + len(stretch)])
+                if not own:  # payloads `into` placed, received with scatter-gather
+                    pairs = list(zip(stretch, lengths, strict=True))
+                    for some in batched_by_size(pairs, _second, RECEIVED_BYTES):
+                        payloads = [bufs or [] for bufs, _ in some]
+                        flat = [buf for bufs in payloads for buf in bufs]
+                        if sum(map(len, flat)) != sum(length for _, length in some):
+                            raise ValueError("the buffers given for placed payloads do not fit")
+                        _recv_scattered(self._sock, flat, clock)
+                        received(index, at, payloads)
+                        at += len(payloads)
                     continue
-                for run in batched_by_size(list(lengths), int, CLIENT_RUN_BYTES):
+                for run in batched_by_size(lengths, int, CLIENT_RUN_BYTES):
                     size = sum(run)
                     buf = RECEIVE_BUFFERS.take().data if size <= CLIENT_RUN_BYTES else None
                     buf = buf[:size] if buf is not None else _empty_buffer(size)
-                    _recv_into(self._sock, buf, clock)
-                    payloads.extend([view] for view in split_payloads(buf.toreadonly(), run))
-            return index, payloads
+                    offset = 0
+                    for run_part in batched_by_size(run, int, RECEIVED_BYTES):
+                        view = buf[offset : offset + sum(run_part)]
+                        _recv_into(self._sock, view, clock)
+                        offset += len(view)
+                        views = split_payloads(view.toreadonly(), run_part)
+                        received(index, at, [[payload] for payload in views])
+                        at += len(views)
+            return index
 
         return self._guarded(call)
 

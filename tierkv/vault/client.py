@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -350,24 +350,35 @@ class VaultClient:
         deadline = time.monotonic() + self.promote_deadline_s
         wanted_parts = set(parts)
         bad_checksums = 0
+
+        def verify(
+            index: vault_pb2.PromoteIndex, first: int, payloads: list[list[memoryview]]
+        ) -> None:
+            """Keep the payloads at positions first.. of `index` that pass their checksum."""
+            nonlocal bad_checksums
+            end = first + len(payloads)
+            for key_index, part, pieces, checksum in zip(
+                index.key_indices[first:end],
+                index.parts[first:end],
+                payloads,
+                index.checksums[first:end],
+                strict=False,
+            ):
+                if key_index >= len(keys) or part not in wanted_parts:
+                    continue
+                if block_checksum(namespace, keys[key_index], part, *pieces) != checksum:
+                    bad_checksums += 1
+                    continue
+                found[(key_index, part)] = pieces[0]
+
         try:
             request = vault_pb2.PromoteRequest(namespace=namespace, keys=keys, parts=parts)
-            bulk_reply = self._promote_bulk(request, deadline, into)
-            chunks: Iterable[tuple[vault_pb2.PromoteIndex, list[list[memoryview]]]]
-            if bulk_reply is None:
-                chunks, transport = self._promote_grpc(request, deadline), "grpc"
-            else:
-                chunks, transport = [bulk_reply], "bulk"
-            for index, payloads in chunks:
-                for key_index, part, pieces, checksum in zip(
-                    index.key_indices, index.parts, payloads, index.checksums, strict=False
-                ):
-                    if key_index >= len(keys) or part not in wanted_parts:
-                        continue
-                    if block_checksum(namespace, keys[key_index], part, *pieces) != checksum:
-                        bad_checksums += 1
-                        continue
-                    found[(key_index, part)] = pieces[0]
+            transport = "bulk"
+            if self._promote_bulk(request, deadline, verify, into) is None:
+                found.clear()  # what a failed bulk call verified: gRPC sends it again
+                transport = "grpc"
+                for index, payloads in self._promote_grpc(request, deadline):
+                    verify(index, 0, payloads)
         except BulkError:  # timed out on the bulk path: counted already
             found = {}
         except Exception:  # the promise: never raise, whatever the vault or the machine does
@@ -382,11 +393,16 @@ class VaultClient:
         return found
 
     def _promote_bulk(
-        self, request: vault_pb2.PromoteRequest, deadline: float, into: Into | None
-    ) -> tuple[vault_pb2.PromoteIndex, list[list[memoryview]]] | None:
-        """The Promote over the bulk path (one chunk); None: use gRPC (none, or it failed)."""
+        self,
+        request: vault_pb2.PromoteRequest,
+        deadline: float,
+        received: Callable[[vault_pb2.PromoteIndex, int, list[list[memoryview]]], None],
+        into: Into | None,
+    ) -> vault_pb2.PromoteIndex | None:
+        """The Promote over the bulk path, payloads handed to `received` as they arrive; None:
+        use gRPC (none, or it failed)."""
         return self._on_bulk(
-            deadline, lambda connection: connection.promote(request, deadline, into)
+            deadline, lambda connection: connection.promote(request, deadline, received, into)
         )
 
     def _on_bulk(self, deadline: float, call: Callable[[BulkConnection], T]) -> T | None:
