@@ -458,32 +458,26 @@ class BlockMover:
         places: _Places,
         indices: Sequence[int],
         parts: Sequence[int],
-        lengths: Sequence[int],
-    ) -> list[list[memoryview] | None]:
-        """`into` of a load batch: for each payload of a lossless block's length, its header's
-        row in `places` and engine block `block_ids[index]` of every layer, in payload order
-        (the header row is remembered, so `_write_lossless` knows the payload was placed)."""
+    ) -> dict[tuple[int, int], list[memoryview]]:
+        """`into` of a load batch: for each block, its header's row in `places` and engine
+        block `block_ids[index]` of every layer, in payload order (so only a lossless payload
+        fits them; the row is remembered, so `_write_lossless` knows which were placed)."""
         assert self._host_layers is not None
+        if 0 not in parts:
+            return {}
         head_bytes = places.heads.shape[1]
-        body_bytes = self.part_bytes(0)
-        layer_bytes = body_bytes // len(self._host_layers[0])
-        wanted = head_bytes + body_bytes
+        layer_bytes = self.part_bytes(0) // len(self._host_layers[0])
         heads = places.heads.data.cast("B")
-        slots = [
-            index if part == 0 and length == wanted else -1
-            for index, part, length in zip(indices, parts, lengths, strict=True)
-        ]
-        starts = [block_ids[index] * layer_bytes for index in slots]
-        columns = [[heads[index * head_bytes : (index + 1) * head_bytes] for index in slots]]
+        starts = [block_ids[index] * layer_bytes for index in indices]
+        columns = [[heads[index * head_bytes : (index + 1) * head_bytes] for index in indices]]
         for layer in self._host_layers[0]:
             view = layer.data.cast("B")
             columns.append([view[start : start + layer_bytes] for start in starts])
-        places.rows.update(zip(slots, columns[0], strict=True))
-        places.rows.pop(-1, None)  # -1: not placed
-        return [
-            list(bufs) if index >= 0 else None
-            for index, bufs in zip(slots, zip(*columns, strict=True), strict=True)
-        ]
+        places.rows.update(zip(indices, columns[0], strict=True))
+        return {
+            (index, 0): list(bufs)
+            for index, bufs in zip(indices, zip(*columns, strict=True), strict=True)
+        }
 
     def _write_lossless(
         self,

@@ -64,6 +64,8 @@ DECODE_TASK_BYTES = 2 * 1024 * 1024
 
 Block = tuple[int, int, memoryview]
 """(key index, part, payload) of a block a load received."""
+Sizes = dict[tuple[int, int], tuple[memoryview, int]]
+"""(key index, part) -> (first buffer, bytes) of the blocks a load asked `into` to place."""
 Consume = Callable[[list[Block]], set[int]]
 """consume(blocks) -> the key indices it could not restore (see ColdTier.load_blocks)."""
 
@@ -272,11 +274,11 @@ class ColdTier:
         failing its checksum or refused by `consume`).
 
         With `into` (see Backend.promote), payloads the backend receives straight into the
-        buffers `into(key indices, parts, lengths)` gives reach `consume` as the first of those
+        buffers `into(key indices, parts)` gives reach `consume` as the first of those
         buffers; the runs are then about PLACED_RUN_BYTES, the first one too when an earlier
         load measured the payload size.
         """
-        sizes: dict[tuple[int, int], int] = {}  # of the payloads `into` placed
+        sizes: Sizes = {}  # see _measured
         if into is not None:
             into = _measured(into, sizes)
         consumed: list[tuple[Future[set[int] | None], list[list[Block]]]] = []
@@ -448,11 +450,11 @@ class ColdTier:
         parts: Sequence[int],
         arrived: Callable[[list[Block]], None],
         into: Into | None,
-        sizes: dict[tuple[int, int], int],
+        sizes: Sizes,
     ) -> set[tuple[int, int]]:
         """Promote `keys` run by run, handing each run's payloads to `arrived`, until a run
-        returns nothing or the load deadline has passed; what arrived (`sizes`: the lengths of
-        the payloads `into` placed)."""
+        returns nothing or the load deadline has passed; what arrived (`sizes`: see
+        _measured)."""
         got: set[tuple[int, int]] = set()
         received = 0
         run_bytes = PROMOTE_RUN_BYTES if into is None else PLACED_RUN_BYTES
@@ -476,7 +478,7 @@ class ColdTier:
                 break
             blocks = [(start + index, part, payload) for (index, part), payload in found.items()]
             got.update((index, part) for index, part, _ in blocks)
-            received += sum(sizes.get((i, part), len(payload)) for i, part, payload in blocks)
+            received += sum([_size(sizes, block) for block in blocks])
             arrived(blocks)
             start = stop
             run = max(1, run_bytes * start // max(1, received))
@@ -485,7 +487,10 @@ class ColdTier:
         return got
 
     def _claimed(
-        self, claim: list[list[Block]], consume: Consume, sizes: dict[tuple[int, int], int]
+        self,
+        claim: list[list[Block]],
+        consume: Consume,
+        sizes: Sizes,
     ) -> set[int] | None:
         """`_consume` the blocks in `claim` unless another thread took them first (None):
         list.pop is atomic, so each call of a load runs once, on a decode thread or on the
@@ -497,10 +502,13 @@ class ColdTier:
         return self._consume(blocks, consume, sizes)
 
     def _consume(
-        self, blocks: list[Block], consume: Consume, sizes: dict[tuple[int, int], int]
+        self,
+        blocks: list[Block],
+        consume: Consume,
+        sizes: Sizes,
     ) -> set[int]:
-        """`consume(blocks)`, counting the payload bytes of the keys it restored (`sizes`: of
-        the payloads placed by `into`); every key fails when it raises."""
+        """`consume(blocks)`, counting the payload bytes of the keys it restored; every key
+        fails when it raises."""
         try:
             failed = consume(blocks)
         except Exception:
@@ -508,11 +516,7 @@ class ColdTier:
                 "tierkv: restoring %d arrived blocks failed; recomputing them", len(blocks)
             )
             failed = {index for index, _, _ in blocks}
-        restored = sum(
-            sizes.get((index, part), len(payload))
-            for index, part, payload in blocks
-            if index not in failed
-        )
+        restored = sum([_size(sizes, block) for block in blocks if block[0] not in failed])
         with self._lock:
             self._stats.loaded_payload_bytes += restored
         return failed
@@ -544,17 +548,17 @@ def _payload_bytes(blocks: list[Block]) -> int:
     return sum(len(payload) for _, _, payload in blocks)
 
 
-def _measured(into: Into, sizes: dict[tuple[int, int], int]) -> Into:
-    """`into` that notes in `sizes` the length of each payload it places."""
+def _measured(into: Into, sizes: Sizes) -> Into:
+    """`into` that notes in `sizes`, for each block it places, its first buffer and the bytes
+    of all (the payload's length when the backend placed it)."""
 
     def placing(
-        indices: Sequence[int], parts: Sequence[int], lengths: Sequence[int]
-    ) -> list[list[memoryview] | None]:
-        placed = into(indices, parts, lengths)
-        for index, part, length, buffers in zip(indices, parts, lengths, placed, strict=True):
-            if buffers is not None:
-                sizes[(index, part)] = length
-        return placed
+        indices: Sequence[int], parts: Sequence[int]
+    ) -> dict[tuple[int, int], list[memoryview]]:
+        placement = into(indices, parts)
+        for block, buffers in placement.items():
+            sizes[block] = (buffers[0], sum(map(len, buffers)))
+        return placement
 
     return placing
 
@@ -563,4 +567,18 @@ def _shifted(into: Into | None, start: int) -> Into | None:
     """`into` for a Promote of keys[start:]: its key index i is start + i here."""
     if into is None or not start:
         return into
-    return lambda indices, parts, lengths: into([start + i for i in indices], parts, lengths)
+
+    def shifted(
+        indices: Sequence[int], parts: Sequence[int]
+    ) -> dict[tuple[int, int], list[memoryview]]:
+        placement = into([start + index for index in indices], parts)
+        return {(index - start, part): bufs for (index, part), bufs in placement.items()}
+
+    return shifted
+
+
+def _size(sizes: Sizes, block: Block) -> int:
+    """Payload bytes of an arrived block (`sizes`: of the blocks `into` was asked to place)."""
+    index, part, payload = block
+    placed = sizes.get((index, part))
+    return placed[1] if placed is not None and placed[0] is payload else len(payload)

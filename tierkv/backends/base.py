@@ -40,8 +40,8 @@ class Backend(Protocol):
     ) -> dict[tuple[int, int], memoryview]:
         """(key index, part) → payload that passed its checksum; failures are absent.
 
-        A backend may receive payloads straight into the buffers `into(key indices, parts,
-        lengths)` gives for them (a vault's bulk path does), and then returns each as the first
+        A backend may receive payloads straight into the buffers `into(key indices, parts)`
+        gives for them (a vault's bulk path does), and then returns each as the first
         of its buffers, that very object; others ignore `into`."""
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -186,4 +186,12 @@ def _renumbered(into: Into | None, indices: list[int]) -> Into | None:
     """`into` for a member asked for keys[indices]: its key index i is indices[i] here."""
     if into is None:
         return None
-    return lambda places, parts, lengths: into([indices[i] for i in places], parts, lengths)
+    place = {index: at for at, index in enumerate(indices)}
+
+    def member_into(
+        places: Sequence[int], parts: Sequence[int]
+    ) -> dict[tuple[int, int], list[memoryview]]:
+        found = into([indices[at] for at in places], parts)
+        return {(place[index], part): bufs for (index, part), bufs in found.items()}
+
+    return member_into

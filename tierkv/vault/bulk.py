@@ -91,10 +91,10 @@ class BulkError(ConnectionError):
 
 
 Payload = bytes | memoryview
-Into = Callable[[Sequence[int], Sequence[int], Sequence[int]], list[list[memoryview] | None]]
-"""into(key indices, parts, lengths) -> per promoted payload, the writable buffers (summing to its
-length) it is received straight into, in order, or None: into the client's own (see
-BulkConnection.promote)."""
+Into = Callable[[Sequence[int], Sequence[int]], dict[tuple[int, int], list[memoryview]]]
+"""into(key indices, parts) -> by (key index, part), the writable buffers a promoted payload of
+that block is received straight into, in order; a block not given, or whose buffers do not add
+up to its payload's length, goes into the client's own (see BulkConnection.promote)."""
 T = TypeVar("T")
 MessageT = TypeVar("MessageT", bound=Message)
 
@@ -499,20 +499,17 @@ def _second(pair: tuple[object, int]) -> int:
 
 
 def _placed(
-    index: vault_pb2.PromoteIndex, keys: int, into: Into | None
+    index: vault_pb2.PromoteIndex, placement: dict[tuple[int, int], list[memoryview]]
 ) -> list[list[memoryview] | None]:
-    """Per payload of a PROMOTE_REPLY, the buffers `into` gives for it; None: a run buffer's
-    (also for every payload when the index is malformed)."""
+    """Per payload of a PROMOTE_REPLY, the buffers `placement` gives for its block when they
+    hold exactly its length; None: a run buffer's (for every payload of a malformed index)."""
     key_indices, parts, lengths = index.key_indices, index.parts, index.lengths
-    if (
-        into is None
-        or not len(key_indices) == len(parts) == len(lengths)
-        or any(key_index >= keys for key_index in key_indices)
-    ):
+    if not placement or not len(key_indices) == len(parts) == len(lengths):
         return [None] * len(lengths)
-    placed = into(key_indices, parts, lengths)
-    if len(placed) != len(lengths):
-        return [None] * len(lengths)
+    placed: list[list[memoryview] | None] = []
+    for key_index, part, length in zip(key_indices, parts, lengths, strict=True):
+        bufs = placement.get((key_index, part))
+        placed.append(bufs if bufs is not None and sum(map(len, bufs)) == length else None)
     return placed
 
 
@@ -601,19 +598,22 @@ class BulkConnection:
         """Receive every block the vault has; returns the reply's index. Each group of about
         RECEIVED_BYTES of payloads is handed to `received(index, first, payloads)` as soon as
         it has arrived (payloads[i] is the one at position first + i of the index), each as
-        the buffers it lies in: the ones `into(key indices, parts, lengths)` gave for it,
-        received straight into them with no copy of ours, else one view of a run buffer. The
-        caller verifies them: they may hold anything the vault sent."""
+        the buffers it lies in: the ones `into(key indices, parts)` (asked for every block of
+        the request) gave for it, received straight into them with no copy of ours, else one
+        view of a run buffer. The caller verifies them: they may hold anything the vault
+        sent."""
         clock = Deadline(deadline, self.timeout_s)
 
         def call() -> vault_pb2.PromoteIndex:
             _send_frame(self._sock, PROMOTE, request, clock)
+            # Asked while the vault looks the blocks up.
+            placement = into(range(len(request.keys)), request.parts) if into else {}
             _, index_len, data_len = _parse_header(
                 _recv_bytes(self._sock, HEADER.size, clock), PROMOTE_REPLY
             )
             index = _parse(vault_pb2.PromoteIndex, _recv_bytes(self._sock, index_len, clock))
             _check_lengths(index.lengths, data_len)
-            placed = _placed(index, len(request.keys), into)
+            placed = _placed(index, placement)
             at = 0
             for own, group in itertools.groupby(placed, key=lambda bufs: bufs is None):
                 stretch = list(group)
@@ -623,8 +623,6 @@ class BulkConnection:
                     for some in batched_by_size(pairs, _second, RECEIVED_BYTES):
                         payloads = [bufs or [] for bufs, _ in some]
                         flat = [buf for bufs in payloads for buf in bufs]
-                        if sum(map(len, flat)) != sum(length for _, length in some):
-                            raise ValueError("the buffers given for placed payloads do not fit")
                         _recv_scattered(self._sock, flat, clock)
                         received(index, at, payloads)
                         at += len(payloads)

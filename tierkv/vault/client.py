@@ -337,8 +337,8 @@ class VaultClient:
         """(key index, part) → verified payload for every block the vault returned in time.
 
         Payloads are zero-copy views of the received chunks. With `into`, a payload the bulk
-        path receives straight into the buffers `into(key indices, parts, lengths)` gives for it
-        is returned as the first of them (that very object; the gRPC path ignores `into`); the
+        path receives straight into the buffers `into(key indices, parts)` gives for it is
+        returned as the first of them (that very object; the gRPC path ignores `into`); the
         buffers of a payload that is then absent may hold anything. Missing, checksum-failed
         and failed-call blocks are simply absent; this never raises (any failure, MemoryError
         included, is a miss and a counted failure). The whole call is bounded by
