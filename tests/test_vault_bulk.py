@@ -81,6 +81,17 @@ def test_a_promote_receives_payloads_into_the_buffers_it_is_given(vault: Any) ->
             assert bytes(found[(i, 0)]) == payload(i, sizes[i])
 
 
+def test_a_block_sent_twice_is_placed_once() -> None:
+    """A vault that sends a block again must not overwrite the copy already verified in place:
+    the second goes to a run buffer (and is checked on its own)."""
+    from tierkv.vault.bulk import _placed
+
+    index = vault_pb2.PromoteIndex(key_indices=[0, 1, 0], parts=[0, 0, 0], lengths=[4, 4, 4])
+    given = {(0, 0): [memoryview(bytearray(4))], (1, 0): [memoryview(bytearray(2))]}
+    assert _placed(index, given) == [given[(0, 0)], None, None]  # 1: buffers of 2 bytes, not 4
+    assert len(given) == 2  # the caller's placement is left as it was
+
+
 def test_a_vault_without_bulk_path_is_served_over_grpc() -> None:
     server = serve("127.0.0.1:0", 0, bulk_port=None)
     try:

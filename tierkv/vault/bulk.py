@@ -502,13 +502,15 @@ def _placed(
     index: vault_pb2.PromoteIndex, placement: dict[tuple[int, int], list[memoryview]]
 ) -> list[list[memoryview] | None]:
     """Per payload of a PROMOTE_REPLY, the buffers `placement` gives for its block when they
-    hold exactly its length; None: a run buffer's (for every payload of a malformed index)."""
+    hold exactly its length; None: a run buffer's (for every payload of a malformed index, and
+    for a block sent again: a vault must not overwrite a payload already verified in place)."""
     key_indices, parts, lengths = index.key_indices, index.parts, index.lengths
     if not placement or not len(key_indices) == len(parts) == len(lengths):
         return [None] * len(lengths)
+    placement = dict(placement)
     placed: list[list[memoryview] | None] = []
     for key_index, part, length in zip(key_indices, parts, lengths, strict=True):
-        bufs = placement.get((key_index, part))
+        bufs = placement.pop((key_index, part), None)
         placed.append(bufs if bufs is not None and sum(map(len, bufs)) == length else None)
     return placed
 
