@@ -174,12 +174,8 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline) -> Non
 
 
 def _recv_scattered(sock: socket.socket, buffers: list[memoryview], deadline: Deadline) -> None:
-    """Fill `buffers` in order from the socket by the deadline (scatter-gather); ConnectionError
-    when the peer closes first."""
-    if isinstance(sock, ssl.SSLSocket):  # no recvmsg_into
-        for buf in buffers:
-            _recv_into(sock, buf, deadline)
-        return
+    """Fill `buffers` in order from the (plain TCP) socket by the deadline (scatter-gather);
+    ConnectionError when the peer closes first."""
     first = 0  # buffers[first:] are still to fill
     while first < len(buffers):
         deadline.arm(sock)
@@ -601,15 +597,17 @@ class BulkConnection:
         RECEIVED_BYTES of payloads is handed to `received(index, first, payloads)` as soon as
         it has arrived (payloads[i] is the one at position first + i of the index), each as
         the buffers it lies in: the ones `into(key indices, parts)` (asked for every block of
-        the request) gave for it, received straight into them with no copy of ours, else one
-        view of a run buffer. The caller verifies them: they may hold anything the vault
-        sent."""
+        the request, unless over TLS) gave for it, received straight into them with no copy of
+        ours, else one view of a run buffer. The caller verifies them: they may hold anything
+        the vault sent."""
         clock = Deadline(deadline, self.timeout_s)
 
         def call() -> vault_pb2.PromoteIndex:
             _send_frame(self._sock, PROMOTE, request, clock)
-            # Asked while the vault looks the blocks up.
-            placement = into(range(len(request.keys)), request.parts) if into else {}
+            # Asked while the vault looks the blocks up. A TLS socket cannot scatter (no
+            # recvmsg_into): a receive per buffer would cost more than the copy it saves.
+            plain = not isinstance(self._sock, ssl.SSLSocket)
+            placement = into(range(len(request.keys)), request.parts) if into and plain else {}
             _, index_len, data_len = _parse_header(
                 _recv_bytes(self._sock, HEADER.size, clock), PROMOTE_REPLY
             )
