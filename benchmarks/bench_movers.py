@@ -34,6 +34,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vault import running_vault
 
+from tierkv.backends.base import Into
 from tierkv.config import format_size, parse_size
 from tierkv.movers import BlockMover, Blocks, StagingRing, hand_over
 from tierkv.quant import decode_into, get_codec, torch_ops
@@ -118,8 +119,10 @@ def restore_all(
     batch_blocks: int,
     on_device: bool,
 ) -> tuple[float, set[int]]:
-    def fetch(start: int, stop: int, consume: Callable[[Blocks], set[int]]) -> set[int]:
-        return tier.load_blocks(namespace, keys[start:stop], {"kv": [0]}, consume)
+    def fetch(
+        start: int, stop: int, consume: Callable[[Blocks], set[int]], into: Into | None
+    ) -> set[int]:
+        return tier.load_blocks(namespace, keys[start:stop], {"kv": [0]}, consume, into)
 
     synchronize(mover.device)
     started = time.perf_counter()

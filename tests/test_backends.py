@@ -94,6 +94,27 @@ def test_blocks_spread_over_vaults_in_proportion_to_weight(
         shards.close()
 
 
+def test_shards_receive_payloads_into_the_buffers_given_by_the_callers_key_index(
+    vault_factory: Callable[..., VaultHandle],
+) -> None:
+    members = [VaultBackend(VaultClient(vault_factory().address)) for _ in range(2)]
+    shards = WeightedShards([(member, 1.0) for member in members])
+    keys = block_keys(200)
+    buffers = {(i, p): bytearray(16) for i in range(len(keys)) for p in PARTS}
+    try:
+        put_all(shards, keys)
+
+        def into(indices, parts):
+            return {(i, p): [memoryview(buffers[i, p])] for i in indices for p in parts}
+
+        found = shards.promote(NS, keys, PARTS, into)
+        assert len(found) == len(buffers)
+        assert all(found[block].obj is buffers[block] for block in buffers)
+        assert_payloads(found)
+    finally:
+        shards.close()
+
+
 def test_adding_a_vault_moves_only_its_share(vault_factory: Callable[..., VaultHandle]) -> None:
     a, b, c = (VaultBackend(VaultClient(vault_factory().address)) for _ in range(3))
     keys = block_keys(2000)

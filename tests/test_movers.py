@@ -144,7 +144,7 @@ def test_a_load_copies_lossless_payloads_from_the_receive_buffer_and_never_bad_o
     received = back_to_back(payloads)
     before = [cache.clone() for cache in caches]
 
-    def fetch(start: int, stop: int, consume) -> set[int]:
+    def fetch(start: int, stop: int, consume, into) -> set[int]:
         arrived = [(i - start, 0, received[i]) for i in range(start, stop)]
         return consume(arrived[:7]) | consume(arrived[7:])  # bad block 7 first of its run
 
@@ -172,9 +172,10 @@ def test_countdown_runs_once_on_the_last_call():
     assert calls == [1, 2]
 
 
-def worker_round_trip_ops(vault, n: int) -> tuple[int, int]:
+def worker_round_trip_ops(vault, n: int, block_first: bool) -> tuple[int, int]:
     """Torch operations of the vLLM worker storing n blocks and loading them back (a sync load,
-    so it runs on this thread) through a real vault."""
+    so it runs on this thread) through a real vault; K/V-first or block-first layers (whose
+    lossless payloads are received in place)."""
     pytest.importorskip("vllm")
     from tierkv.connectors.vllm.groups import GroupPlan
     from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
@@ -184,7 +185,9 @@ def worker_round_trip_ops(vault, n: int) -> tuple[int, int]:
     from tierkv.vault.client import VaultClient
 
     plan = GroupPlan(0, "kv", ("layer0", "layer1"), (), 4, (bytes(16),))
-    caches = {name: torch.randn(2, 2 * n, 4, 2, 8).to(torch.bfloat16) for name in plan.layer_names}
+    shape = (2 * n, 2, 4, 2, 8) if block_first else (2, 2 * n, 4, 2, 8)
+    caches = {name: torch.randn(shape).to(torch.bfloat16) for name in plan.layer_names}
+    block = (lambda cache, ids: cache[ids]) if block_first else (lambda cache, ids: cache[:, ids])
     tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
     worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 22)
     try:
@@ -199,12 +202,74 @@ def worker_round_trip_ops(vault, n: int) -> tuple[int, int]:
             worker.start_loads(TierKVMetadata(loads=[load]))
         assert worker.stats.data["loaded_blocks"] == n
         for cache in caches.values():
-            assert torch.equal(cache[:, n:], cache[:, :n])
+            assert torch.equal(block(cache, slice(n, None)), block(cache, slice(None, n)))
     finally:
         worker.shutdown()
         tier.close()
     return store_ops.count, load_ops.count
 
 
-def test_the_vllm_worker_issues_as_many_torch_ops_for_few_blocks_as_for_many(vault):
-    assert worker_round_trip_ops(vault, 3) == worker_round_trip_ops(vault, 150)
+@pytest.mark.parametrize("block_first", [False, True], ids=["kv-first", "block-first"])
+def test_the_vllm_worker_issues_as_many_torch_ops_for_few_blocks_as_for_many(vault, block_first):
+    few = worker_round_trip_ops(vault, 3, block_first)
+    assert few == worker_round_trip_ops(vault, 150, block_first)
+
+
+def test_a_load_receives_lossless_payloads_straight_into_block_first_engine_blocks(
+    vault, monkeypatch: pytest.MonkeyPatch
+):
+    """Block-first layers (vLLM CPU's layout): the bulk path receives each lossless payload's
+    body straight into its engine block; one whose checksum fails, or whose header is not this
+    block's (a valid payload as long, of fp16), is reported failed."""
+    from tierkv.movers import hand_over
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+    from tierkv.vault.client import VaultClient
+    from tierkv.vault.wire import block_checksum
+
+    n = 10
+    caches = [torch.randn(2 * n, 2, 4, 16).to(torch.bfloat16) for _ in range(2)]
+    mover = BlockMover(
+        [[(cache, 0) for cache in caches]], StagingRing(1 << 22), StagingRing(1 << 22)
+    )
+    namespace, keys = b"p" * 16, [(7 << 32 | i).to_bytes(16, "big") for i in range(n)]
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    try:
+        staged = mover.store(list(range(n)))
+        assert staged is not None
+
+        def send(index, part, array, dtype, on_done) -> None:
+            tier.store(namespace, keys[index], part, array, dtype, on_done=on_done)
+
+        hand_over(staged, mover.codec_dtypes, send)
+        assert tier.flush(30)
+        entries = vault.store._entries
+        payload, checksum = entries[(namespace, keys[3], 0)]
+        flipped = bytearray(payload)
+        flipped[len(flipped) // 2] ^= 0xFF
+        entries[(namespace, keys[3], 0)] = (bytes(flipped), checksum)  # its checksum fails
+        fp16 = get_codec("none").encode(np.zeros((2, 2, 4, 16), np.float16), "fp16")
+        assert len(fp16) == len(payload)
+        vault.store.put(namespace, keys[5], 0, fp16, block_checksum(namespace, keys[5], 0, fp16))
+        copied: list[int] = []
+        scatter_lossless = BlockMover._scatter_lossless
+        monkeypatch.setattr(
+            BlockMover,
+            "_scatter_lossless",
+            lambda self, ids, blocks: (
+                copied.extend(b[0] for b in blocks) or scatter_lossless(self, ids, blocks)
+            ),
+        )
+
+        def fetch(start, stop, consume, into) -> set[int]:
+            return tier.load_blocks(namespace, keys[start:stop], {"kv": [0]}, consume, into)
+
+        assert mover.load(list(range(n, 2 * n)), fetch, batch_blocks=n) == {3, 5}
+        assert copied == []  # every payload was placed, none copied from a receive buffer
+        for cache in caches:
+            for i in range(n):
+                if i not in (3, 5):
+                    assert torch.equal(cache[n + i], cache[i])
+        assert tier.stats()["loaded_payload_bytes"] == (n - 2) * len(payload)
+    finally:
+        tier.close()

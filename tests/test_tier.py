@@ -265,12 +265,12 @@ class RecordingVault:
     def __getattr__(self, name: str) -> object:
         return getattr(self.client, name)
 
-    def promote(self, namespace: bytes, keys: list[bytes], parts: list[int]) -> dict:
+    def promote(self, namespace: bytes, keys: list[bytes], parts: list[int], into=None) -> dict:
         self.calls.append(len(keys))
         time.sleep(self.delay_s)
         if self.fail_from_call is not None and len(self.calls) >= self.fail_from_call:
             return {}
-        return self.client.promote(namespace, keys, parts)
+        return self.client.promote(namespace, keys, parts, into)
 
 
 def test_a_load_promotes_in_runs_and_a_run_that_returns_nothing_ends_it(

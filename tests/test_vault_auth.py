@@ -299,6 +299,11 @@ def test_tls_round_trip_on_both_ports(tmp_path: Path, mutual: bool) -> None:
             assert client.transport == "bulk"
             assert {k: bytes(v) for k, v in found.items()} == {(i, 0): p for i, p in blocks.items()}
             assert client.stats().tls
+            # Over TLS nothing is placed (no scatter-gather receive): into is not even asked.
+            unasked = client.promote(NS, [key(i) for i in blocks], [0], lambda *_: pytest.fail())
+            assert {k: bytes(v) for k, v in unasked.items()} == {
+                k: bytes(v) for k, v in found.items()
+            }
         # A plain client, or (mutual TLS) one without a certificate, gets nothing.
         strangers = [SecurityConfig()]
         if mutual:

@@ -51,6 +51,47 @@ def test_put_and_promote_travel_the_bulk_path(vault: Any) -> None:
         )
 
 
+def test_a_promote_receives_payloads_into_the_buffers_it_is_given(vault: Any) -> None:
+    """`into` places payloads (in pieces) where the caller wants them: each is returned as its
+    first buffer, one whose checksum then fails is absent; the others land in run buffers."""
+    sizes = [100, 7, 300, 64 * 1024, 50]
+    with VaultClient(vault.address) as client:
+        for i, size in enumerate(sizes):
+            client.put(NS, key(i), 0, payload(i, size))
+        assert client.flush(timeout=30)
+        entries = vault.store._entries
+        stored, checksum = entries[(NS, key(3), 0)]
+        entries[(NS, key(3), 0)] = (b"\x00" + stored[1:], checksum)
+        pieces = {i: [bytearray(3), bytearray(size - 3)] for i, size in enumerate(sizes)}
+        pieces[1].append(bytearray(1))  # one byte too many: not used
+        del pieces[2]  # not placed
+
+        def into(indices, parts):
+            assert (list(indices), list(parts)) == (list(range(len(sizes))), [0])
+            return {(i, 0): [memoryview(b) for b in pieces[i]] for i in indices if i in pieces}
+
+        found = client.promote(NS, [key(i) for i in range(len(sizes))], [0], into)
+        assert client.transport == "bulk"
+        assert sorted(found) == [(0, 0), (1, 0), (2, 0), (4, 0)]  # 3: its checksum failed
+        assert client.checksum_failures == 1
+        for i in (0, 4):
+            assert found[(i, 0)].obj is pieces[i][0]
+            assert b"".join(pieces[i]) == payload(i, sizes[i])
+        for i in (1, 2):  # in a run buffer
+            assert bytes(found[(i, 0)]) == payload(i, sizes[i])
+
+
+def test_a_block_sent_twice_is_placed_once() -> None:
+    """A vault that sends a block again must not overwrite the copy already verified in place:
+    the second goes to a run buffer (and is checked on its own)."""
+    from tierkv.vault.bulk import _placed
+
+    index = vault_pb2.PromoteIndex(key_indices=[0, 1, 0], parts=[0, 0, 0], lengths=[4, 4, 4])
+    given = {(0, 0): [memoryview(bytearray(4))], (1, 0): [memoryview(bytearray(2))]}
+    assert _placed(index, given) == [given[(0, 0)], None, None]  # 1: buffers of 2 bytes, not 4
+    assert len(given) == 2  # the caller's placement is left as it was
+
+
 def test_a_vault_without_bulk_path_is_served_over_grpc() -> None:
     server = serve("127.0.0.1:0", 0, bulk_port=None)
     try:

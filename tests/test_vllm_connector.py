@@ -116,6 +116,8 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
         elif command == "scramble_loads":
             _scramble_loaded_blocks(worker.worker_side)
             conn.send(None)
+        elif command == "reset_prefix_cache":  # the connector forgets which keys it sent
+            conn.send(llm.reset_prefix_cache(reset_connector=True))
         elif command == "record_kv":
             conn.send(None)
             recorded = _record_stored_and_restored(worker.worker_side)
@@ -181,15 +183,17 @@ def _kill_on_next_load(scheduler_side: Any, pid: int) -> None:
 
 def _record_stored_and_restored(worker_side: Any) -> dict[str, dict[tuple[bytes, int], Any]]:
     """Keep a copy of every block the worker stores and of every block it restores, as read
-    back from the paged KV buffer after the load (bf16 as 16-bit words), by (key, part)."""
+    back from the paged KV buffer after the load (bf16 as 16-bit words), by (key, part), and
+    how many times each was stored ("stores")."""
     import torch
 
-    recorded: dict[str, dict[tuple[bytes, int], Any]] = {"stored": {}, "restored": {}}
+    recorded: dict[str, dict[tuple[bytes, int], Any]] = {"stored": {}, "restored": {}, "stores": {}}
     tier, load_group = worker_side.tier, worker_side._load_group
     store = tier.store
 
     def store_and_record(namespace, key, part, array, *args, **kwargs):
         recorded["stored"][key, part] = np.array(array).view(np.uint16)
+        recorded["stores"][key, part] = recorded["stores"].get((key, part), 0) + 1
         store(namespace, key, part, array, *args, **kwargs)
 
     def load_and_record(load):
@@ -499,7 +503,9 @@ def test_int8_restore_is_within_the_codecs_bound(
     within the codec's error bound of the block that was stored (half a quantization step per
     `kv_dim` group, plus bf16 rounding); how many greedy tokens agree is reported.
 
-    This engine stores eagerly (`store = "on_finish"`), the alternative to storing on eviction.
+    This engine stores eagerly (`store = "on_finish"`), the alternative to storing on eviction;
+    blocks restored from the vault are not stored again when the request finishes, even when
+    the engine did not remember sending them (its prefix cache was reset, as after a restart).
     """
     from test_quant_codec import assert_int8_close
 
@@ -515,13 +521,16 @@ def test_int8_restore_is_within_the_codecs_bound(
         engine.call("record_kv")
         tokens = prompt(6, 300)
         cold = engine.store_and_evict(tokens, llama_fillers(6))
+        engine.call("reset_prefix_cache")
         restored = engine.generate(tokens)
+        engine.generate(prompt(60, 40))  # its first step copies out what finished before
         stats = engine.stats()
         recorded = engine.call("recorded_kv")
     finally:
         engine.close()
     assert stats["loaded_blocks"] == (len(tokens) - 1) // LLAMA_BLOCK
     keys = chain_block_keys(tokens, LLAMA_BLOCK)[: stats["loaded_blocks"]]
+    assert {recorded["stores"][key, 0] for key in keys} == {1}  # stored cold, not once more
     assert sorted(key for key, _ in recorded["restored"]) == sorted(keys)
     for (key, part), block in recorded["restored"].items():
         original = recorded["stored"][key, part]

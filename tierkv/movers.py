@@ -14,10 +14,14 @@ l of part p, stacked ([layers, *block]); attention has one part, a Mamba layer o
   slots into their engine blocks with one indexed copy per layer and part. Slots that failed to
   decode are simply left out, so their bytes never reach the paged buffer.
 - `BlockMover.load(block_ids, fetch, ...)` restores blocks as their payloads arrive. On the CPU,
-  lossless payloads are not decoded at all: those received back to back in one buffer are a
-  strided numpy view, and one indexed copy per layer writes them from the receive buffer into
-  the paged buffer (the only copy after the socket's) while the rest is on the wire; other
-  codecs decode into the batch's staging, scattered once per batch.
+  lossless payloads are not decoded at all. With blocks-first layers (vLLM CPU's) the receive
+  places each one: its header into a row of a small array, its body straight into its engine
+  block, layer by layer (the socket's copy is the only one); a payload whose checksum or header
+  then fails is reported failed, and vLLM recomputes (overwrites) that block before reading it.
+  With other layouts, payloads received back to back in one buffer are a strided numpy view,
+  and one indexed copy per layer writes them from the receive buffer into the paged buffer
+  while the rest is on the wire. Other codecs decode into the batch's staging, scattered once
+  per batch.
 
 Nothing here issues torch operations per block: the work per call is a constant number of
 operations per layer and part, whatever the number of blocks.
@@ -42,10 +46,13 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from tierkv.backends.base import Into
 
 ALIGN = 256
 """Regions and parts start on multiples of this many bytes (any dtype view, DMA friendly)."""
@@ -55,8 +62,8 @@ CODEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 Blocks = list[tuple[int, int, memoryview]]
 """(index, part, payload) of received blocks"""
-Fetch = Callable[[int, int, Callable[[Blocks], set[int]]], set[int]]
-"""fetch(start, stop, consume) -> failed indices, relative to start (BlockMover.load)"""
+Fetch = Callable[[int, int, Callable[[Blocks], set[int]], "Into | None"], set[int]]
+"""fetch(start, stop, consume, into) -> failed indices, relative to start (BlockMover.load)"""
 Send = Callable[[int, int, np.ndarray, str, Callable[[], None]], None]
 """send(index, part, array, codec dtype, on_done); see hand_over"""
 
@@ -383,22 +390,24 @@ class BlockMover:
         """Restore blocks into engine blocks `block_ids`, in batches of `batch_blocks`; the
         indices (into block_ids) that failed.
 
-        Per batch, `fetch(start, stop, consume)` fetches blocks start..stop-1 and hands them to
-        `consume(blocks)` as their payloads arrive ((i - start, part, payload), every part of a
-        block in one call), which returns the ones it could not restore; fetch returns every
-        failed one (relative to start). Blocks are decoded into host staging with the Numba
-        codecs, or with `on_device` into device staging with torch_ops, and one scatter per
-        batch writes them. With host layers and one part, lossless payloads skip all that: each
-        call copies them straight from the receive buffers into the paged buffer
-        (`_scatter_lossless`), while the rest of the batch is still on the wire, and the
-        scatter leaves them out. Returns once every copy has completed (on CUDA: its event), so
-        the blocks may be reported loaded.
+        Per batch, `fetch(start, stop, consume, into)` fetches blocks start..stop-1 and hands
+        them to `consume(blocks)` as their payloads arrive ((i - start, part, payload), every
+        part of a block in one call), which returns the ones it could not restore; fetch
+        returns every failed one (relative to start). Blocks are decoded into host staging with
+        the Numba codecs, or with `on_device` into device staging with torch_ops, and one
+        scatter per batch writes them. With host layers and one part, lossless payloads skip
+        all that: `into` (None otherwise) has the receive place each one straight into its
+        engine block when every layer's block is contiguous (`_placing`), else each call
+        copies them from the receive buffers into the paged buffer (`_scatter_lossless`) while
+        the rest of the batch is still on the wire; the scatter leaves them out. Returns once
+        every copy has completed (on CUDA: its event), so the blocks may be reported loaded.
         """
         from tierkv.quant import decode_into  # Numba: only once a load runs
         from tierkv.tier import decode_each
 
         decoder = self.decode_on_device if on_device else decode_into
         direct = self._host_layers is not None and len(self.parts) == 1 and not on_device
+        placeable = direct and self._placeable()
         failed: set[int] = set()
         in_flight: deque[Staged] = deque()
         try:
@@ -413,12 +422,14 @@ class BlockMover:
                 out_for = _slot_of(staged.tensors if on_device else staged.arrays())
                 decode = functools.partial(decode_each, out_for=out_for, decoder=decoder)
                 written: set[int] = set()
+                places = _Places(len(ids), self._head_bytes()) if placeable else None
                 consume = (
-                    functools.partial(self._write_lossless, ids, written, decode)
+                    functools.partial(self._write_lossless, ids, written, decode, places)
                     if direct
                     else decode
                 )
-                bad = fetch(start, start + len(ids), consume)
+                into = functools.partial(self._placing, ids, places) if places is not None else None
+                bad = fetch(start, start + len(ids), consume, into)
                 good = [i for i in range(len(ids)) if i not in bad and i not in written]
                 self.scatter(staged, good, [ids[index] for index in good])
                 failed.update(start + index for index in bad)
@@ -428,20 +439,88 @@ class BlockMover:
                 staged.release()
         return failed
 
+    def _placeable(self) -> bool:
+        """Whether every layer of this one-part host mover is contiguous, blocks first (a
+        lossless payload's body can then be received straight into its block, layer by
+        layer)."""
+        assert self._host_layers is not None
+        return all(layer.flags.c_contiguous for layer in self._host_layers[0])
+
+    def _head_bytes(self) -> int:
+        """Header bytes of a lossless payload of this one-part mover's block."""
+        from tierkv.quant.payload import header_bytes
+
+        return header_bytes(len(self.shapes[0]))
+
+    def _placing(
+        self,
+        block_ids: Sequence[int],
+        places: _Places,
+        indices: Sequence[int],
+        parts: Sequence[int],
+    ) -> dict[tuple[int, int], list[memoryview]]:
+        """`into` of a load batch: for each block, its header's row in `places` and engine
+        block `block_ids[index]` of every layer, in payload order (so only a lossless payload
+        fits them; the row is remembered, so `_write_lossless` knows which were placed)."""
+        assert self._host_layers is not None
+        if 0 not in parts:
+            return {}
+        head_bytes = places.heads.shape[1]
+        layer_bytes = self.part_bytes(0) // len(self._host_layers[0])
+        heads = places.heads.data.cast("B")
+        starts = [block_ids[index] * layer_bytes for index in indices]
+        columns = [[heads[index * head_bytes : (index + 1) * head_bytes] for index in indices]]
+        for layer in self._host_layers[0]:
+            view = layer.data.cast("B")
+            columns.append([view[start : start + layer_bytes] for start in starts])
+        places.rows.update(zip(indices, columns[0], strict=True))
+        return {
+            (index, 0): list(bufs)
+            for index, bufs in zip(indices, zip(*columns, strict=True), strict=True)
+        }
+
     def _write_lossless(
         self,
         block_ids: Sequence[int],
         written: set[int],
         decode: Callable[[Blocks], set[int]],
+        places: _Places | None,
         blocks: Blocks,
     ) -> set[int]:
-        """consume of a host load: lossless payloads straight into engine blocks `block_ids[i]`
-        (their indices added to `written`), the others `decode`d into the batch's staging; the
-        indices that failed."""
+        """consume of a host load: payloads placed in their engine blocks checked (`places`),
+        other lossless payloads copied straight into engine blocks `block_ids[i]`, the rest
+        `decode`d into the batch's staging; the indices that failed. The restored indices
+        written in place are added to `written`."""
+        failed: set[int] = set()
+        if places is not None:
+            placed = [index for index, _, payload in blocks if places.rows.get(index) is payload]
+            failed = self._check_placed(places, placed)
+            written.update(set(placed) - failed)
+            blocks = [block for block in blocks if places.rows.get(block[0]) is not block[2]]
         lossy = blocks and self._lossless(blocks[0][2]) is False  # the tier's codec, surely
         rest = blocks if lossy else self._scatter_lossless(block_ids, blocks)
         written.update({index for index, _, _ in blocks} - {index for index, _, _ in rest})
-        return decode(rest) if rest else set()
+        return failed | (decode(rest) if rest else set())
+
+    def _check_placed(self, places: _Places, indices: list[int]) -> set[int]:
+        """The `indices` whose placed payload's header is not a lossless one of this block
+        (their engine blocks hold whatever arrived: they must be reported failed). Headers equal
+        to the first one's share its verdict."""
+        if not indices:
+            return set()
+        at = np.asarray(indices, dtype=np.int64)
+        rows = places.heads[at]
+        same = (rows == rows[0]).all(axis=1)
+        ok = same & self._lossless_header(rows[0])
+        for row in np.flatnonzero(~same):
+            ok[row] = self._lossless_header(rows[row])
+        return set(at[~ok].tolist())
+
+    def _lossless_header(self, head: np.ndarray) -> bool:
+        """Whether `head` is the header of a lossless payload of this one-part mover's block."""
+        payload = np.zeros(len(head) + self.part_bytes(0), dtype=np.uint8)
+        payload[: len(head)] = head
+        return self._lossless(payload.data) is True
 
     def _scatter_lossless(self, block_ids: Sequence[int], blocks: Blocks) -> Blocks:
         """Copy lossless payloads of this one-part mover straight into the engine blocks; the
@@ -539,6 +618,15 @@ def hand_over(staged: Staged, dtypes: Sequence[str], send: Send) -> None:
     for index in range(staged.count):
         for part, array in enumerate(arrays):
             send(index, part, array[index], dtypes[part], on_done)
+
+
+class _Places:
+    """Where a load batch places lossless payloads: their headers' rows (`heads`, one per
+    block), and the row views handed out so far (by block index)."""
+
+    def __init__(self, blocks: int, head_bytes: int) -> None:
+        self.heads = np.empty((blocks, head_bytes), dtype=np.uint8)
+        self.rows: dict[int, memoryview] = {}
 
 
 def _back_to_back(blocks: Blocks) -> list[Blocks]:

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tierkv.backends import open_backend
-from tierkv.backends.base import Backend
+from tierkv.backends.base import Backend, Into
 from tierkv.config import TierKVConfig
 from tierkv.quant import (
     DTYPES,
@@ -55,11 +55,17 @@ PROMOTE_RUN_BYTES = 8 * 1024 * 1024
 so the blocks of one run decode while the next is on the wire."""
 FIRST_PROMOTE_RUN_KEYS = 4
 """Keys of a load's first run (short, so decoding starts early; it also measures payload size)."""
+PLACED_RUN_BYTES = 64 * 1024 * 1024
+"""Runs of a load that receives payloads in place (`into`) are about this many payload bytes:
+there is nothing to overlap them with, so fewer round trips are all that counts. The first one
+is sized from the payload bytes per key of the tier's previous load."""
 DECODE_TASK_BYTES = 2 * 1024 * 1024
 """Arrived payloads are decoded in tasks of about this many bytes (spread over the threads)."""
 
 Block = tuple[int, int, memoryview]
 """(key index, part, payload) of a block a load received."""
+Sizes = dict[tuple[int, int], tuple[memoryview, int]]
+"""(key index, part) -> (first buffer, bytes) of the blocks a load asked `into` to place."""
 Consume = Callable[[list[Block]], set[int]]
 """consume(blocks) -> the key indices it could not restore (see ColdTier.load_blocks)."""
 
@@ -113,6 +119,9 @@ class ColdTier:
             max(1, len(self.vaults)), thread_name_prefix="tierkv-promote"
         )
         self._encoding: set[Future[None]] = set()
+        self._key_bytes: dict[int, int] = {}
+        """Per backend (its id), payload bytes per key of its latest load (sizes the first
+        run of the next one that places payloads)."""
         self.warmup_s = 0.0
         """Seconds `warm_up` spent compiling or loading the codec kernels."""
         self.warmed_codecs: tuple[str, ...] = ()
@@ -249,6 +258,7 @@ class ColdTier:
         keys: Sequence[bytes],
         parts_by_vault: Mapping[str, Sequence[int]],
         consume: Consume,
+        into: Into | None = None,
     ) -> set[int]:
         """Fetch every part of every key and hand the payloads to `consume` as they arrive.
 
@@ -262,8 +272,17 @@ class ColdTier:
         run slowly costs at most that plus one Promote deadline, not one deadline per run.
         Returns the indices of the keys that could not be restored whole (a part missing,
         failing its checksum or refused by `consume`).
+
+        With `into` (see Backend.promote), payloads the backend receives straight into the
+        buffers `into(key indices, parts)` gives reach `consume` as the first of those
+        buffers; the runs are then about PLACED_RUN_BYTES, the first one too when an earlier
+        load measured the payload size.
         """
+        sizes: Sizes = {}  # see _measured
+        if into is not None:
+            into = _measured(into, sizes)
         consumed: list[tuple[Future[set[int] | None], list[list[Block]]]] = []
+        consumed_here: list[set[int]] = []  # what consume refused, of calls on a promoting thread
         wanted = sum(len(parts) for parts in parts_by_vault.values())
         waiting: dict[int, list[Block]] = {}
         waiting_lock = threading.Lock()
@@ -272,22 +291,42 @@ class ColdTier:
             """Hand on the keys whose every part has now arrived (a partial key is recomputed
             anyway, decoding it would be wasted work)."""
             whole = []
-            with waiting_lock:
-                for block in blocks:
-                    parts = waiting.setdefault(block[0], [])
-                    parts.append(block)
-                    if len(parts) == wanted:
-                        whole.append(waiting.pop(block[0]))
+            if wanted == 1:
+                whole = [[block] for block in blocks]
+            else:
+                with waiting_lock:
+                    for block in blocks:
+                        parts = waiting.setdefault(block[0], [])
+                        parts.append(block)
+                        if len(parts) == wanted:
+                            whole.append(waiting.pop(block[0]))
+            if not whole:
+                return
+            if sum([len(block[2]) for block in blocks]) <= DECODE_TASK_BYTES:
+                # Little to do (a short run, or payloads placed in their destination): here,
+                # at once, costs less than waking a decode thread (milliseconds when busy).
+                blocks = [block for parts in whole for block in parts]
+                consumed_here.append(self._consume(blocks, consume, sizes))
+                return
             for batch in batched_by_size(whole, _payload_bytes, DECODE_TASK_BYTES):
                 claim = [[block for parts in batch for block in parts]]
-                consumed.append((self._decoders.submit(self._claimed, claim, consume), claim))
+                consumed.append(
+                    (self._decoders.submit(self._claimed, claim, consume, sizes), claim)
+                )
 
         # The first vault is promoted from on this thread (no hand-off before the first
         # request leaves), any others on the promote threads meanwhile.
         others = list(parts_by_vault)[1:]
         promotes = {
             vault: self._promoters.submit(
-                self._promote_runs, self._client(vault), namespace, keys, parts, arrived
+                self._promote_runs,
+                self._client(vault),
+                namespace,
+                keys,
+                parts,
+                arrived,
+                into,
+                sizes,
             )
             for vault, parts in parts_by_vault.items()
             if vault in others
@@ -298,22 +337,26 @@ class ColdTier:
                 found[vault] = (
                     promotes[vault].result()
                     if vault in promotes
-                    else self._promote_runs(self._client(vault), namespace, keys, parts, arrived)
+                    else self._promote_runs(
+                        self._client(vault), namespace, keys, parts, arrived, into, sizes
+                    )
                 )
             except Exception:
                 log.exception("tierkv: promote from the %s vault failed; recomputing", vault)
                 found[vault] = set()
         failed = {
             index
-            for index in range(len(keys))
             for vault, parts in parts_by_vault.items()
-            if any((index, part) not in found[vault] for part in parts)
+            for part in parts
+            for index in range(len(keys))
+            if (index, part) not in found[vault]
         }
         # Every promote has returned, nothing is submitted any more: this thread runs the
         # calls no decode thread has started (waking one costs milliseconds on a busy machine).
-        mine = [self._claimed(claim, consume) for _, claim in consumed]
+        mine = [self._claimed(claim, consume, sizes) for _, claim in consumed]
         for (future, _), result in zip(consumed, mine, strict=True):
             failed |= result if result is not None else (future.result() or set())
+        failed = failed.union(*consumed_here)
         with self._lock:
             self._stats.loaded_blocks += len(keys) - len(failed)
             self._stats.load_failures += len(failed)
@@ -406,12 +449,18 @@ class ColdTier:
         keys: Sequence[bytes],
         parts: Sequence[int],
         arrived: Callable[[list[Block]], None],
+        into: Into | None,
+        sizes: Sizes,
     ) -> set[tuple[int, int]]:
         """Promote `keys` run by run, handing each run's payloads to `arrived`, until a run
-        returns nothing or the load deadline has passed; what arrived."""
+        returns nothing or the load deadline has passed; what arrived (`sizes`: see
+        _measured)."""
         got: set[tuple[int, int]] = set()
         received = 0
+        run_bytes = PROMOTE_RUN_BYTES if into is None else PLACED_RUN_BYTES
         start, run = 0, FIRST_PROMOTE_RUN_KEYS
+        if into is not None and self._key_bytes.get(id(backend)):
+            run = max(1, run_bytes // self._key_bytes[id(backend)])
         deadline = time.monotonic() + self.load_deadline_s
         while start < len(keys):
             if time.monotonic() > deadline:
@@ -424,18 +473,25 @@ class ColdTier:
                 )
                 break
             stop = min(len(keys), start + run)
-            found = backend.promote(namespace, keys[start:stop], parts)
+            found = backend.promote(namespace, keys[start:stop], parts, _shifted(into, start))
             if not found:
                 break
             blocks = [(start + index, part, payload) for (index, part), payload in found.items()]
             got.update((index, part) for index, part, _ in blocks)
-            received += sum(len(payload) for _, _, payload in blocks)
+            received += sum([_size(sizes, block) for block in blocks])
             arrived(blocks)
             start = stop
-            run = max(1, PROMOTE_RUN_BYTES * start // max(1, received))
+            run = max(1, run_bytes * start // max(1, received))
+        if received:
+            self._key_bytes[id(backend)] = received // start
         return got
 
-    def _claimed(self, claim: list[list[Block]], consume: Consume) -> set[int] | None:
+    def _claimed(
+        self,
+        claim: list[list[Block]],
+        consume: Consume,
+        sizes: Sizes,
+    ) -> set[int] | None:
         """`_consume` the blocks in `claim` unless another thread took them first (None):
         list.pop is atomic, so each call of a load runs once, on a decode thread or on the
         loading thread."""
@@ -443,9 +499,14 @@ class ColdTier:
             blocks = claim.pop()
         except IndexError:
             return None
-        return self._consume(blocks, consume)
+        return self._consume(blocks, consume, sizes)
 
-    def _consume(self, blocks: list[Block], consume: Consume) -> set[int]:
+    def _consume(
+        self,
+        blocks: list[Block],
+        consume: Consume,
+        sizes: Sizes,
+    ) -> set[int]:
         """`consume(blocks)`, counting the payload bytes of the keys it restored; every key
         fails when it raises."""
         try:
@@ -455,7 +516,7 @@ class ColdTier:
                 "tierkv: restoring %d arrived blocks failed; recomputing them", len(blocks)
             )
             failed = {index for index, _, _ in blocks}
-        restored = sum(len(payload) for index, _, payload in blocks if index not in failed)
+        restored = sum([_size(sizes, block) for block in blocks if block[0] not in failed])
         with self._lock:
             self._stats.loaded_payload_bytes += restored
         return failed
@@ -485,3 +546,39 @@ def decode_each(
 
 def _payload_bytes(blocks: list[Block]) -> int:
     return sum(len(payload) for _, _, payload in blocks)
+
+
+def _measured(into: Into, sizes: Sizes) -> Into:
+    """`into` that notes in `sizes`, for each block it places, its first buffer and the bytes
+    of all (the payload's length when the backend placed it)."""
+
+    def placing(
+        indices: Sequence[int], parts: Sequence[int]
+    ) -> dict[tuple[int, int], list[memoryview]]:
+        placement = into(indices, parts)
+        for block, buffers in placement.items():
+            sizes[block] = (buffers[0], sum(map(len, buffers)))
+        return placement
+
+    return placing
+
+
+def _shifted(into: Into | None, start: int) -> Into | None:
+    """`into` for a Promote of keys[start:]: its key index i is start + i here."""
+    if into is None or not start:
+        return into
+
+    def shifted(
+        indices: Sequence[int], parts: Sequence[int]
+    ) -> dict[tuple[int, int], list[memoryview]]:
+        placement = into([start + index for index in indices], parts)
+        return {(index - start, part): bufs for (index, part), bufs in placement.items()}
+
+    return shifted
+
+
+def _size(sizes: Sizes, block: Block) -> int:
+    """Payload bytes of an arrived block (`sizes`: of the blocks `into` was asked to place)."""
+    index, part, payload = block
+    placed = sizes.get((index, part))
+    return placed[1] if placed is not None and placed[0] is payload else len(payload)

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from tierkv.vault.bulk import Into
 from tierkv.vault.client import VaultStats, VaultUnavailable
 
-__all__ = ["Backend", "VaultStats", "VaultUnavailable"]
+__all__ = ["Backend", "Into", "VaultStats", "VaultUnavailable"]
 
 
 class Backend(Protocol):
@@ -31,9 +32,17 @@ class Backend(Protocol):
         """How many leading `keys` have every one of `parts` stored; 0 on any failure."""
 
     def promote(
-        self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts: Sequence[int],
+        into: Into | None = None,
     ) -> dict[tuple[int, int], memoryview]:
-        """(key index, part) → payload that passed its checksum; failures are absent."""
+        """(key index, part) → payload that passed its checksum; failures are absent.
+
+        A backend may receive payloads straight into the buffers `into(key indices, parts)`
+        gives for them (a vault's bulk path does), and then returns each as the first
+        of its buffers, that very object; others ignore `into`."""
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued puts; False on timeout or when a put was lost since the last flush."""

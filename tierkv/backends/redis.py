@@ -28,7 +28,7 @@ from redis.cluster import key_slot
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from tierkv.backends.base import Backend, VaultStats, VaultUnavailable
+from tierkv.backends.base import Backend, Into, VaultStats, VaultUnavailable
 from tierkv.backends.sharded import ShardedBackend
 from tierkv.config import ClientConfig, SecurityConfig, format_address, redact
 from tierkv.reliability import CircuitBreaker, PendingPut, PutQueue
@@ -140,8 +140,13 @@ class RedisBackend:
         return len(keys)
 
     def promote(
-        self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts: Sequence[int],
+        into: Into | None = None,
     ) -> dict[tuple[int, int], memoryview]:
+        """See Backend.promote (`into` is not used: redis-py hands over its own bytes)."""
         found: dict[tuple[int, int], memoryview] = {}
         if not keys or not parts or not self._breaker.allow():
             return found
@@ -282,10 +287,14 @@ class RedisClusterBackend(ShardedBackend):
         return super().lookup(namespace, keys, parts)
 
     def promote(
-        self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts: Sequence[int],
+        into: Into | None = None,
     ) -> dict[tuple[int, int], memoryview]:
         self._refresh_if_failing()
-        return super().promote(namespace, keys, parts)
+        return super().promote(namespace, keys, parts, into)
 
     def _refresh_if_failing(self) -> None:
         """Re-read the slot map in the background when a node's breaker is open (a failover)."""

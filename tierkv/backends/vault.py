@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tierkv.config import ClientConfig, SecurityConfig
+from tierkv.vault.bulk import Into
 from tierkv.vault.client import VaultClient, VaultStats
 
 
@@ -28,9 +29,13 @@ class VaultBackend:
         return self.client.lookup(namespace, keys, parts)
 
     def promote(
-        self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts: Sequence[int],
+        into: Into | None = None,
     ) -> dict[tuple[int, int], memoryview]:
-        return self.client.promote(namespace, keys, parts)
+        return self.client.promote(namespace, keys, parts, into)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self.client.flush(timeout)

@@ -20,6 +20,7 @@ Client side: `BulkConnection(host, port, timeout_s, ...)` sends one request at a
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import select
@@ -57,8 +58,13 @@ SMALL_RUN_BYTES = 256 * KIB
 costs less than a system call per payload."""
 SEND_BUFFERS = 512
 """Buffers per sendmsg call (the kernel takes at most IOV_MAX, 1024 on Linux)."""
+RECV_BUFFERS = 256
+"""Buffers per recvmsg_into call (each call fills what has arrived, usually far fewer)."""
 CLIENT_RUN_BYTES = 8 * MIB
 """The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
+RECEIVED_BYTES = 1 * MIB
+"""A Promote hands on the payloads it received in groups of about this many bytes, so they are
+checked while the next group is on the wire."""
 MAX_POOLED_BYTES = 1024 * MIB
 """The client keeps at most this many bytes of receive buffers for reuse (per process)."""
 HUGE_PAGE_BYTES = 2 * MIB
@@ -85,6 +91,10 @@ class BulkError(ConnectionError):
 
 
 Payload = bytes | memoryview
+Into = Callable[[Sequence[int], Sequence[int]], dict[tuple[int, int], list[memoryview]]]
+"""into(key indices, parts) -> by (key index, part), the writable buffers a promoted payload of
+that block is received straight into, in order; a block not given, or whose buffers do not add
+up to its payload's length, goes into the client's own (see BulkConnection.promote)."""
 T = TypeVar("T")
 MessageT = TypeVar("MessageT", bound=Message)
 
@@ -161,6 +171,22 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline) -> Non
         if received == 0:
             raise ConnectionError("the peer closed the connection mid-frame")
         filled += received
+
+
+def _recv_scattered(sock: socket.socket, buffers: list[memoryview], deadline: Deadline) -> None:
+    """Fill `buffers` in order from the (plain TCP) socket by the deadline (scatter-gather);
+    ConnectionError when the peer closes first."""
+    first = 0  # buffers[first:] are still to fill
+    while first < len(buffers):
+        deadline.arm(sock)
+        received = sock.recvmsg_into(buffers[first : first + RECV_BUFFERS])[0]
+        if received == 0:
+            raise ConnectionError("the peer closed the connection mid-frame")
+        while first < len(buffers) and received >= len(buffers[first]):
+            received -= len(buffers[first])
+            first += 1
+        if received:
+            buffers[first] = buffers[first][received:]
 
 
 def _recv_bytes(sock: socket.socket, size: int, deadline: Deadline) -> bytes:
@@ -464,6 +490,27 @@ class BulkServer:
 # ---- client side -------------------------------------------------------------------------------
 
 
+def _second(pair: tuple[object, int]) -> int:
+    return pair[1]
+
+
+def _placed(
+    index: vault_pb2.PromoteIndex, placement: dict[tuple[int, int], list[memoryview]]
+) -> list[list[memoryview] | None]:
+    """Per payload of a PROMOTE_REPLY, the buffers `placement` gives for its block when they
+    hold exactly its length; None: a run buffer's (for every payload of a malformed index, and
+    for a block sent again: a vault must not overwrite a payload already verified in place)."""
+    key_indices, parts, lengths = index.key_indices, index.parts, index.lengths
+    if not placement or not len(key_indices) == len(parts) == len(lengths):
+        return [None] * len(lengths)
+    placement = dict(placement)
+    placed: list[list[memoryview] | None] = []
+    for key_index, part, length in zip(key_indices, parts, lengths, strict=True):
+        bufs = placement.pop((key_index, part), None)
+        placed.append(bufs if bufs is not None and sum(map(len, bufs)) == length else None)
+    return placed
+
+
 class BulkConnection:
     """One client connection to a vault's bulk port; one call at a time (not thread-safe).
 
@@ -540,26 +587,59 @@ class BulkConnection:
         return _parse(vault_pb2.PutSummary, _recv_bytes(self._sock, index_len, clock))
 
     def promote(
-        self, request: vault_pb2.PromoteRequest, deadline: float
-    ) -> tuple[vault_pb2.PromoteIndex, list[memoryview]]:
-        """(index, payloads) of every block the vault has; payloads are views of run buffers."""
+        self,
+        request: vault_pb2.PromoteRequest,
+        deadline: float,
+        received: Callable[[vault_pb2.PromoteIndex, int, list[list[memoryview]]], None],
+        into: Into | None = None,
+    ) -> vault_pb2.PromoteIndex:
+        """Receive every block the vault has; returns the reply's index. Each group of about
+        RECEIVED_BYTES of payloads is handed to `received(index, first, payloads)` as soon as
+        it has arrived (payloads[i] is the one at position first + i of the index), each as
+        the buffers it lies in: the ones `into(key indices, parts)` (asked for every block of
+        the request, unless over TLS) gave for it, received straight into them with no copy of
+        ours, else one view of a run buffer. The caller verifies them: they may hold anything
+        the vault sent."""
         clock = Deadline(deadline, self.timeout_s)
 
-        def call() -> tuple[vault_pb2.PromoteIndex, list[memoryview]]:
+        def call() -> vault_pb2.PromoteIndex:
             _send_frame(self._sock, PROMOTE, request, clock)
+            # Asked while the vault looks the blocks up. A TLS socket cannot scatter (no
+            # recvmsg_into): a receive per buffer would cost more than the copy it saves.
+            plain = not isinstance(self._sock, ssl.SSLSocket)
+            placement = into(range(len(request.keys)), request.parts) if into and plain else {}
             _, index_len, data_len = _parse_header(
                 _recv_bytes(self._sock, HEADER.size, clock), PROMOTE_REPLY
             )
             index = _parse(vault_pb2.PromoteIndex, _recv_bytes(self._sock, index_len, clock))
             _check_lengths(index.lengths, data_len)
-            payloads: list[memoryview] = []
-            for run in batched_by_size(list(index.lengths), int, CLIENT_RUN_BYTES):
-                size = sum(run)
-                buf = RECEIVE_BUFFERS.take().data if size <= CLIENT_RUN_BYTES else None
-                buf = buf[:size] if buf is not None else _empty_buffer(size)
-                _recv_into(self._sock, buf, clock)
-                payloads.extend(split_payloads(buf.toreadonly(), run))
-            return index, payloads
+            placed = _placed(index, placement)
+            at = 0
+            for own, group in itertools.groupby(placed, key=lambda bufs: bufs is None):
+                stretch = list(group)
+                lengths = list(index.lengths[at : at + len(stretch)])
+                if not own:  # payloads `into` placed, received with scatter-gather
+                    pairs = list(zip(stretch, lengths, strict=True))
+                    for some in batched_by_size(pairs, _second, RECEIVED_BYTES):
+                        payloads = [bufs or [] for bufs, _ in some]
+                        flat = [buf for bufs in payloads for buf in bufs]
+                        _recv_scattered(self._sock, flat, clock)
+                        received(index, at, payloads)
+                        at += len(payloads)
+                    continue
+                for run in batched_by_size(lengths, int, CLIENT_RUN_BYTES):
+                    size = sum(run)
+                    buf = RECEIVE_BUFFERS.take().data if size <= CLIENT_RUN_BYTES else None
+                    buf = buf[:size] if buf is not None else _empty_buffer(size)
+                    offset = 0
+                    for run_part in batched_by_size(run, int, RECEIVED_BYTES):
+                        view = buf[offset : offset + sum(run_part)]
+                        _recv_into(self._sock, view, clock)
+                        offset += len(view)
+                        views = split_payloads(view.toreadonly(), run_part)
+                        received(index, at, [[payload] for payload in views])
+                        at += len(views)
+            return index
 
         return self._guarded(call)
 

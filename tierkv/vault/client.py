@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -32,7 +32,7 @@ from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
 from tierkv.reliability import CircuitBreaker, PendingPut, PutQueue
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import call_metadata, channel_credentials, client_token, ssl_context
-from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError
+from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError, Into
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
     already_encoded,
@@ -329,12 +329,19 @@ class VaultClient:
         return min(reply.present, len(keys))
 
     def promote(
-        self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts: Sequence[int],
+        into: Into | None = None,
     ) -> dict[tuple[int, int], memoryview]:
         """(key index, part) → verified payload for every block the vault returned in time.
 
-        Payloads are zero-copy views of the received chunks. Missing, checksum-failed and
-        failed-call blocks are simply absent; this never raises (any failure, MemoryError
+        Payloads are zero-copy views of the received chunks. With `into`, a payload the bulk
+        path receives straight into the buffers `into(key indices, parts)` gives for it is
+        returned as the first of them (that very object; the gRPC path ignores `into`); the
+        buffers of a payload that is then absent may hold anything. Missing, checksum-failed
+        and failed-call blocks are simply absent; this never raises (any failure, MemoryError
         included, is a miss and a counted failure). The whole call is bounded by
         promote_deadline_s, and a vault that sends nothing for deadline_s is given up on.
         """
@@ -344,24 +351,35 @@ class VaultClient:
         deadline = time.monotonic() + self.promote_deadline_s
         wanted_parts = set(parts)
         bad_checksums = 0
+
+        def verify(
+            index: vault_pb2.PromoteIndex, first: int, payloads: list[list[memoryview]]
+        ) -> None:
+            """Keep the payloads at positions first.. of `index` that pass their checksum."""
+            nonlocal bad_checksums
+            end = first + len(payloads)
+            for key_index, part, pieces, checksum in zip(
+                index.key_indices[first:end],
+                index.parts[first:end],
+                payloads,
+                index.checksums[first:end],
+                strict=False,
+            ):
+                if key_index >= len(keys) or part not in wanted_parts:
+                    continue
+                if block_checksum(namespace, keys[key_index], part, *pieces) != checksum:
+                    bad_checksums += 1
+                    continue
+                found[(key_index, part)] = pieces[0]
+
         try:
             request = vault_pb2.PromoteRequest(namespace=namespace, keys=keys, parts=parts)
-            bulk_reply = self._promote_bulk(request, deadline)
-            chunks: Iterable[tuple[vault_pb2.PromoteIndex, list[memoryview]]]
-            if bulk_reply is None:
-                chunks, transport = self._promote_grpc(request, deadline), "grpc"
-            else:
-                chunks, transport = [bulk_reply], "bulk"
-            for index, payloads in chunks:
-                for key_index, part, payload, checksum in zip(
-                    index.key_indices, index.parts, payloads, index.checksums, strict=False
-                ):
-                    if key_index >= len(keys) or part not in wanted_parts:
-                        continue
-                    if block_checksum(namespace, keys[key_index], part, payload) != checksum:
-                        bad_checksums += 1
-                        continue
-                    found[(key_index, part)] = payload
+            transport = "bulk"
+            if self._promote_bulk(request, deadline, verify, into) is None:
+                found.clear()  # what a failed bulk call verified: gRPC sends it again
+                transport = "grpc"
+                for index, payloads in self._promote_grpc(request, deadline):
+                    verify(index, 0, payloads)
         except BulkError:  # timed out on the bulk path: counted already
             found = {}
         except Exception:  # the promise: never raise, whatever the vault or the machine does
@@ -376,10 +394,17 @@ class VaultClient:
         return found
 
     def _promote_bulk(
-        self, request: vault_pb2.PromoteRequest, deadline: float
-    ) -> tuple[vault_pb2.PromoteIndex, list[memoryview]] | None:
-        """The Promote over the bulk path (one chunk); None: use gRPC (none, or it failed)."""
-        return self._on_bulk(deadline, lambda connection: connection.promote(request, deadline))
+        self,
+        request: vault_pb2.PromoteRequest,
+        deadline: float,
+        received: Callable[[vault_pb2.PromoteIndex, int, list[list[memoryview]]], None],
+        into: Into | None,
+    ) -> vault_pb2.PromoteIndex | None:
+        """The Promote over the bulk path, payloads handed to `received` as they arrive; None:
+        use gRPC (none, or it failed)."""
+        return self._on_bulk(
+            deadline, lambda connection: connection.promote(request, deadline, received, into)
+        )
 
     def _on_bulk(self, deadline: float, call: Callable[[BulkConnection], T]) -> T | None:
         """`call` on a bulk connection; None: use gRPC (no bulk path, or the vault refused)."""
@@ -396,8 +421,9 @@ class VaultClient:
 
     def _promote_grpc(
         self, request: vault_pb2.PromoteRequest, deadline: float
-    ) -> Iterator[tuple[vault_pb2.PromoteIndex, list[memoryview]]]:
-        """The gRPC Promote stream as (index, payloads) chunks; a stalled stream is cancelled."""
+    ) -> Iterator[tuple[vault_pb2.PromoteIndex, list[list[memoryview]]]]:
+        """The gRPC Promote stream as (index, payloads) chunks, each payload one view; a
+        stalled stream is cancelled."""
         call = self._promote_call(
             request, timeout=deadline - time.monotonic(), metadata=self._metadata
         )
@@ -405,7 +431,7 @@ class VaultClient:
         try:
             for index, data in call:
                 guard.progress()
-                yield index, split_payloads(data, index.lengths)
+                yield index, [[view] for view in split_payloads(data, index.lengths)]
         finally:
             guard.done()
 

@@ -32,12 +32,20 @@ IndexT = TypeVar("IndexT", bound=Message)
 ItemT = TypeVar("ItemT")
 
 
-def block_checksum(namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> int:
+def block_checksum(
+    namespace: bytes, key: bytes, part: int, payload: bytes | memoryview, *more: memoryview
+) -> int:
     """The checksum a payload travels and is stored with: xxh3_64 of the payload, seeded with
     its address, so a payload filed or returned under another (namespace, key, part) fails its
-    check exactly like a corrupted one."""
+    check exactly like a corrupted one. A payload received in pieces: `payload, *more`."""
     address = struct.pack("<II", len(namespace), part) + namespace + key
-    return xxhash.xxh3_64_intdigest(payload, seed=xxhash.xxh3_64_intdigest(address))
+    seed = xxhash.xxh3_64_intdigest(address)
+    if not more:
+        return xxhash.xxh3_64_intdigest(payload, seed=seed)
+    hasher = xxhash.xxh3_64(payload, seed=seed)
+    for piece in more:
+        hasher.update(piece)
+    return hasher.intdigest()
 
 
 class MalformedMessage(ValueError):

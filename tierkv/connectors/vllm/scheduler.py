@@ -132,7 +132,8 @@ class TierScheduler:
         self._group_ids = {plan.group_id for plan in self.plans}
         self._tracked: dict[str, _Tracked] = {}
         self._live: set[str] = set()  # requests vLLM asked about and that have not finished
-        self._loaded_into: dict[str, set[int]] = {}  # request -> engine blocks it restored into
+        # request -> (group, engine block, key) of each block it restores
+        self._loaded_into: dict[str, list[tuple[int, int, bytes]]] = {}
         self._failed_loads: set[str] = set()  # requests whose restore failed: recompute them
         # vLLM block hash -> tierkv key, and the (group, key) pairs recently sent; both bounded.
         self._hash_keys: OrderedDict[bytes, bytes] = OrderedDict()
@@ -253,7 +254,16 @@ class TierScheduler:
                     )
                 )
         self._loads.append(LoadJob(request.request_id, loads, pending.sync))
-        self._loaded_into[request.request_id] = {i for load in loads for i in load.block_ids}
+        restored = [
+            (load.group_id, block_id, key)
+            for load in loads
+            for block_id, key in zip(load.block_ids, load.keys, strict=True)
+        ]
+        self._loaded_into[request.request_id] = restored
+        # What comes from the vaults is there already: not stored again when it is freed
+        # (unless its load fails, see loads_reported).
+        for group_id, _, key in restored:
+            self._remember_stored((group_id, key))
 
     def loads_reported(self, invalid_block_ids: set[int], failed_req_ids: set[str]) -> None:
         """Note the requests whose restore failed (the workers' load errors of a step).
@@ -262,9 +272,16 @@ class TierScheduler:
         offer the same blocks, which would likely fail the same way: a corrupt block again and
         again, a vault that answers lookups but not promotes. Such a request is recomputed.
         """
-        for req_id, block_ids in self._loaded_into.items():
-            if req_id in failed_req_ids or block_ids & invalid_block_ids:
+        for req_id, restored in self._loaded_into.items():
+            failed = [
+                (group_id, key)
+                for group_id, block_id, key in restored
+                if req_id in failed_req_ids or block_id in invalid_block_ids
+            ]
+            if failed:
                 self._failed_loads.add(req_id)
+            for marker in failed:  # recomputed, so stored again when freed
+                self._stored.pop(marker, None)
 
     # ---- stores ----------------------------------------------------------------------------
 
@@ -330,14 +347,18 @@ class TierScheduler:
         key = self._hash_keys.get(get_block_hash(block_hash))
         if key is None or group_id not in self._group_ids:
             return
-        marker = (group_id, key)
+        if self._remember_stored((group_id, key)):
+            self._stores.append(StoreJob(group_id, block.block_id, key))
+
+    def _remember_stored(self, marker: tuple[int, bytes]) -> bool:
+        """Note that (group, key) is in the vaults; False when it was known already."""
         if marker in self._stored:
             self._stored.move_to_end(marker)
-            return
+            return False
         self._stored[marker] = None
         if len(self._stored) > self._hash_capacity:
             self._stored.popitem(last=False)
-        self._stores.append(StoreJob(group_id, block.block_id, key))
+        return True
 
     # ---- per step --------------------------------------------------------------------------
 

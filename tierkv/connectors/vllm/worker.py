@@ -14,10 +14,12 @@ and counted.
 Loads run on a background thread (or, when the scheduler asks for it because nothing else is
 running, before the step's forward). Per KV-cache group, in batches of up to half the staging,
 one ColdTier.load_blocks (Promote runs per vault) hands payloads to the data mover as they
-arrive: with the paged buffer on the CPU, lossless ones are written in at once, straight from
-the receive buffers; the others are decoded into staging and one scatter per batch writes them
-(CPU or GPU, any layout). Blocks that failed are left out, so their bytes never reach the paged
-buffer, and are reported through vLLM's load-error path, so vLLM recomputes them. A request is
+arrive: with the paged buffer on the CPU, lossless ones are received straight into their engine
+blocks (blocks-first layouts, vLLM CPU's) or written in at once from the receive buffers; the
+others are decoded into staging and one scatter per batch writes them (CPU or GPU, any layout).
+Blocks that failed are reported through vLLM's load-error path, so vLLM recomputes them: a
+decoded one is left out, so its bytes never reach the paged buffer; a placed one holds whatever
+arrived until vLLM's recompute overwrites it, before anything reads it. A request is
 reported finished only once its copies have completed. On CUDA with a lossy codec, the
 compressed payloads are decoded on the device (tierkv.quant.torch_ops), so only compressed
 bytes cross PCIe.
@@ -43,6 +45,7 @@ from tierkv.connectors.vllm.stats import TierKVStats
 from tierkv.movers import BlockMover, Blocks, Staged, StagingRing, codec_dtype, hand_over
 
 if TYPE_CHECKING:
+    from tierkv.backends.base import Into
     from tierkv.tier import ColdTier
 
 log = logging.getLogger(__name__)
@@ -224,9 +227,11 @@ class TierWorker:
         plan = self.plans[load.group_id]
         namespace = plan.namespaces[self.tp_rank]
 
-        def fetch(start: int, stop: int, consume: Callable[[Blocks], set[int]]) -> set[int]:
+        def fetch(
+            start: int, stop: int, consume: Callable[[Blocks], set[int]], into: Into | None
+        ) -> set[int]:
             parts = {plan.vault: plan.parts}
-            return self.tier.load_blocks(namespace, load.keys[start:stop], parts, consume)
+            return self.tier.load_blocks(namespace, load.keys[start:stop], parts, consume, into)
 
         failed = mover.load(
             load.block_ids,
