@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from tierkv.backends import open_backend
-from tierkv.backends.base import Backend, Into
+from tierkv.backends.base import Backend, Into, renumbered
 from tierkv.config import TierKVConfig
 from tierkv.quant import (
     DTYPES,
@@ -302,7 +302,7 @@ class ColdTier:
                             whole.append(waiting.pop(block[0]))
             if not whole:
                 return
-            if sum([len(block[2]) for block in blocks]) <= DECODE_TASK_BYTES:
+            if _payload_bytes(blocks) <= DECODE_TASK_BYTES:
                 # Little to do (a short run, or payloads placed in their destination): here,
                 # at once, costs less than waking a decode thread (milliseconds when busy).
                 blocks = [block for parts in whole for block in parts]
@@ -473,7 +473,8 @@ class ColdTier:
                 )
                 break
             stop = min(len(keys), start + run)
-            found = backend.promote(namespace, keys[start:stop], parts, _shifted(into, start))
+            run_into = renumbered(into, range(start, stop)) if start else into
+            found = backend.promote(namespace, keys[start:stop], parts, run_into)
             if not found:
                 break
             blocks = [(start + index, part, payload) for (index, part), payload in found.items()]
@@ -561,20 +562,6 @@ def _measured(into: Into, sizes: Sizes) -> Into:
         return placement
 
     return placing
-
-
-def _shifted(into: Into | None, start: int) -> Into | None:
-    """`into` for a Promote of keys[start:]: its key index i is start + i here."""
-    if into is None or not start:
-        return into
-
-    def shifted(
-        indices: Sequence[int], parts: Sequence[int]
-    ) -> dict[tuple[int, int], list[memoryview]]:
-        placement = into([start + index for index in indices], parts)
-        return {(index - start, part): bufs for (index, part), bufs in placement.items()}
-
-    return shifted
 
 
 def _size(sizes: Sizes, block: Block) -> int:

@@ -6,6 +6,7 @@ A backend stores verified payloads under (namespace, key, part) and gives them b
 
 The reliability parts every backend shares (the circuit breaker and the put queue) are written
 once, in tierkv/reliability.py.
+`renumbered` maps a caller's `into` onto a Promote of some of its keys (a shard's, a run's).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Protocol
 from tierkv.vault.bulk import Into
 from tierkv.vault.client import VaultStats, VaultUnavailable
 
-__all__ = ["Backend", "Into", "VaultStats", "VaultUnavailable"]
+__all__ = ["Backend", "Into", "VaultStats", "VaultUnavailable", "renumbered"]
 
 
 class Backend(Protocol):
@@ -58,3 +59,19 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Deliver what is queued (up to one deadline), then release connections and threads."""
+
+
+def renumbered(into: Into | None, indices: Sequence[int]) -> Into | None:
+    """`into` for a Promote of keys[indices] (a shard's share, a load's run): the key index i
+    of that Promote is indices[i] of the caller's."""
+    if into is None:
+        return None
+    place = {index: at for at, index in enumerate(indices)}
+
+    def member_into(
+        places: Sequence[int], parts: Sequence[int]
+    ) -> dict[tuple[int, int], list[memoryview]]:
+        found = into([indices[at] for at in places], parts)
+        return {(place[index], part): bufs for (index, part), bufs in found.items()}
+
+    return member_into

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import xxhash
 
-from tierkv.backends.base import Backend, Into, VaultStats
+from tierkv.backends.base import Backend, Into, VaultStats, renumbered
 from tierkv.config import redact
 
 _TWO_64 = float(2**64)
@@ -82,7 +82,7 @@ class ShardedBackend:
 
         def promote(backend: Backend, indices: list[int]) -> dict[tuple[int, int], memoryview]:
             return backend.promote(
-                namespace, [keys[i] for i in indices], parts, _renumbered(into, indices)
+                namespace, [keys[i] for i in indices], parts, renumbered(into, indices)
             )
 
         answers = self._fan_out(groups, promote)
@@ -180,18 +180,3 @@ def rendezvous_owner(key: bytes, seeds: Sequence[int], weights: Sequence[float])
         if score > best_score:
             best, best_score = index, score
     return best
-
-
-def _renumbered(into: Into | None, indices: list[int]) -> Into | None:
-    """`into` for a member asked for keys[indices]: its key index i is indices[i] here."""
-    if into is None:
-        return None
-    place = {index: at for at, index in enumerate(indices)}
-
-    def member_into(
-        places: Sequence[int], parts: Sequence[int]
-    ) -> dict[tuple[int, int], list[memoryview]]:
-        found = into([indices[at] for at in places], parts)
-        return {(place[index], part): bufs for (index, part), bufs in found.items()}
-
-    return member_into
