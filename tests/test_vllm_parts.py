@@ -162,6 +162,55 @@ def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
         tier.close()
 
 
+def test_a_load_before_the_forward_pauses_the_garbage_collector(vault, monkeypatch):
+    """A load on the engine thread (nothing else running) skips cyclic collections, which its
+    per-block objects would trigger by the dozen; the collector is on again afterwards, and one
+    that was off stays off."""
+    import gc
+
+    import torch
+
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.worker import TierWorker
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+    from tierkv.vault.client import VaultClient
+
+    plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),))
+    caches = {"layer0": torch.randn(6, 2, 4, 2, 8).to(torch.bfloat16)}
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 20)
+    try:
+        worker.register_kv_caches(caches, num_blocks=6)
+        key = bytes([7]) * 16
+        worker.store_blocks(TierKVMetadata(stores=[StoreJob(0, 1, key)]))
+        assert tier.flush(10)
+        collecting: list[bool] = []
+        load_group = worker._load_group
+
+        def watched(load: GroupLoad) -> tuple[set[int], int]:
+            collecting.append(gc.isenabled())
+            return load_group(load)
+
+        monkeypatch.setattr(worker, "_load_group", watched)
+        sync_load = TierKVMetadata(loads=[LoadJob("req", [GroupLoad(0, [key], [2])], True)])
+        assert gc.isenabled()
+        worker.start_loads(sync_load)
+        assert collecting == [False]
+        assert gc.isenabled()
+        assert torch.equal(caches["layer0"][2], caches["layer0"][1])
+        gc.disable()
+        try:
+            worker.start_loads(sync_load)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+    finally:
+        worker.shutdown()
+        tier.close()
+
+
 def test_worker_drops_what_does_not_fit_the_staging_budget(vault):
     import torch
 
