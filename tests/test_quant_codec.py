@@ -160,6 +160,21 @@ def test_lossless_decode_of_large_blocks_into_any_alignment(offset: int, extra: 
     assert (buffer[:start] == 7).all() and (buffer[start + n :] == 7).all()
 
 
+def test_a_cached_header_still_checks_the_payload_length() -> None:
+    """checked_body remembers headers it validated; a payload that reuses one with a truncated
+    or padded body is still refused, and a corrupted header still fails its checksum."""
+    x = np.ones((4, 128), np.float16)
+    payload = get_codec("none").encode(x)
+    decode_into(payload, np.empty_like(x))  # its header is now cached
+    for bad in (payload[:-2], payload + b"\0\0"):
+        with pytest.raises(PayloadError, match="truncated or padded"):
+            decode_into(bad, np.empty_like(x))
+    corrupt = bytearray(payload)
+    corrupt[header_bytes(2) - 1] ^= 1
+    with pytest.raises(PayloadError, match="checksum"):
+        decode_into(corrupt, np.empty_like(x))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["none", "int8"])
 def test_zeros_round_trip_to_zeros(name: str, dtype: str) -> None:
