@@ -35,7 +35,7 @@ MAX_NDIM = 8
 DTYPE_CODES = {"fp16": FP16, "bf16": BF16, "fp32": FP32}
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-WORD_TYPES = {2: np.uint16, 4: np.uint32}
+WORD_TYPES: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}
 
 _FLOAT_DTYPES = {np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
 """numpy float types and the only dtype each can hold; integer views hold raw words of any."""
