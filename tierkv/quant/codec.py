@@ -174,8 +174,11 @@ def warmup(
         array = np.ones((2, 128), np.float32 if dtype == "fp32" else np.float16)
         if dtype == "bf16":
             array = array.view(np.uint16)
-        payload = encode_block(get_codec(name, 128), array, dtype, kv_split=(1, 64))  # pairs too
+        codec = get_codec(name, 128)
+        payload = encode_block(codec, array, dtype, kv_split=(1, 64))  # pairs too
         decode_into(payload, np.empty_like(array))
+        if isinstance(codec, lossless.LosslessCodec):
+            codec.encode_pieces(array, dtype)  # ColdTier's hand-over of lossless blocks
         if with_fidelity:
             fidelity(array, array, dtype)
     if on_step:

@@ -16,7 +16,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from tierkv.quant.kernels import CHUNK_VALUES, FP32, Threaded, nonfinite_bits
+from tierkv.quant.kernels import CHUNK_VALUES, FP32, Threaded, max_abs_bits, nonfinite_bits
 from tierkv.quant.payload import (
     DTYPE_CODES,
     NonFiniteError,
@@ -146,6 +146,17 @@ class LosslessCodec:
         if copy_checked(words.nbytes, words, DTYPE_CODES[dtype], body.view(words.dtype)):
             raise NonFiniteError(f"block of {words.size} values holds NaN/Inf")
         return payload
+
+    def encode_pieces(self, src: np.ndarray, dtype: str | None = None) -> tuple[bytes, memoryview]:
+        """The payload `encode` makes, in two pieces and without a copy: the header, and a
+        read-only byte view of `src`'s own memory (of a contiguous copy when `src` is not
+        C-contiguous). The caller must not change `src` while the view is in use."""
+        words, dtype = input_words(src, dtype)
+        code = DTYPE_CODES[dtype]
+        if max_abs_bits(words, code) >= nonfinite_bits(code):
+            raise NonFiniteError(f"block of {words.size} values holds NaN/Inf")
+        header = pack_header(self.name, dtype, tuple(src.shape), self.group_size, words.nbytes)
+        return header, words.view(np.uint8).data
 
 
 def decode_body(body: np.ndarray, out_words: np.ndarray) -> None:
