@@ -142,6 +142,39 @@ def test_int8_round_trip_any_shape(data, dtype: str, group_size: int, shape) -> 
     assert_int8_close(x, y, dtype, group_size)
 
 
+@pytest.mark.parametrize("offset", [0, 2, 46, 64])
+@pytest.mark.parametrize("extra", [0, 2, 62])
+def test_lossless_decode_of_large_blocks_into_any_alignment(offset: int, extra: int) -> None:
+    """Bodies from lossless.STREAM_MIN_BYTES on are copied with non-temporal stores to the
+    64-byte aligned middle of the output and ordinary ones at its edges: every alignment of
+    the output and every tail length gives the exact bytes, and nothing outside it is written."""
+    n = (lossless.STREAM_MIN_BYTES + extra) // 2
+    x = np.random.default_rng(offset + extra).standard_normal(n).astype(np.float16)
+    payload = get_codec("none").encode(x)
+    buffer = np.full(n + 64, 7, np.uint16)
+    start = offset // 2 + (-buffer.ctypes.data // 2) % 32  # the output starts `offset` bytes
+    out = buffer[start : start + n]  # past a 64-byte boundary
+    assert out.ctypes.data % 64 == offset % 64
+    decode_into(payload, out)
+    assert out.tobytes() == x.tobytes()
+    assert (buffer[:start] == 7).all() and (buffer[start + n :] == 7).all()
+
+
+def test_a_cached_header_still_checks_the_payload_length() -> None:
+    """checked_body remembers headers it validated; a payload that reuses one with a truncated
+    or padded body is still refused, and a corrupted header still fails its checksum."""
+    x = np.ones((4, 128), np.float16)
+    payload = get_codec("none").encode(x)
+    decode_into(payload, np.empty_like(x))  # its header is now cached
+    for bad in (payload[:-2], payload + b"\0\0"):
+        with pytest.raises(PayloadError, match="truncated or padded"):
+            decode_into(bad, np.empty_like(x))
+    corrupt = bytearray(payload)
+    corrupt[header_bytes(2) - 1] ^= 1
+    with pytest.raises(PayloadError, match="checksum"):
+        decode_into(corrupt, np.empty_like(x))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", ["none", "int8"])
 def test_zeros_round_trip_to_zeros(name: str, dtype: str) -> None:

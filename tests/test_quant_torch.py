@@ -131,3 +131,25 @@ def test_mixed_decode_of_any_head_layout_matches_torch(
     out = torch.empty_like(x)
     torch_ops.decode_into(payload, out)
     assert torch.allclose(out.float(), numba_decode(payload, x).float(), rtol=1e-2, atol=1e-3)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(tuple(TORCH_TYPES)),
+    group_size=st.sampled_from([1, 3, 8, 128]),
+    exponents=st.lists(st.integers(-60, 60), min_size=1, max_size=12),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_payload_of_groups_far_apart_in_magnitude_matches_torch(
+    dtype: str, group_size: int, exponents: list[int], seed: int
+) -> None:
+    """Blocks whose groups lie far apart in magnitude (scales out of fp16's normal range for the
+    block exponent, at either end) get the same int8 payload from the Numba kernels, which
+    convert each word as they quantize it, as from torch_ops' encoder."""
+    low, high = (-24, 12) if dtype == "fp16" else (-100, 100)
+    rng = np.random.default_rng(seed)
+    scales = np.exp2(np.clip(np.repeat(exponents, group_size), low, high)).astype(np.float32)
+    x = (rng.standard_normal(scales.size).astype(np.float32) * scales).reshape(-1, group_size)
+    t = torch.from_numpy(x).to(TORCH_TYPES[dtype])
+    codec = get_codec("int8", group_size)
+    assert codec.encode(as_numpy(t), dtype) == torch_ops.encode(codec, t)

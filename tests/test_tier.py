@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import SLOW_BOX_MARGIN_S, VaultHandle
 from tierkv.config import config_from_mapping
 from tierkv.keys import chain_block_keys, namespace_fingerprint
-from tierkv.quant import get_codec
+from tierkv.quant import NonFiniteError, get_codec
 from tierkv.tier import ColdTier
 from tierkv.vault.client import VaultClient
 
@@ -366,3 +366,50 @@ def test_load_blocks_hands_each_key_whole_to_the_consumer_and_a_raising_one_fail
     assert (stats["loaded_blocks"], stats["load_failures"]) == (2, 2)
     assert stats["loaded_payload_bytes"] > 0
     tier.close()
+
+
+@pytest.mark.parametrize("bulk", [True, False])
+def test_a_lossless_block_is_sent_from_its_own_memory_and_released_once_sent(
+    bulk: bool, vault_factory: Callable[..., VaultHandle]
+) -> None:
+    """A lossless block travels as a header and the block's own memory, over the bulk path
+    and over gRPC: the tier calls on_done only once the vault has answered its put, so a
+    caller that reuses the block's memory then (as the data mover reuses its staging ring)
+    never changes what was stored."""
+    kv, ssm = vault_factory(bulk=bulk), vault_factory(role="ssm_cold", bulk=bulk)
+    tier = make_tier("none", kv, ssm)
+    data = {slot: array for slot, array in blocks(3).items() if slot[1] == "kv"}
+    released: list[bool] = []
+
+    def reuse(staging: np.ndarray) -> Callable[[], None]:
+        def on_done() -> None:
+            released.append(tier.vaults["kv"].stored_puts > len(released))
+            staging[...] = np.float16(np.nan)  # the engine's next block lands here
+
+        return on_done
+
+    for (index, vault, part), array in data.items():
+        staging = array.copy()
+        tier.store(NS, KEYS[index], part, staging, vault=vault, on_done=reuse(staging))
+    assert tier.flush(timeout=30)
+    assert len(released) == len(data) and all(released)
+    outs = {slot: np.zeros_like(array) for slot, array in data.items()}
+    failed = tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, part: outs[(i, "kv", part)])
+    assert failed == set()
+    for slot, array in data.items():
+        assert outs[slot].tobytes() == array.tobytes()
+    assert tier.stats()["queued_payload_bytes"] == sum(
+        len(get_codec("none", 64).encode(array)) for array in data.values()
+    )
+    tier.close()
+
+
+def test_lossless_pieces_are_the_encoded_payload_without_a_copy() -> None:
+    block = np.random.default_rng(0).standard_normal((32, 2, 64)).astype(np.float16)
+    codec = get_codec("none", 64)
+    header, body = codec.encode_pieces(block)
+    assert header + bytes(body) == codec.encode(block)
+    assert np.shares_memory(np.frombuffer(body, np.uint8), block)
+    block[0, 0, 0] = np.inf
+    with pytest.raises(NonFiniteError):
+        codec.encode_pieces(block)

@@ -3,8 +3,10 @@
 `CircuitBreaker`: after `failures` consecutive failures calls answer "miss" at once, until a
 background probe succeeds. `PutQueue`: a byte-bounded queue that drops the oldest puts when full
 and sends batches from one background thread through the client's `send`, counting every put
-that is stored, refused by the store, failed or dropped. The vault client and the Valkey / Redis
-backend use both; nothing here knows a transport.
+that is stored, refused by the store, failed or dropped. A put's payload may come in pieces the
+caller hands over (a header and the block's own memory, not copied); the caller's `release` is
+called once the put is done with them. The vault client and the Valkey / Redis backend use both;
+nothing here knows a transport.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 log = logging.getLogger(__name__)
@@ -79,11 +81,29 @@ class CircuitBreaker:
                     return
 
 
+Piece = bytes | memoryview
+"""A piece of a payload: bytes, or a memoryview of bytes (format "B")."""
+PutPayload = bytes | memoryview | tuple[Piece, ...]
+"""What a put takes: a payload, or its pieces handed over (see PutQueue.put)."""
+
+
 class PendingPut(NamedTuple):
     namespace: bytes
     key: bytes
     part: int
-    payload: bytes
+    pieces: tuple[Piece, ...]
+    """The payload: one bytes object, or pieces handed over, to be sent one after the other."""
+    size: int
+    """Payload bytes (of every piece)."""
+    release: Callable[[], None] | None = None
+    """Called once, when the put is done with `pieces` (stored, refused, failed or dropped)."""
+
+
+def released(puts: Iterable[PendingPut]) -> None:
+    """Call the `release` of each of `puts` that has one (never under a queue's lock)."""
+    for put in puts:
+        if put.release is not None:
+            put.release()
 
 
 class PutQueue:
@@ -138,19 +158,40 @@ class PutQueue:
         """Puts of the `send` in progress."""
         return self._in_flight
 
-    def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
-        """Queue one put and return at once (a memoryview is copied first)."""
-        data = payload if isinstance(payload, bytes) else bytes(payload)
+    def put(
+        self,
+        namespace: bytes,
+        key: bytes,
+        part: int,
+        payload: PutPayload,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue one put and return at once. A memoryview is copied first; a tuple of pieces is
+        not: they are sent as they are, so their memory must not change until `release()` (called
+        once the put is done with them, whatever its outcome; at once when it is dropped)."""
+        if isinstance(payload, tuple):
+            pieces = payload
+            size = sum(
+                piece.nbytes if isinstance(piece, memoryview) else len(piece) for piece in pieces
+            )
+        else:
+            pieces = (payload if isinstance(payload, bytes) else bytes(payload),)
+            size = len(pieces[0])
+        put = PendingPut(namespace, key, part, pieces, size, release)
+        dropped = []
         with self._cond:
-            while self._pending and self._held_bytes + len(data) > self.max_pending_bytes:
-                self._held_bytes -= len(self._pending.popleft().payload)
+            while self._pending and self._held_bytes + size > self.max_pending_bytes:
+                dropped.append(self._pending.popleft())
+                self._held_bytes -= dropped[-1].size
                 self._count_dropped(1)
-            if self._closed or self._held_bytes + len(data) > self.max_pending_bytes:
+            if self._closed or self._held_bytes + size > self.max_pending_bytes:
+                dropped.append(put)
                 self._count_dropped(1)
-                return
-            self._pending.append(PendingPut(namespace, key, part, data))
-            self._held_bytes += len(data)
-            self._cond.notify_all()
+            else:
+                self._pending.append(put)
+                self._held_bytes += size
+                self._cond.notify_all()
+        released(dropped)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued put has been answered (stored or refused).
@@ -186,8 +227,10 @@ class PutQueue:
         with self._cond:
             self._closed = True
             self._count_dropped(len(self._pending))
+            dropped = list(self._pending)
             self._pending.clear()
             self._cond.notify_all()
+        released(dropped)
         self._sender.join(timeout if send_timeout is None else send_timeout)
 
     def _count_dropped(self, count: int) -> None:
@@ -203,18 +246,22 @@ class PutQueue:
                     self._cond.wait()
                 if not self._pending:
                     return
+                dropped: list[PendingPut] = []
+                batch: list[PendingPut] = []
+                batch_bytes = 0
                 if not self._breaker.allow():
-                    self._count_dropped(len(self._pending))
+                    dropped.extend(self._pending)
+                    self._count_dropped(len(dropped))
                     self._pending.clear()
                     self._held_bytes = 0
                     self._cond.notify_all()
-                    continue
-                batch: list[PendingPut] = []
-                batch_bytes = 0
                 while self._pending and (not batch or batch_bytes < self._batch_bytes):
                     batch.append(self._pending.popleft())
-                    batch_bytes += len(batch[-1].payload)
+                    batch_bytes += batch[-1].size
                 self._in_flight = len(batch)
+            if dropped:
+                released(dropped)
+                continue
             try:
                 rejected = self._send(batch)
             except Exception as exc:
@@ -228,6 +275,7 @@ class PutQueue:
                 with self._cond:
                     self.stored_puts += len(batch) - rejected
                     self.rejected_puts += rejected
+            released(batch)
             with self._cond:
                 self._held_bytes -= batch_bytes
                 self._in_flight = 0

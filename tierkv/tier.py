@@ -13,7 +13,8 @@ Call order, per engine request:
    the receive buffers into the paged KV buffer).
 and, whenever the engine lets go of a block:
 3. `store(namespace, key, part, block, dtype, vault)` -> returns at once; encoding and sending
-   happen on background threads.
+   happen on background threads. A lossless block is not copied: its payload is a header and
+   the block's own memory, sent as they are, and the tier owns the block until it is sent.
 Blocks for the "kv" vault use the configured codec. State for the "ssm" vault is always stored
 lossless: the engine feeds it forward through every later token, so a quantization error there
 would compound instead of staying in one block.
@@ -45,6 +46,8 @@ from tierkv.quant import (
     get_codec,
 )
 from tierkv.quant import warmup as warmup_codecs
+from tierkv.quant.lossless import LosslessCodec
+from tierkv.reliability import PutPayload
 from tierkv.vault.wire import batched_by_size
 
 log = logging.getLogger(__name__)
@@ -187,7 +190,8 @@ class ColdTier:
         """Encode `block` and send it to `vault` in the background; never blocks.
 
         The tier owns `block` until it calls `on_done()` (once, when the block has been encoded,
-        dropped or failed; pass a staging copy, not engine memory). When more than the
+        dropped or failed, and for a lossless block, which is sent from its own memory, when its
+        put is done; pass a staging copy, not engine memory). When more than the
         pending-encode budget is already waiting, the block is dropped and counted.
         `kv_split`: (axis, keys along it) where the block's keys end and its values begin; a
         K/V pair codec needs it (without one the block is not stored).
@@ -420,8 +424,13 @@ class ColdTier:
         on_done: Callable[[], None] | None,
         kv_split: tuple[int, int] | None,
     ) -> None:
+        release = None  # what the put calls once it is done with `block`
         try:
-            payload = encode_block(codec, block, dtype, self.min_cosine, kv_split)
+            if isinstance(codec, LosslessCodec):  # sent from the block's own memory
+                payload: PutPayload = codec.encode_pieces(block, dtype)
+                release, on_done = on_done, None
+            else:
+                payload = encode_block(codec, block, dtype, self.min_cosine, kv_split)
         except NonFiniteError:
             with self._lock:
                 self._stats.skipped_nonfinite += 1
@@ -436,11 +445,13 @@ class ColdTier:
                 self._pending_encode_bytes -= block.nbytes
             if on_done is not None:
                 on_done()
-        client.put(namespace, key, part, payload)
+        client.put(namespace, key, part, payload, release)
         with self._lock:
             self._stats.queued_blocks += 1
             self._stats.queued_raw_bytes += block.nbytes
-            self._stats.queued_payload_bytes += len(payload)
+            self._stats.queued_payload_bytes += (
+                sum(map(len, payload)) if isinstance(payload, tuple) else len(payload)
+            )
 
     def _promote_runs(
         self,

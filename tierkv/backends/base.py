@@ -11,9 +11,10 @@ once, in tierkv/reliability.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from tierkv.reliability import PutPayload
 from tierkv.vault.bulk import Into
 from tierkv.vault.client import VaultStats, VaultUnavailable
 
@@ -26,8 +27,17 @@ class Backend(Protocol):
     address: str
     """Where it is, for messages (never holds a password)."""
 
-    def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
-        """Queue one payload and return at once; a full queue drops the oldest (counted)."""
+    def put(
+        self,
+        namespace: bytes,
+        key: bytes,
+        part: int,
+        payload: PutPayload,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue one payload and return at once; a full queue drops the oldest (counted).
+        Pieces (a tuple) are sent without a copy and must not change until `release()`, called
+        once whatever becomes of the put (reliability.PutQueue.put)."""
 
     def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
         """How many leading `keys` have every one of `parts` stored; 0 on any failure."""

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -31,7 +31,7 @@ from redis.retry import Retry
 from tierkv.backends.base import Backend, Into, VaultStats, VaultUnavailable
 from tierkv.backends.sharded import ShardedBackend
 from tierkv.config import ClientConfig, SecurityConfig, format_address, redact
-from tierkv.reliability import CircuitBreaker, PendingPut, PutQueue
+from tierkv.reliability import CircuitBreaker, PendingPut, PutPayload, PutQueue
 from tierkv.vault.wire import block_checksum
 
 log = logging.getLogger(__name__)
@@ -118,8 +118,15 @@ class RedisBackend:
     def breaker_state(self) -> str:
         return self._breaker.state
 
-    def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
-        self._queue.put(namespace, key, part, payload)
+    def put(
+        self,
+        namespace: bytes,
+        key: bytes,
+        part: int,
+        payload: PutPayload,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self._queue.put(namespace, key, part, payload, release)
 
     def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
         if not keys or not self._breaker.allow():
@@ -237,8 +244,8 @@ class RedisBackend:
         """Store `batch` (Redis refuses none of it: 0), or raise."""
         pipe = self._client.pipeline(transaction=False)
         for put in batch:
-            checksum = block_checksum(put.namespace, put.key, put.part, put.payload)
-            value = checksum.to_bytes(_CHECKSUM_BYTES, "little") + put.payload
+            checksum = block_checksum(put.namespace, put.key, put.part, *put.pieces)
+            value = b"".join((checksum.to_bytes(_CHECKSUM_BYTES, "little"), *put.pieces))
             pipe.set(redis_key(put.namespace, put.key, put.part), value)
         pipe.execute()
         return 0

@@ -21,6 +21,7 @@ import xxhash
 
 from tierkv.backends.base import Backend, Into, VaultStats, renumbered
 from tierkv.config import redact
+from tierkv.reliability import PutPayload
 
 _TWO_64 = float(2**64)
 T = TypeVar("T")
@@ -44,14 +45,23 @@ class ShardedBackend:
     def members(self) -> list[Backend]:
         raise NotImplementedError
 
-    def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
+    def put(
+        self,
+        namespace: bytes,
+        key: bytes,
+        part: int,
+        payload: PutPayload,
+        release: Callable[[], None] | None = None,
+    ) -> None:
         backend = self.owner(key)
         if backend is None:
             with self._unrouted_lock:
                 self.unrouted_puts += 1
                 self._unrouted_since_flush = True
+            if release is not None:
+                release()
             return
-        backend.put(namespace, key, part, payload)
+        backend.put(namespace, key, part, payload, release)
 
     def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
         groups = self._split(keys)

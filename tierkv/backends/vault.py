@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tierkv.config import ClientConfig, SecurityConfig
+from tierkv.reliability import PutPayload
 from tierkv.vault.bulk import Into
 from tierkv.vault.client import VaultClient, VaultStats
 
@@ -22,8 +23,15 @@ class VaultBackend:
     ) -> VaultBackend:
         return cls(VaultClient.from_config(address, client_cfg, security))
 
-    def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
-        self.client.put(namespace, key, part, payload)
+    def put(
+        self,
+        namespace: bytes,
+        key: bytes,
+        part: int,
+        payload: PutPayload,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self.client.put(namespace, key, part, payload, release)
 
     def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
         return self.client.lookup(namespace, keys, parts)

@@ -14,6 +14,7 @@ at `bits_hi` bits and the rest at `bits_lo`) and must match what the codec id im
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import struct
 import zlib
@@ -34,17 +35,17 @@ MAX_NDIM = 8
 DTYPE_CODES = {"fp16": FP16, "bf16": BF16, "fp32": FP32}
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-WORD_TYPES = {2: np.uint16, 4: np.uint32}
+WORD_TYPES: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}
 
 _FLOAT_DTYPES = {np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
 """numpy float types and the only dtype each can hold; integer views hold raw words of any."""
 
 
-def _float_dtype(array: np.ndarray) -> str | None:
+def _float_dtype(array_dtype: np.dtype) -> str | None:
     """The dtype a float16 / float32 / bfloat16 array holds, None for other (integer) arrays."""
-    if array.dtype.kind == "V":  # ml_dtypes' bfloat16
-        return "bf16" if array.dtype.name == "bfloat16" else None
-    return _FLOAT_DTYPES.get(array.dtype)
+    if array_dtype.kind == "V":  # ml_dtypes' bfloat16
+        return "bf16" if array_dtype.name == "bfloat16" else None
+    return _FLOAT_DTYPES.get(array_dtype)
 
 
 _FIXED = struct.Struct("<4sBBBBIBBHQ")
@@ -89,7 +90,7 @@ class PayloadHeader:
     group_size: int
     bits: float
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """Number of elements."""
         return math.prod(self.shape)
@@ -113,10 +114,12 @@ def nominal_bits(layout: BitLayout, group_size: int) -> float:
     )
 
 
+@functools.lru_cache(maxsize=1024)
 def pack_header(
     codec: str, dtype: str, shape: tuple[int, ...], group_size: int, body_bytes: int
 ) -> bytes:
-    """The header bytes of a payload with `body_bytes` bytes of body."""
+    """The header bytes of a payload with `body_bytes` bytes of body (cached: blocks of one
+    shape share their header)."""
     layout = bit_layout(codec, group_size, dtype)
     fixed = _FIXED.pack(
         MAGIC,
@@ -235,29 +238,42 @@ def input_words(src: np.ndarray, dtype: str | None) -> tuple[np.ndarray, str]:
     """
     if not isinstance(src, np.ndarray):
         raise TypeError(f"codec input must be a numpy array, got {type(src).__name__}")
-    if src.dtype.byteorder == ">":
-        raise ValueError(f"codec input must be little-endian, got dtype {src.dtype}")
+    kind = _input_kinds.get((src.dtype, dtype))
+    if kind is None:
+        kind = _input_kinds[src.dtype, dtype] = _input_kind(src.dtype, dtype)
+    if src.ndim > MAX_NDIM:
+        raise ValueError(f"codec input has {src.ndim} dimensions, at most {MAX_NDIM}")
+    words = np.ascontiguousarray(src).reshape(-1).view(kind[1])
+    words.flags.writeable = False  # one kernel specialisation whatever the caller passes
+    return words, kind[0]
+
+
+_input_kinds: dict[tuple[np.dtype, str | None], tuple[str, type[np.unsignedinteger]]] = {}
+"""(array dtype, declared dtype) pairs input_words accepted -> _input_kind's answer."""
+
+
+def _input_kind(array_dtype: np.dtype, dtype: str | None) -> tuple[str, type[np.unsignedinteger]]:
+    """The dtype name an array of `array_dtype` declared `dtype` holds and its word type; raises
+    ValueError when the array cannot hold that dtype."""
+    if array_dtype.byteorder == ">":
+        raise ValueError(f"codec input must be little-endian, got dtype {array_dtype}")
     if dtype is None:
-        inferred = _float_dtype(src)
+        inferred = _float_dtype(array_dtype)
         if inferred is None:
             raise ValueError(
-                f"cannot infer the element type of a {src.dtype} array: pass dtype='fp16', "
+                f"cannot infer the element type of a {array_dtype} array: pass dtype='fp16', "
                 "'bf16' or 'fp32' (bf16 comes as a uint16/int16 view)"
             )
         dtype = inferred
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-    if src.dtype.itemsize != DTYPE_BYTES[dtype] or src.dtype.kind not in "fiuV":
+    if array_dtype.itemsize != DTYPE_BYTES[dtype] or array_dtype.kind not in "fiuV":
         raise ValueError(
-            f"dtype {dtype!r} needs {DTYPE_BYTES[dtype]}-byte elements, got a {src.dtype} array"
+            f"dtype {dtype!r} needs {DTYPE_BYTES[dtype]}-byte elements, got a {array_dtype} array"
         )
-    if _float_dtype(src) not in (None, dtype):
-        raise ValueError(f"a {src.dtype} array cannot hold {dtype!r} values")
-    if len(src.shape) > MAX_NDIM:
-        raise ValueError(f"codec input has {len(src.shape)} dimensions, at most {MAX_NDIM}")
-    words = np.ascontiguousarray(src).reshape(-1).view(WORD_TYPES[DTYPE_BYTES[dtype]])
-    words.flags.writeable = False  # one kernel specialisation whatever the caller passes
-    return words, dtype
+    if _float_dtype(array_dtype) not in (None, dtype):
+        raise ValueError(f"a {array_dtype} array cannot hold {dtype!r} values")
+    return dtype, WORD_TYPES[DTYPE_BYTES[dtype]]
 
 
 def output_words(out: np.ndarray, header: PayloadHeader) -> np.ndarray:
@@ -265,7 +281,7 @@ def output_words(out: np.ndarray, header: PayloadHeader) -> np.ndarray:
     if not isinstance(out, np.ndarray):
         raise PayloadError(f"output must be a numpy array, got {type(out).__name__}")
     if out.dtype.itemsize != DTYPE_BYTES[header.dtype] or (
-        _float_dtype(out) not in (None, header.dtype)
+        _float_dtype(out.dtype) not in (None, header.dtype)
     ):
         raise PayloadError(
             f"output array has {out.dtype.itemsize}-byte elements ({out.dtype}) but the payload "

@@ -29,7 +29,7 @@ import grpc.experimental
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
-from tierkv.reliability import CircuitBreaker, PendingPut, PutQueue
+from tierkv.reliability import CircuitBreaker, PendingPut, PutPayload, PutQueue
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import call_metadata, channel_credentials, client_token, ssl_context
 from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError, Into
@@ -257,9 +257,17 @@ class VaultClient:
 
     # ---- puts --------------------------------------------------------------------------------
 
-    def put(self, namespace: bytes, key: bytes, part: int, payload: bytes | memoryview) -> None:
-        """Queue a block for the vault and return at once (a memoryview is copied first)."""
-        self._queue.put(namespace, key, part, payload)
+    def put(
+        self,
+        namespace: bytes,
+        key: bytes,
+        part: int,
+        payload: PutPayload,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue a block for the vault and return at once (a memoryview is copied first; pieces
+        are sent as they are, then `release()` is called: see PutQueue.put)."""
+        self._queue.put(namespace, key, part, payload, release)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued put has been answered by the vault (stored or rejected).
@@ -271,7 +279,7 @@ class VaultClient:
     def _send_stream(self, stream: list[PendingPut]) -> int:
         """Store one stream of puts over the bulk path, else gRPC; how many the vault rejected.
         Raises grpc.RpcError or BulkError when the stream failed."""
-        stream_bytes = sum(len(put.payload) for put in stream)
+        stream_bytes = sum(put.size for put in stream)
         deadline = (
             time.monotonic()
             + self.deadline_s
@@ -302,10 +310,10 @@ class VaultClient:
     ) -> list[vault_pb2.PutSummary] | None:
         """Send `stream` over the bulk path; None: use gRPC (no bulk path, or it failed)."""
         frames = (
-            (_put_index(batch), [p.payload for p in batch])
+            (_put_index(batch), [piece for p in batch for piece in p.pieces])
             for batch in batched_by_size(
                 stream,
-                lambda p: len(p.payload),
+                lambda p: p.size,
                 BULK_PUT_FRAME_BYTES,
                 lambda p: p.namespace,
                 MAX_BLOCKS_PER_BATCH,
@@ -624,8 +632,8 @@ def _put_index(batch: Sequence[PendingPut]) -> vault_pb2.PutIndex:
         namespace=batch[0].namespace,
         keys=[p.key for p in batch],
         parts=[p.part for p in batch],
-        lengths=[len(p.payload) for p in batch],
-        checksums=[block_checksum(p.namespace, p.key, p.part, p.payload) for p in batch],
+        lengths=[p.size for p in batch],
+        checksums=[block_checksum(p.namespace, p.key, p.part, *p.pieces) for p in batch],
     )
 
 
@@ -633,12 +641,12 @@ def _put_batches(stream: list[PendingPut]) -> Iterator[bytes]:
     """Serialised PutBatch messages of one namespace and about PUT_BATCH_BYTES each."""
     for batch in batched_by_size(
         stream,
-        lambda p: len(p.payload),
+        lambda p: p.size,
         PUT_BATCH_BYTES,
         lambda p: p.namespace,
         MAX_BLOCKS_PER_BATCH,
     ):
-        yield encode_bulk(_put_index(batch), [p.payload for p in batch])
+        yield encode_bulk(_put_index(batch), [piece for p in batch for piece in p.pieces])
 
 
 def _tier_stats(reply: vault_pb2.TierStats) -> TierStats:

@@ -33,7 +33,7 @@ ItemT = TypeVar("ItemT")
 
 
 def block_checksum(
-    namespace: bytes, key: bytes, part: int, payload: bytes | memoryview, *more: memoryview
+    namespace: bytes, key: bytes, part: int, payload: bytes | memoryview, *more: bytes | memoryview
 ) -> int:
     """The checksum a payload travels and is stored with: xxh3_64 of the payload, seeded with
     its address, so a payload filed or returned under another (namespace, key, part) fails its
