@@ -799,6 +799,12 @@ class TurboCodec:
         self.version = version
         self.hi = Instance(group_size // 4 if mixed else group_size, hi_bits, version)
         self.lo = Instance(group_size - group_size // 4, lo_bits, version) if mixed else None
+        self._kernel_args = (
+            self.hi.kernel_args(),
+            self.lo.kernel_args() if self.lo else _NO_INSTANCE,
+        )
+        self._one_order = np.arange(group_size, dtype=np.int32)[None, :]
+        self.layout = lru_cache(maxsize=256)(self._layout)
 
     @classmethod
     def named(cls, name: str, group_size: int = 128, version: int = FORMAT_VERSION) -> TurboCodec:
@@ -807,7 +813,8 @@ class TurboCodec:
         hi_bits, lo_bits, mixed = TURBO_MODES[name]
         return cls(name, group_size, hi_bits, lo_bits, mixed, version)
 
-    def layout(self, shape: tuple[int, ...]) -> Layout:
+    def _layout(self, shape: tuple[int, ...]) -> Layout:
+        """The Layout of a block of `shape` (`layout` caches it: decoders ask once per block)."""
         return Layout(self.group_size, self.hi, self.lo, shape)
 
     def instances(self) -> list[tuple[int, Instance, int]]:
@@ -819,7 +826,7 @@ class TurboCodec:
 
     def kernel_args(self) -> tuple[tuple[object, ...], tuple[object, ...]]:
         """The (hi, lo) instance tuples the kernels take."""
-        return self.hi.kernel_args(), self.lo.kernel_args() if self.lo else _NO_INSTANCE
+        return self._kernel_args
 
     def channel_map(self, energy: np.ndarray) -> np.ndarray:
         """Per selection group: its hi channels (ascending) then its lo channels (ascending)."""
@@ -883,15 +890,15 @@ class TurboCodec:
         rest. PayloadError when a mask does not select exactly `hi.m` channels."""
         d = self.group_size
         if self.lo is None:
-            return np.arange(d, dtype=np.int32)[None, :]
+            return self._one_order
         packed = body[2 : layout.norms_offset].reshape(layout.sel_mod, layout.mask_bytes)
-        mask = np.unpackbits(packed, axis=1, bitorder="little")[:, :d].astype(bool)
-        if np.any(mask.sum(axis=1) != self.hi.m):
+        channels = np.empty((layout.sel_mod, d), np.int32)
+        if not _mask_channels(packed, self.hi.m, channels):
             raise PayloadError(
                 f"{self.name} payload has a corrupted channel mask (each must select "
                 f"{self.hi.m} of {d} channels)"
             )
-        return channels_from_mask(mask)
+        return channels
 
     def decode_words(
         self, body: np.ndarray, dtype: str, shape: tuple[int, ...], out_words: np.ndarray
@@ -920,6 +927,28 @@ def index_positions(m: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
     torch and MLX decoders."""
     j = np.arange(m)
     return (j // 8) * bits + (j % 8) * bits // 8, (j % 8) * bits % 8
+
+
+@njit(cache=True, nogil=True)
+def _mask_channels(masks, hi_m, channels):
+    """channels[g] = the channels set in row g of the packed (LSB-first) bit masks, ascending,
+    then the others, ascending (as channels_from_mask of the unpacked masks); False when a row
+    does not set exactly hi_m of its channels.shape[1] bits (bits past them are ignored)."""
+    d = channels.shape[1]
+    for g in range(channels.shape[0]):
+        hi_at, lo_at = 0, hi_m
+        for c in range(d):
+            if (masks[g, c >> 3] >> (c & 7)) & 1:
+                if hi_at == hi_m:
+                    return False
+                channels[g, hi_at] = c
+                hi_at += 1
+            else:
+                if lo_at == d:
+                    return False
+                channels[g, lo_at] = c
+                lo_at += 1
+    return True
 
 
 def channels_from_mask(mask: np.ndarray) -> np.ndarray:
