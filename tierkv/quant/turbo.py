@@ -60,7 +60,7 @@ _ENERGY_CHUNK_VALUES = 1 << 17
 """Values per work item of the energy scan (each keeps its own per-channel sums)."""
 _TILE = 64
 """Vectors encoded together, laid out as columns so the inner loops run across vectors."""
-_DTILE = 32
+_DTILE = 64
 """Vectors decoded together, in a tile of rows of _LANES float32: coordinates (2r, 2r + 1) of
 vector t sit in row r at lanes 2t and 2t + 1, so every butterfly stage that pairs coordinates
 further apart than 1 pairs whole rows (contiguous SIMD lanes), and a table look-up writes a
@@ -696,8 +696,8 @@ def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, 
     n_inst = 2 if lo[0] > 0 else 1
     lo_index_offset = packed_bytes(hi[0], hi[1])
     pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
-    y = np.zeros(d * _LANES, np.float32)
-    z = np.empty(d * _LANES, np.float32)
+    y = np.zeros(d // 2 * _LANES, np.float32)
+    z = np.empty(d // 2 * _LANES, np.float32)
     lane_norms = np.empty(_LANES, np.float32)
     direct = n_inst == 1 and hi[3].shape[0] < d
     mixed = _is_mixed_hadamard(hi, lo)
