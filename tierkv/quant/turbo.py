@@ -28,11 +28,16 @@ from numba import njit, prange
 
 from tierkv.quant.codebooks import Codebook, Rotation, lloyd_max, rotation
 from tierkv.quant.kernels import (
+    BF16,
     CHUNK_VALUES,
+    FP16,
     Threaded,
+    bf16_word,
     bits_value,
     block_exponent,
     f32_to_half,
+    fp16_word,
+    fp32_word,
     from_f32,
     half_to_f32,
     load_u64,
@@ -406,11 +411,10 @@ def _mix_rows(y, z, mix, p):
 
 
 @njit(cache=True, nogil=True)
-def _rotate_back(y, z, inst, lane_norms, pow2k):
-    """Undo the Hadamard-block rotation of a tile unpacked by _unpack_rows into y and scale it,
-    in y, or in z when blocks are mixed (the array returned): 2**k * norm * |R^T levels| for
-    every coordinate, the signs of R left to the caller (the products are rounded as
-    norm * 2**k * sign * R^T levels was, sign flips being exact)."""
+def _rotate_back(y, z, inst):
+    """Undo the Hadamard-block rotation of a tile unpacked by _unpack_rows into y, up to the
+    factor _block_scale, in y, or in z when blocks are mixed (the array returned); the signs of
+    R are left to the caller."""
     m, _, _, matrix, matrix_t, table, _ = inst
     q = max(1, matrix.shape[0])
     p = m // q
@@ -420,12 +424,34 @@ def _rotate_back(y, z, inst, lane_norms, pow2k):
     first = 1 if q > 1 else table.shape[1] // 2  # row distance of the first stage left to do
     for a in range(q):
         _butterfly_rows(y, a * (p // 2), p // 2, first)
-    scale = np.float32(1.0 / math.sqrt(p))
-    for r in range(m // 2):
-        row = y[r * _LANES : (r + 1) * _LANES]
-        for lane in range(_LANES):
-            row[lane] = row[lane] * scale * lane_norms[lane] * pow2k
     return y
+
+
+@njit(cache=True, nogil=True)
+def _block_scale(inst):
+    """The normalisation 1 / sqrt(p) of the instance's Hadamard blocks of p coordinates."""
+    m, matrix = inst[0], inst[3]
+    return np.float32(1.0 / math.sqrt(m // max(1, matrix.shape[0])))
+
+
+@njit(cache=True, nogil=True)
+def _scaled_words(rotated, m, scale, lane_norms, pow2k, code, words):
+    """words = the first m / 2 rows of a tile from _rotate_back, scaled to
+    rotated * scale * norm * 2**k (rounded product by product, left to right) and converted to
+    dtype `code` in the same pass: 2**k * norm * |R^T levels| per coordinate, the products
+    rounded as norm * 2**k * sign * R^T levels was, sign flips being exact."""
+    for r in range(m // 2):
+        row = rotated[r * _LANES : (r + 1) * _LANES]
+        out = words[r * _LANES : (r + 1) * _LANES]
+        if code == FP16:
+            for lane in range(_LANES):
+                out[lane] = fp16_word(row[lane] * scale * lane_norms[lane] * pow2k)
+        elif code == BF16:
+            for lane in range(_LANES):
+                out[lane] = bf16_word(row[lane] * scale * lane_norms[lane] * pow2k)
+        else:
+            for lane in range(_LANES):
+                out[lane] = fp32_word(row[lane] * scale * lane_norms[lane] * pow2k)
 
 
 @njit(cache=True, nogil=True)
@@ -459,8 +485,8 @@ def _decode_direct(body, n, vec, inst, scratch, code, out_pairs, at, pow2k):
     norm_at, norm_stride, index_at, index_stride = at
     _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
     _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
-    rotated = _rotate_back(y, z, inst, lane_norms, pow2k)
-    from_f32(rotated[: m * _DTILE], code, words[: m * _DTILE])
+    rotated = _rotate_back(y, z, inst)
+    _scaled_words(rotated, m, _block_scale(inst), lane_norms, pow2k, code, words)
     half = m // 2
     for t in range(n):
         dst = out_pairs[vec[t] * half : (vec[t] + 1) * half]
@@ -518,8 +544,8 @@ def _convert_instance(body, n, vec, inst, scratch, code, at, pow2k, r0):
     m = inst[0]
     _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
     _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
-    rotated = _rotate_back(y, z, inst, lane_norms, pow2k)
-    from_f32(rotated[: m * _DTILE], code, words[r0 * _LANES : r0 * _LANES + m * _DTILE])
+    rotated = _rotate_back(y, z, inst)
+    _scaled_words(rotated, m, _block_scale(inst), lane_norms, pow2k, code, words[r0 * _LANES :])
 
 
 @njit(cache=True, nogil=True)
@@ -567,14 +593,16 @@ def _decode_into_rows(body, n, vec, select, offset, inst, scratch, x, at, pow2k)
     _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
     if matrix.shape[0] < m:  # Hadamard blocks, mixed by matrix when there are several
         _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
-        rotated = _rotate_back(y, z, inst, lane_norms, pow2k)
+        rotated = _rotate_back(y, z, inst)
+        scale = _block_scale(inst)
         for t in range(n):
             chan = channels[(vec[t] // sel_div) % sel_mod][offset : offset + m]
             row = x[t]
+            norm = lane_norms[2 * t]
             for r in range(m // 2):
                 at = r * _LANES + 2 * t
-                row[chan[2 * r]] = rotated[at] * signs[2 * r]
-                row[chan[2 * r + 1]] = rotated[at + 1] * signs[2 * r + 1]
+                row[chan[2 * r]] = rotated[at] * scale * norm * pow2k * signs[2 * r]
+                row[chan[2 * r + 1]] = rotated[at + 1] * scale * norm * pow2k * signs[2 * r + 1]
     else:  # a dense m x m matrix (payload format version 1)
         for t in range(n):
             norm = half_to_f32(read_u16(body, norm_at + vec[t] * norm_stride))
