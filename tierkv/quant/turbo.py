@@ -497,7 +497,9 @@ def _decode_direct(body, n, vec, inst, scratch, code, out_pairs, at, pow2k):
 @njit(cache=True, nogil=True)
 def _group_tiles(n_vectors, sel_div, sel_mod):
     """(order, tiles): the vectors sorted by selection group (ascending within one), and per
-    tile of up to _DTILE vectors of one group its first entry in `order` and its size."""
+    tile of up to _DTILE vectors of one group its first entry in `order` and its size; tiles
+    go round by round, the k-th of every group then the next (so consecutive tiles read and
+    write neighbouring bytes)."""
     starts = np.zeros(sel_mod + 1, np.int64)
     for v in range(n_vectors):
         starts[(v // sel_div) % sel_mod + 1] += 1
@@ -512,12 +514,15 @@ def _group_tiles(n_vectors, sel_div, sel_mod):
         order[fill[g]] = v
         fill[g] += 1
     tiles = np.empty((n_tiles, 2), np.int64)
-    i = 0
-    for g in range(sel_mod):
-        for first in range(starts[g], starts[g + 1], _DTILE):
-            tiles[i, 0] = first
-            tiles[i, 1] = min(_DTILE, starts[g + 1] - first)
-            i += 1
+    i, k = 0, 0
+    while i < n_tiles:
+        for g in range(sel_mod):
+            first = starts[g] + k * _DTILE
+            if first < starts[g + 1]:
+                tiles[i, 0] = first
+                tiles[i, 1] = min(_DTILE, starts[g + 1] - first)
+                i += 1
+        k += 1
     return order, tiles
 
 
