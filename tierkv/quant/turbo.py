@@ -65,7 +65,7 @@ _ENERGY_CHUNK_VALUES = 1 << 17
 """Values per work item of the energy scan (each keeps its own per-channel sums)."""
 _TILE = 64
 """Vectors encoded together, laid out as columns so the inner loops run across vectors."""
-_DTILE = 64
+_DTILE = 32
 """Vectors decoded together, in a tile of rows of _LANES float32: coordinates (2r, 2r + 1) of
 vector t sit in row r at lanes 2t and 2t + 1, so every butterfly stage that pairs coordinates
 further apart than 1 pairs whole rows (contiguous SIMD lanes), and a table look-up writes a
