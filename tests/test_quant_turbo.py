@@ -12,7 +12,7 @@ from tests.test_quant_codec import DTYPES, as_f64, round_trip, to_dtype
 from tierkv.quant import NonFiniteError, PayloadError, decode_into, get_codec, read_header
 from tierkv.quant.codebooks import lloyd_max, rotation
 from tierkv.quant.payload import TURBO_MODES, header_bytes
-from tierkv.quant.turbo import selection_groups
+from tierkv.quant.turbo import Layout, channels_from_mask, named_codec, selection_groups
 
 TURBO = tuple(TURBO_MODES)
 
@@ -121,6 +121,37 @@ def test_corrupted_channel_mask_is_detected() -> None:
     payload[header_bytes(3) + 2] ^= 0x01  # first mask byte: one channel more or less
     with pytest.raises(PayloadError, match="channel mask"):
         decode_into(bytes(payload), np.empty((2, 8, 128), np.float16))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    name=st.sampled_from(["tq3.5", "tq2.5"]),
+    d=st.sampled_from([16, 40, 128, 200]),
+    groups=st.integers(1, 5),
+    miscount=st.sampled_from([0, 0, -1, 1]),
+)
+def test_body_channels_parse_packed_masks(
+    seed: int, name: str, d: int, groups: int, miscount: int
+) -> None:
+    """The decoders' channel orders from a body's packed masks are channels_from_mask of the
+    unpacked masks (junk in the padding bits ignored); a mask selecting one channel more or
+    less than hi.m is a PayloadError."""
+    codec = named_codec(name, d)
+    rng = np.random.default_rng(seed)
+    mask = np.zeros((groups, d), bool)
+    for g in range(groups):
+        mask[g, rng.choice(d, codec.hi.m + (miscount if g == groups - 1 else 0), replace=False)] = 1
+    packed = np.packbits(mask, axis=1, bitorder="little")
+    if d % 8:
+        packed[:, -1] |= np.uint8(0xFF << (d % 8) & 0xFF)  # padding bits set: ignored
+    layout = Layout(d, codec.hi, codec.lo, (8, groups, d))  # groups heads
+    body = np.concatenate([np.zeros(2, np.uint8), packed.reshape(-1)])
+    if miscount:
+        with pytest.raises(PayloadError, match="channel mask"):
+            codec.body_channels(body, layout)
+    else:
+        assert np.array_equal(codec.body_channels(body, layout), channels_from_mask(mask))
 
 
 def test_header_and_encoding_are_deterministic() -> None:

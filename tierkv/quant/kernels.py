@@ -189,21 +189,38 @@ def to_f32(words, code, buf):
             buf[i] = bits_to_f32(np.uint32(words[i]))
 
 
+@njit(cache=True, nogil=True, inline="always")
+def fp16_word(x):
+    """float32 -> fp16 bits, clamped to the finite range, rounded to nearest even."""
+    return f32_to_half(min(max(x, -_FP16_MAX), _FP16_MAX))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def bf16_word(x):
+    """float32 -> bf16 bits (in a uint32), clamped to the finite range, rounded to nearest even."""
+    u = f32_to_bits(min(max(x, -_BF16_MAX), _BF16_MAX))
+    u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return u >> np.uint32(16)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def fp32_word(x):
+    """float32 -> its bits, clamped to the finite range."""
+    return f32_to_bits(min(max(x, -_FP32_MAX), _FP32_MAX))
+
+
 @njit(cache=True, nogil=True)
 def from_f32(buf, code, words):
     """words[i] = buf[i] in dtype `code`, clamped to its finite range, rounded to nearest even."""
-    hi = _MAX_FINITE[code]
     if code == FP16:
         for i in range(words.size):
-            words[i] = f32_to_half(min(max(buf[i], -hi), hi))
+            words[i] = fp16_word(buf[i])
     elif code == BF16:
         for i in range(words.size):
-            u = f32_to_bits(min(max(buf[i], -hi), hi))
-            u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-            words[i] = u >> np.uint32(16)
+            words[i] = bf16_word(buf[i])
     else:
         for i in range(words.size):
-            words[i] = f32_to_bits(min(max(buf[i], -hi), hi))
+            words[i] = fp32_word(buf[i])
 
 
 @njit(cache=True, nogil=True)

@@ -28,11 +28,16 @@ from numba import njit, prange
 
 from tierkv.quant.codebooks import Codebook, Rotation, lloyd_max, rotation
 from tierkv.quant.kernels import (
+    BF16,
     CHUNK_VALUES,
+    FP16,
     Threaded,
+    bf16_word,
     bits_value,
     block_exponent,
     f32_to_half,
+    fp16_word,
+    fp32_word,
     from_f32,
     half_to_f32,
     load_u64,
@@ -406,11 +411,10 @@ def _mix_rows(y, z, mix, p):
 
 
 @njit(cache=True, nogil=True)
-def _rotate_back(y, z, inst, lane_norms, pow2k):
-    """Undo the Hadamard-block rotation of a tile unpacked by _unpack_rows into y and scale it,
-    in y, or in z when blocks are mixed (the array returned): 2**k * norm * |R^T levels| for
-    every coordinate, the signs of R left to the caller (the products are rounded as
-    norm * 2**k * sign * R^T levels was, sign flips being exact)."""
+def _rotate_back(y, z, inst):
+    """Undo the Hadamard-block rotation of a tile unpacked by _unpack_rows into y, up to the
+    factor _block_scale, in y, or in z when blocks are mixed (the array returned); the signs of
+    R are left to the caller."""
     m, _, _, matrix, matrix_t, table, _ = inst
     q = max(1, matrix.shape[0])
     p = m // q
@@ -420,12 +424,34 @@ def _rotate_back(y, z, inst, lane_norms, pow2k):
     first = 1 if q > 1 else table.shape[1] // 2  # row distance of the first stage left to do
     for a in range(q):
         _butterfly_rows(y, a * (p // 2), p // 2, first)
-    scale = np.float32(1.0 / math.sqrt(p))
-    for r in range(m // 2):
-        row = y[r * _LANES : (r + 1) * _LANES]
-        for lane in range(_LANES):
-            row[lane] = row[lane] * scale * lane_norms[lane] * pow2k
     return y
+
+
+@njit(cache=True, nogil=True)
+def _block_scale(inst):
+    """The normalisation 1 / sqrt(p) of the instance's Hadamard blocks of p coordinates."""
+    m, matrix = inst[0], inst[3]
+    return np.float32(1.0 / math.sqrt(m // max(1, matrix.shape[0])))
+
+
+@njit(cache=True, nogil=True)
+def _scaled_words(rotated, m, scale, lane_norms, pow2k, code, words):
+    """words = the first m / 2 rows of a tile from _rotate_back, scaled to
+    rotated * scale * norm * 2**k (rounded product by product, left to right) and converted to
+    dtype `code` in the same pass: 2**k * norm * |R^T levels| per coordinate, the products
+    rounded as norm * 2**k * sign * R^T levels was, sign flips being exact."""
+    for r in range(m // 2):
+        row = rotated[r * _LANES : (r + 1) * _LANES]
+        out = words[r * _LANES : (r + 1) * _LANES]
+        if code == FP16:
+            for lane in range(_LANES):
+                out[lane] = fp16_word(row[lane] * scale * lane_norms[lane] * pow2k)
+        elif code == BF16:
+            for lane in range(_LANES):
+                out[lane] = bf16_word(row[lane] * scale * lane_norms[lane] * pow2k)
+        else:
+            for lane in range(_LANES):
+                out[lane] = fp32_word(row[lane] * scale * lane_norms[lane] * pow2k)
 
 
 @njit(cache=True, nogil=True)
@@ -459,8 +485,8 @@ def _decode_direct(body, n, vec, inst, scratch, code, out_pairs, at, pow2k):
     norm_at, norm_stride, index_at, index_stride = at
     _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
     _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
-    rotated = _rotate_back(y, z, inst, lane_norms, pow2k)
-    from_f32(rotated[: m * _DTILE], code, words[: m * _DTILE])
+    rotated = _rotate_back(y, z, inst)
+    _scaled_words(rotated, m, _block_scale(inst), lane_norms, pow2k, code, words)
     half = m // 2
     for t in range(n):
         dst = out_pairs[vec[t] * half : (vec[t] + 1) * half]
@@ -471,7 +497,9 @@ def _decode_direct(body, n, vec, inst, scratch, code, out_pairs, at, pow2k):
 @njit(cache=True, nogil=True)
 def _group_tiles(n_vectors, sel_div, sel_mod):
     """(order, tiles): the vectors sorted by selection group (ascending within one), and per
-    tile of up to _DTILE vectors of one group its first entry in `order` and its size."""
+    tile of up to _DTILE vectors of one group its first entry in `order` and its size; tiles
+    go round by round, the k-th of every group then the next (so consecutive tiles read and
+    write neighbouring bytes)."""
     starts = np.zeros(sel_mod + 1, np.int64)
     for v in range(n_vectors):
         starts[(v // sel_div) % sel_mod + 1] += 1
@@ -486,12 +514,15 @@ def _group_tiles(n_vectors, sel_div, sel_mod):
         order[fill[g]] = v
         fill[g] += 1
     tiles = np.empty((n_tiles, 2), np.int64)
-    i = 0
-    for g in range(sel_mod):
-        for first in range(starts[g], starts[g + 1], _DTILE):
-            tiles[i, 0] = first
-            tiles[i, 1] = min(_DTILE, starts[g + 1] - first)
-            i += 1
+    i, k = 0, 0
+    while i < n_tiles:
+        for g in range(sel_mod):
+            first = starts[g] + k * _DTILE
+            if first < starts[g + 1]:
+                tiles[i, 0] = first
+                tiles[i, 1] = min(_DTILE, starts[g + 1] - first)
+                i += 1
+        k += 1
     return order, tiles
 
 
@@ -518,8 +549,8 @@ def _convert_instance(body, n, vec, inst, scratch, code, at, pow2k, r0):
     m = inst[0]
     _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
     _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
-    rotated = _rotate_back(y, z, inst, lane_norms, pow2k)
-    from_f32(rotated[: m * _DTILE], code, words[r0 * _LANES : r0 * _LANES + m * _DTILE])
+    rotated = _rotate_back(y, z, inst)
+    _scaled_words(rotated, m, _block_scale(inst), lane_norms, pow2k, code, words[r0 * _LANES :])
 
 
 @njit(cache=True, nogil=True)
@@ -567,14 +598,16 @@ def _decode_into_rows(body, n, vec, select, offset, inst, scratch, x, at, pow2k)
     _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
     if matrix.shape[0] < m:  # Hadamard blocks, mixed by matrix when there are several
         _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
-        rotated = _rotate_back(y, z, inst, lane_norms, pow2k)
+        rotated = _rotate_back(y, z, inst)
+        scale = _block_scale(inst)
         for t in range(n):
             chan = channels[(vec[t] // sel_div) % sel_mod][offset : offset + m]
             row = x[t]
+            norm = lane_norms[2 * t]
             for r in range(m // 2):
                 at = r * _LANES + 2 * t
-                row[chan[2 * r]] = rotated[at] * signs[2 * r]
-                row[chan[2 * r + 1]] = rotated[at + 1] * signs[2 * r + 1]
+                row[chan[2 * r]] = rotated[at] * scale * norm * pow2k * signs[2 * r]
+                row[chan[2 * r + 1]] = rotated[at + 1] * scale * norm * pow2k * signs[2 * r + 1]
     else:  # a dense m x m matrix (payload format version 1)
         for t in range(n):
             norm = half_to_f32(read_u16(body, norm_at + vec[t] * norm_stride))
@@ -696,8 +729,8 @@ def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, 
     n_inst = 2 if lo[0] > 0 else 1
     lo_index_offset = packed_bytes(hi[0], hi[1])
     pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
-    y = np.zeros(d * _LANES, np.float32)
-    z = np.empty(d * _LANES, np.float32)
+    y = np.zeros(d // 2 * _LANES, np.float32)
+    z = np.empty(d // 2 * _LANES, np.float32)
     lane_norms = np.empty(_LANES, np.float32)
     direct = n_inst == 1 and hi[3].shape[0] < d
     mixed = _is_mixed_hadamard(hi, lo)
@@ -799,6 +832,12 @@ class TurboCodec:
         self.version = version
         self.hi = Instance(group_size // 4 if mixed else group_size, hi_bits, version)
         self.lo = Instance(group_size - group_size // 4, lo_bits, version) if mixed else None
+        self._kernel_args = (
+            self.hi.kernel_args(),
+            self.lo.kernel_args() if self.lo else _NO_INSTANCE,
+        )
+        self._one_order = np.arange(group_size, dtype=np.int32)[None, :]
+        self.layout = lru_cache(maxsize=256)(self._layout)
 
     @classmethod
     def named(cls, name: str, group_size: int = 128, version: int = FORMAT_VERSION) -> TurboCodec:
@@ -807,7 +846,8 @@ class TurboCodec:
         hi_bits, lo_bits, mixed = TURBO_MODES[name]
         return cls(name, group_size, hi_bits, lo_bits, mixed, version)
 
-    def layout(self, shape: tuple[int, ...]) -> Layout:
+    def _layout(self, shape: tuple[int, ...]) -> Layout:
+        """The Layout of a block of `shape` (`layout` caches it: decoders ask once per block)."""
         return Layout(self.group_size, self.hi, self.lo, shape)
 
     def instances(self) -> list[tuple[int, Instance, int]]:
@@ -819,7 +859,7 @@ class TurboCodec:
 
     def kernel_args(self) -> tuple[tuple[object, ...], tuple[object, ...]]:
         """The (hi, lo) instance tuples the kernels take."""
-        return self.hi.kernel_args(), self.lo.kernel_args() if self.lo else _NO_INSTANCE
+        return self._kernel_args
 
     def channel_map(self, energy: np.ndarray) -> np.ndarray:
         """Per selection group: its hi channels (ascending) then its lo channels (ascending)."""
@@ -883,15 +923,15 @@ class TurboCodec:
         rest. PayloadError when a mask does not select exactly `hi.m` channels."""
         d = self.group_size
         if self.lo is None:
-            return np.arange(d, dtype=np.int32)[None, :]
+            return self._one_order
         packed = body[2 : layout.norms_offset].reshape(layout.sel_mod, layout.mask_bytes)
-        mask = np.unpackbits(packed, axis=1, bitorder="little")[:, :d].astype(bool)
-        if np.any(mask.sum(axis=1) != self.hi.m):
+        channels = np.empty((layout.sel_mod, d), np.int32)
+        if not _mask_channels(packed, self.hi.m, channels):
             raise PayloadError(
                 f"{self.name} payload has a corrupted channel mask (each must select "
                 f"{self.hi.m} of {d} channels)"
             )
-        return channels_from_mask(mask)
+        return channels
 
     def decode_words(
         self, body: np.ndarray, dtype: str, shape: tuple[int, ...], out_words: np.ndarray
@@ -920,6 +960,28 @@ def index_positions(m: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
     torch and MLX decoders."""
     j = np.arange(m)
     return (j // 8) * bits + (j % 8) * bits // 8, (j % 8) * bits % 8
+
+
+@njit(cache=True, nogil=True)
+def _mask_channels(masks, hi_m, channels):
+    """channels[g] = the channels set in row g of the packed (LSB-first) bit masks, ascending,
+    then the others, ascending (as channels_from_mask of the unpacked masks); False when a row
+    does not set exactly hi_m of its channels.shape[1] bits (bits past them are ignored)."""
+    d = channels.shape[1]
+    for g in range(channels.shape[0]):
+        hi_at, lo_at = 0, hi_m
+        for c in range(d):
+            if (masks[g, c >> 3] >> (c & 7)) & 1:
+                if hi_at == hi_m:
+                    return False
+                channels[g, hi_at] = c
+                hi_at += 1
+            else:
+                if lo_at == d:
+                    return False
+                channels[g, lo_at] = c
+                lo_at += 1
+    return True
 
 
 def channels_from_mask(mask: np.ndarray) -> np.ndarray:
