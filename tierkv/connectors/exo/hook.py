@@ -340,7 +340,7 @@ class ExoRuntime:
         self._kernels: dict[tuple[str, bool], threading.Event] = {}
         """(dtype, multi-threaded) -> set once compiling those kernels is over."""
         self._spill_budget = 0
-        self._staged_bytes = 0  # block copies handed to the tier and not yet encoded
+        self._staged_bytes = 0  # block copies handed to the tier that it is not done with
         self._lock = threading.Lock()
         self._staged = threading.Condition(self._lock)
         self._spills: queue.Queue[_Spill | None] = queue.Queue(MAX_QUEUED_SPILLS)
@@ -508,7 +508,8 @@ class ExoRuntime:
 
     def _spill(self, spill: _Spill) -> None:
         """Copy the entry's filled blocks (never its spare capacity) one block of one layer at a
-        time into the tier, waiting while `staging_bytes` of copies are not yet encoded."""
+        time into the tier, waiting while `staging_bytes` of copies are not yet done with (encoded,
+        or for a lossless block, which is sent from the copy itself, sent)."""
         tier, namespace = self.tier, self.namespace(spill.geometry)
         if tier is None or namespace is None:
             return
