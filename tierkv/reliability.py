@@ -99,6 +99,12 @@ class PendingPut(NamedTuple):
     """Called once, when the put is done with `pieces` (stored, refused, failed or dropped)."""
 
 
+def payload_bytes(payload: PutPayload) -> int:
+    """Bytes of a put's payload, of all its pieces when it comes in pieces."""
+    pieces = payload if isinstance(payload, tuple) else (payload,)
+    return sum(piece.nbytes if isinstance(piece, memoryview) else len(piece) for piece in pieces)
+
+
 def released(puts: Iterable[PendingPut]) -> None:
     """Call the `release` of each of `puts` that has one (never under a queue's lock)."""
     for put in puts:
@@ -171,12 +177,9 @@ class PutQueue:
         once the put is done with them, whatever its outcome; at once when it is dropped)."""
         if isinstance(payload, tuple):
             pieces = payload
-            size = sum(
-                piece.nbytes if isinstance(piece, memoryview) else len(piece) for piece in pieces
-            )
         else:
             pieces = (payload if isinstance(payload, bytes) else bytes(payload),)
-            size = len(pieces[0])
+        size = payload_bytes(pieces)
         put = PendingPut(namespace, key, part, pieces, size, release)
         dropped = []
         with self._cond:

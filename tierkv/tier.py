@@ -47,7 +47,7 @@ from tierkv.quant import (
 )
 from tierkv.quant import warmup as warmup_codecs
 from tierkv.quant.lossless import LosslessCodec
-from tierkv.reliability import PutPayload
+from tierkv.reliability import PutPayload, payload_bytes
 from tierkv.vault.wire import batched_by_size
 
 log = logging.getLogger(__name__)
@@ -449,9 +449,7 @@ class ColdTier:
         with self._lock:
             self._stats.queued_blocks += 1
             self._stats.queued_raw_bytes += block.nbytes
-            self._stats.queued_payload_bytes += (
-                sum(map(len, payload)) if isinstance(payload, tuple) else len(payload)
-            )
+            self._stats.queued_payload_bytes += payload_bytes(payload)
 
     def _promote_runs(
         self,
