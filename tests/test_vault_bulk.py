@@ -4,8 +4,11 @@ restarts and garbage, and never returns or stores a payload that did not arrive 
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -16,7 +19,18 @@ import pytest
 
 from tierkv.config import LimitsConfig
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PUT, WELCOME, ReceiveBuffers
+from tierkv.vault.bulk import (
+    AUTH,
+    CHALLENGE,
+    HEADER,
+    MAGIC,
+    PUT,
+    RECV_BUFFERS,
+    WELCOME,
+    Deadline,
+    ReceiveBuffers,
+    _recv_scattered,
+)
 from tierkv.vault.client import VaultClient
 from tierkv.vault.memory import HUGE_PAGE_TUNABLE, with_huge_pages
 from tierkv.vault.server import VaultBindError, serve
@@ -79,6 +93,35 @@ def test_a_promote_receives_payloads_into_the_buffers_it_is_given(vault: Any) ->
             assert b"".join(pieces[i]) == payload(i, sizes[i])
         for i in (1, 2):  # in a run buffer
             assert bytes(found[(i, 0)]) == payload(i, sizes[i])
+
+
+def test_a_scattered_receive_fills_every_buffer_however_the_bytes_arrive() -> None:
+    """More buffers than one recvmsg_into takes, empty ones among them, and bytes that arrive
+    in pieces cutting buffers anywhere: each buffer gets exactly its stretch of the stream."""
+    rng = random.Random(0)
+    lengths = [rng.choice([0, 1, 3, 700, 4096, 20_000]) for _ in range(3 * RECV_BUFFERS)]
+    data = rng.randbytes(sum(lengths))
+    buffers = [memoryview(bytearray(length)) for length in lengths]
+    received = list(buffers)
+    sender, receiver = socket.socketpair()
+
+    def send() -> None:
+        at = 0
+        while at < len(data):
+            piece = rng.choice([1, 7, 4093, 65_536, 300_000])
+            sender.sendall(data[at : at + piece])
+            at += piece
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        _recv_scattered(receiver, buffers, Deadline(time.monotonic() + 30, 30))
+    finally:
+        thread.join()
+        sender.close()
+        receiver.close()
+    assert b"".join(received) == data
 
 
 def test_a_block_sent_twice_is_placed_once() -> None:

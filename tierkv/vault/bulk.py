@@ -19,6 +19,7 @@ Client side: `BulkConnection(host, port, timeout_s, ...)` sends one request at a
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import itertools
 import math
@@ -176,17 +177,19 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline) -> Non
 def _recv_scattered(sock: socket.socket, buffers: list[memoryview], deadline: Deadline) -> None:
     """Fill `buffers` in order from the (plain TCP) socket by the deadline (scatter-gather);
     ConnectionError when the peer closes first."""
-    first = 0  # buffers[first:] are still to fill
+    ends = list(itertools.accumulate(map(len, buffers)))  # bytes up to the end of each
+    filled = first = 0  # buffers[first:] are still to fill, buffers[first] from filled
     while first < len(buffers):
+        window = buffers[first : first + RECV_BUFFERS]
+        start = ends[first] - len(window[0])
+        if filled > start:
+            window[0] = window[0][filled - start :]
         deadline.arm(sock)
-        received = sock.recvmsg_into(buffers[first : first + RECV_BUFFERS])[0]
+        received = sock.recvmsg_into(window)[0]
         if received == 0:
             raise ConnectionError("the peer closed the connection mid-frame")
-        while first < len(buffers) and received >= len(buffers[first]):
-            received -= len(buffers[first])
-            first += 1
-        if received:
-            buffers[first] = buffers[first][received:]
+        filled += received
+        first = bisect.bisect_right(ends, filled, first)
 
 
 def _recv_bytes(sock: socket.socket, size: int, deadline: Deadline) -> bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import struct
 import sys
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from functools import lru_cache
 from typing import Any, TypeVar
 
 import xxhash
@@ -38,14 +39,19 @@ def block_checksum(
     """The checksum a payload travels and is stored with: xxh3_64 of the payload, seeded with
     its address, so a payload filed or returned under another (namespace, key, part) fails its
     check exactly like a corrupted one. A payload received in pieces: `payload, *more`."""
-    address = struct.pack("<II", len(namespace), part) + namespace + key
-    seed = xxhash.xxh3_64_intdigest(address)
+    seed = xxhash.xxh3_64_intdigest(_address_prefix(namespace, part) + key)
     if not more:
         return xxhash.xxh3_64_intdigest(payload, seed=seed)
     hasher = xxhash.xxh3_64(payload, seed=seed)
     for piece in more:
         hasher.update(piece)
     return hasher.intdigest()
+
+
+@lru_cache(maxsize=256)
+def _address_prefix(namespace: bytes, part: int) -> bytes:
+    """What a block's address starts with: the same for every key of a namespace's part."""
+    return struct.pack("<II", len(namespace), part) + namespace
 
 
 class MalformedMessage(ValueError):
@@ -129,22 +135,26 @@ def batched_by_size(
     items: Iterable[ItemT],
     size_of: Callable[[ItemT], int],
     max_bytes: int,
-    group_of: Callable[[ItemT], Hashable] = lambda item: None,
+    group_of: Callable[[ItemT], Hashable] | None = None,
     max_items: int = sys.maxsize,
 ) -> Iterator[list[ItemT]]:
-    """Consecutive runs of `items` of one group, each about `max_bytes` (an oversize item alone)
-    and of at most `max_items`."""
+    """Consecutive runs of `items` (of one `group_of`, when given), each about `max_bytes` (an
+    oversize item alone) and of at most `max_items`. One call of each function per item: this
+    runs once per block on a restore's path."""
     batch: list[ItemT] = []
     size = 0
+    group: Hashable = None
     for item in items:
+        item_size = size_of(item)
+        item_group = group_of(item) if group_of is not None else None
         if batch and (
-            size + size_of(item) > max_bytes
-            or len(batch) >= max_items
-            or group_of(item) != group_of(batch[0])
+            size + item_size > max_bytes or len(batch) >= max_items or item_group != group
         ):
             yield batch
             batch, size = [], 0
+        if not batch:
+            group = item_group
         batch.append(item)
-        size += size_of(item)
+        size += item_size
     if batch:
         yield batch
