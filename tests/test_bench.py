@@ -7,15 +7,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from tierkv.bench import BenchResult, link_restore_s
+from tierkv.bench import BenchResult, link_restore_s, stored_form
 from tierkv.cli import app
 from tierkv.cli.bench import results_table
 from tierkv.config import parse_address
 from tierkv.model_shapes import MODEL_SHAPES
+from tierkv.quant import get_codec
 
 # Fidelity floors per codec on the bench's KV-like data (outlier channels, drifting scales).
 MIN_COSINE = {
@@ -73,6 +75,16 @@ def test_figures_are_consistent(all_codecs: list[dict[str, object]]) -> None:
             assert obj[speed] > 0
         # 600 tokens at 128 per block: 4 full blocks.
         assert obj["blocks"] == obj["hit_blocks"] == 4
+
+
+def test_the_bench_stores_blocks_as_the_tier_does() -> None:
+    """Lossless blocks are handed over (header and a view of the block, timed as no copy), any
+    other codec's as its payload: the bytes the vault gets are the same."""
+    block = np.arange(2 * 64, dtype=np.float16).reshape(2, 64)
+    none, int8 = get_codec("none", 64), get_codec("int8", 64)
+    pieces = stored_form(none, block)
+    assert isinstance(pieces, tuple) and b"".join(pieces) == none.encode(block)
+    assert stored_form(int8, block) == int8.encode(block)
 
 
 def test_link_restore_overlaps_decode_with_the_wire_run_by_run() -> None:
