@@ -57,3 +57,30 @@ def test_every_handed_over_put_is_released_once_whatever_becomes_of_it() -> None
     breaker.stop()
     assert released["while open"] == 1 and released["after close"] == 1
     assert queue.failed_puts == 1 and queue.dropped_puts == 3
+
+
+def test_flush_returns_only_once_the_puts_dropped_with_the_breaker_open_are_released() -> None:
+    """The sender drops what is queued while the breaker is open and releases it: flush() must
+    not say the queue is done before those releases have run (the caller may reuse the memory
+    they hold once flush returns)."""
+    breaker = CircuitBreaker(failures=1, cooldown_s=3600, probe=lambda: False)
+    breaker.record_failure()
+    releasing, let_go = threading.Event(), threading.Event()
+
+    def release() -> None:
+        releasing.set()
+        let_go.wait(30)
+
+    queue = PutQueue("test", lambda batch: 0, breaker, max_pending_bytes=1 << 20)
+    queue.put(b"ns", b"k", 0, (b"head", memoryview(b"body")), release)
+    assert releasing.wait(30)  # the sender has dropped it and is releasing it
+    flushed: list[bool] = []
+    flusher = threading.Thread(target=lambda: flushed.append(queue.flush(30)))
+    flusher.start()
+    flusher.join(0.3)
+    assert not flushed  # still being released
+    let_go.set()
+    flusher.join(30)
+    assert flushed == [False]  # answered once released, and reported lost
+    queue.close(timeout=1)
+    breaker.stop()

@@ -161,7 +161,7 @@ class PutQueue:
 
     @property
     def in_flight_puts(self) -> int:
-        """Puts of the `send` in progress."""
+        """Puts of the `send` in progress, or dropped (breaker open) and being released."""
         return self._in_flight
 
     def put(
@@ -257,13 +257,15 @@ class PutQueue:
                     self._count_dropped(len(dropped))
                     self._pending.clear()
                     self._held_bytes = 0
-                    self._cond.notify_all()
                 while self._pending and (not batch or batch_bytes < self._batch_bytes):
                     batch.append(self._pending.popleft())
                     batch_bytes += batch[-1].size
-                self._in_flight = len(batch)
+                self._in_flight = len(batch) + len(dropped)  # flush waits for their release
             if dropped:
                 released(dropped)
+                with self._cond:
+                    self._in_flight = 0
+                    self._cond.notify_all()
                 continue
             try:
                 rejected = self._send(batch)
