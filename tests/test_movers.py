@@ -160,6 +160,49 @@ def test_a_load_copies_lossless_payloads_from_the_receive_buffer_and_never_bad_o
                 assert torch.equal(restored, original)
 
 
+def test_a_load_decodes_a_run_of_lossy_payloads_in_one_call(monkeypatch):
+    import tierkv.quant
+    from tierkv.quant import decode_into, encode_block, get_codec
+
+    n = 10
+    caches = paged(2 * n)
+    mover = mover_of(caches)
+    staged = mover.store(list(range(n)))
+    assert staged is not None
+    blocks = staged.arrays()[0]
+    int8, tq4 = get_codec("int8", 16), get_codec("tq4", 16)
+    payloads = [encode_block(tq4 if i == 3 else int8, blocks[i], "bf16") for i in range(n)]
+    staged.release()
+    expected = []
+    for payload, block in zip(payloads, blocks, strict=True):
+        expected.append(np.empty_like(block))
+        decode_into(payload, expected[-1])
+    corrupt = bytearray(payloads[8])  # its header: does not decode
+    corrupt[10] ^= 1
+    payloads[8] = bytes(corrupt)
+    received = back_to_back(payloads)
+    alone: list[int] = []  # the blocks decoded one by one
+
+    def one_by_one(payload, out):
+        alone.append(len(payload))
+        decode_into(payload, out)
+
+    monkeypatch.setattr(tierkv.quant, "decode_into", one_by_one)
+
+    def fetch(start: int, stop: int, consume, into) -> set[int]:
+        return consume([(i - start, 0, received[i]) for i in range(start, stop)])
+
+    before = caches[0][:, n + 8].clone()
+    assert mover.load(list(range(n, 2 * n)), fetch, batch_blocks=n) == {8}
+    assert torch.equal(caches[0][:, n + 8], before)  # never written
+    assert sorted(alone) == sorted([len(payloads[3]), len(payloads[8])])  # the odd ones out
+    for layer, cache in enumerate(caches):
+        for i in range(n):
+            if i != 8:
+                restored = cache[:, n + i].contiguous().view(torch.uint16).numpy()
+                assert np.array_equal(restored, expected[i][layer].view(np.uint16)), (layer, i)
+
+
 def test_countdown_runs_once_on_the_last_call():
     calls: list[int] = []
     tick = countdown(3, lambda: calls.append(1))

@@ -18,6 +18,7 @@ from tierkv.quant import (
     NonFiniteError,
     PayloadError,
     decode_into,
+    decode_many,
     encode_block,
     fidelity,
     get_codec,
@@ -75,7 +76,7 @@ def assert_int8_close(x: np.ndarray, y: np.ndarray, dtype: str, group_size: int)
 WARMUP_CHECK = """
 import numpy as np
 from numba.core.registry import CPUDispatcher
-from tierkv.quant import CODEC_NAMES, decode_into, get_codec, warmup
+from tierkv.quant import CODEC_NAMES, decode_many, decode_into, get_codec, warmup
 from tierkv.quant import fidelity, int8, kernels, lossless, turbo
 
 def compiled():
@@ -94,7 +95,11 @@ arrays = {"fp16": block.astype(np.float16), "fp32": block,
           "bf16": block.astype(np.float16).view(np.uint16)}
 for name in CODEC_NAMES:
     for dtype, array in arrays.items():
-        decode_into(get_codec(name).encode(array, dtype), np.empty_like(array))
+        payload = get_codec(name).encode(array, dtype)
+        decode_into(payload, np.empty_like(array))
+        run = memoryview(payload * 3)
+        thirds = [run[i * len(payload) : (i + 1) * len(payload)] for i in range(3)]
+        decode_many(thirds, np.empty((3, *array.shape), array.dtype), [2, 0, 1])
 grown = {name: count for name, count in compiled().items() if count != after[name]}
 assert not grown, grown
 """
@@ -158,6 +163,62 @@ def test_lossless_decode_of_large_blocks_into_any_alignment(offset: int, extra: 
     decode_into(payload, out)
     assert out.tobytes() == x.tobytes()
     assert (buffer[:start] == 7).all() and (buffer[start + n :] == 7).all()
+
+
+def back_to_back(payloads: list[bytes]) -> list[memoryview]:
+    """The payloads as a Promote receives them: slices of one buffer, one after the other."""
+    buffer = memoryview(b"".join(payloads)).toreadonly()
+    ends = np.cumsum([len(payload) for payload in payloads])
+    return [buffer[end - len(payload) : end] for payload, end in zip(payloads, ends, strict=True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["int8", "tq4", "tq3.5", "tq2.5", "tq2"])
+def test_a_run_of_payloads_decodes_in_one_call_as_each_one_alone(name: str, dtype: str) -> None:
+    rng = np.random.default_rng(7)
+    blocks = to_dtype(rng.standard_normal((9, 2, 3, 16, 64)) * 3, dtype)
+    codec = get_codec(name, 64)
+    payloads = [codec.encode(block, dtype) for block in blocks]
+    alone = np.stack([round_trip(name, block, dtype, 64) for block in blocks])
+    if name in ("tq3.5", "tq2.5"):  # a channel mask that selects too many: not decoded
+        corrupt = bytearray(payloads[4])
+        corrupt[len(corrupt) - turbo.body_bytes(read_header(corrupt)) + 2] = 0xFF
+        payloads[4] = bytes(corrupt)
+    corrupt = bytearray(payloads[6])  # another header (group size): left to decode_into
+    corrupt[10] ^= 1
+    payloads[6] = bytes(corrupt)
+    out = np.zeros((12, *blocks.shape[1:]), blocks.dtype)
+    rows = [11, 0, 5, 3, 1, 2, 9, 7, 4]
+    done = decode_many(back_to_back(payloads), out, rows)
+    failed = {6} | ({4} if name in ("tq3.5", "tq2.5") else set())
+    assert [i for i in range(9) if not done[i]] == sorted(failed)
+    for i, row in enumerate(rows):
+        if i in failed:
+            assert not out[row].any()  # never written
+        else:
+            assert np.array_equal(out[row], alone[i]), i
+    if name in ("tq3.5", "tq2.5"):
+        with pytest.raises(PayloadError, match="channel mask"):
+            decode_into(payloads[4], np.empty_like(blocks[4]))
+
+
+def test_what_decode_many_cannot_decode_in_one_call_is_left_to_decode_into() -> None:
+    block = np.ones((4, 128), np.float16)
+    lossless_run = back_to_back([get_codec("none").encode(block, "fp16")] * 2)
+    out = np.zeros((2, 4, 128), np.float16)
+    assert not decode_many(lossless_run, out, [0, 1]).any()
+    int8_run = back_to_back([get_codec("int8").encode(block, "fp16")] * 2)
+    assert not decode_many(int8_run, np.zeros((2, 4, 64), np.float16), [0, 1]).any()
+    assert not decode_many(int8_run, np.zeros((4, 4, 128), np.float16)[::2], [0, 1]).any()
+    with pytest.raises(IndexError, match="outside 2 outputs"):
+        decode_many(int8_run, out, [0, 2])
+    apart = [memoryview(get_codec("int8").encode(block, "fp16")) for _ in range(2)]
+    assert not decode_many(apart, out, [0, 1]).any()  # not back to back: one by one
+    assert not out.any()
+    out = np.zeros((6, 4, 128), np.float16)
+    done = decode_many([*int8_run, apart[0], *back_to_back([bytes(apart[1])] * 3)], out, range(6))
+    assert done.tolist() == [True, True, False, True, True, True]
+    assert (out[[0, 1, 3, 4, 5]] == 1).all() and not out[2].any()
 
 
 def test_a_cached_header_still_checks_the_payload_length() -> None:

@@ -402,10 +402,8 @@ class BlockMover:
         the rest of the batch is still on the wire; the scatter leaves them out. Returns once
         every copy has completed (on CUDA: its event), so the blocks may be reported loaded.
         """
-        from tierkv.quant import decode_into  # Numba: only once a load runs
         from tierkv.tier import decode_each
 
-        decoder = self.decode_on_device if on_device else decode_into
         direct = self._host_layers is not None and len(self.parts) == 1 and not on_device
         placeable = direct and self._placeable()
         failed: set[int] = set()
@@ -419,8 +417,13 @@ class BlockMover:
                     oldest.release()
                 staged = self.staging(len(ids), on_device=on_device)
                 in_flight.append(staged)
-                out_for = _slot_of(staged.tensors if on_device else staged.arrays())
-                decode = functools.partial(decode_each, out_for=out_for, decoder=decoder)
+                decode: Callable[[Blocks], set[int]]
+                if on_device:
+                    out_for = _slot_of(staged.tensors)
+                    decoder = self.decode_on_device
+                    decode = functools.partial(decode_each, out_for=out_for, decoder=decoder)
+                else:
+                    decode = functools.partial(_decode_runs, staged.arrays())
                 written: set[int] = set()
                 places = _Places(len(ids), self._head_bytes()) if placeable else None
                 consume = (
@@ -532,10 +535,13 @@ class BlockMover:
         none of this part's dtype and element count, and takes only the payloads whose header
         bytes equal that one.
         """
+        from tierkv.quant.payload import back_to_back_runs
+
         assert self._host_layers is not None
         layers = self._host_layers[0]
         rest: Blocks = []
-        for run in _back_to_back(blocks):
+        for span in back_to_back_runs([payload for _, _, payload in blocks]):
+            run = blocks[span.start : span.stop]
             start = len(run)  # the first payload that validates decides for the run
             for at, block in enumerate(run):
                 lossless = self._lossless(block[2])
@@ -629,20 +635,22 @@ class _Places:
         self.rows: dict[int, memoryview] = {}
 
 
-def _back_to_back(blocks: Blocks) -> list[Blocks]:
-    """`blocks` split into runs whose payloads have one length and lie back to back in memory
-    (as promoted payloads do in one receive buffer), in order."""
-    runs: list[Blocks] = []
-    end = -1
+def _decode_runs(outputs: list[np.ndarray], blocks: Blocks) -> set[int]:
+    """Decode `blocks` into their slots of per-part host staging `outputs`; the indices that
+    failed. Each part's blocks go to decode_many (a run of payloads received back to back is
+    one kernel call, which gives the GIL back once, not once per block), the rest one by one."""
+    from tierkv.quant import decode_into, decode_many  # Numba: only once a load runs
+    from tierkv.tier import decode_each
+
+    by_part: dict[int, Blocks] = {}
     for block in blocks:
-        payload = block[2]
-        start = np.frombuffer(payload, np.uint8).ctypes.data if len(payload) else -2
-        if runs and start == end and len(payload) == len(runs[-1][0][2]):
-            runs[-1].append(block)
-        else:
-            runs.append([block])
-        end = start + len(payload)
-    return runs
+        by_part.setdefault(block[1], []).append(block)
+    rest: Blocks = []
+    for part, group in by_part.items():
+        rows = [index for index, _, _ in group]
+        done = decode_many([payload for _, _, payload in group], outputs[part], rows)
+        rest.extend(block for block, ok in zip(group, done, strict=True) if not ok)
+    return decode_each(rest, _slot_of(outputs), decode_into) if rest else set()
 
 
 def _slot_of(outputs: list[Any]) -> Callable[[int, int], Any]:

@@ -5,7 +5,15 @@ codec from the payload header and writes into a preallocated array. `torch_ops` 
 torch tensors and `mlx_ops` for MLX arrays (they import torch / MLX; import them explicitly).
 """
 
-from tierkv.quant.codec import DTYPES, Codec, decode_into, encode_block, get_codec, warmup
+from tierkv.quant.codec import (
+    DTYPES,
+    Codec,
+    decode_into,
+    decode_many,
+    encode_block,
+    get_codec,
+    warmup,
+)
 from tierkv.quant.fidelity import Fidelity, fidelity
 from tierkv.quant.payload import (
     CODEC_NAMES,
@@ -24,6 +32,7 @@ __all__ = [
     "PayloadError",
     "PayloadHeader",
     "decode_into",
+    "decode_many",
     "encode_block",
     "fidelity",
     "get_codec",

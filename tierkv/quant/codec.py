@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -21,6 +21,8 @@ from tierkv.quant.payload import (
     TURBO_MODES,
     PayloadError,
     PayloadHeader,
+    PayloadRun,
+    back_to_back_runs,
     header_bytes,
     input_words,
     output_words,
@@ -57,6 +59,11 @@ _DECODERS: dict[str, _Decoder] = {
     "int8": int8.decode_body,
     **dict.fromkeys(TURBO_MODES, turbo.decode_body),
 }
+_RunDecoder = Callable[[PayloadHeader, PayloadRun, np.ndarray, np.ndarray], np.ndarray]
+_RUN_DECODERS: dict[str, _RunDecoder] = {
+    "int8": int8.decode_run,
+    **dict.fromkeys(TURBO_MODES, turbo.decode_run),
+}
 
 
 def get_codec(name: str, group_size: int = 128) -> Codec:
@@ -88,6 +95,56 @@ def decode_into(payload: bytes | bytearray | memoryview, out: np.ndarray) -> Non
     body_array = np.frombuffer(body, np.uint8)
     body_array.flags.writeable = False  # one kernel specialisation for bytes and bytearrays
     _DECODERS[header.codec](header, body_array, words)
+
+
+def decode_many(payloads: Sequence[memoryview], out: np.ndarray, rows: Sequence[int]) -> np.ndarray:
+    """Decode payload i into out[rows[i]] (`out`: C-contiguous, [n, *block]) where one kernel
+    call can decode many; which were decoded (decode the others with decode_into, which says
+    why one fails).
+
+    Decoded one by one, each block gives the GIL back once, and each time a thread busy in
+    Python (an engine's) may keep it for a switch interval (5 ms). Here each run of payloads
+    that lie back to back in memory with one length (as promoted payloads of one block shape
+    do in a receive buffer) is one call: its int8 and TurboQuant payloads whose header bytes
+    equal the run's first, when that header validates, fits a row of `out` and is of a block
+    under PARALLEL_MIN_BYTES (larger ones use the multi-threaded kernels).
+    """
+    done = np.zeros(len(payloads), np.bool_)
+    at_rows = np.asarray(rows, np.int64)
+    if len(at_rows) != len(payloads):
+        raise ValueError(f"{len(payloads)} payloads but {len(at_rows)} rows")
+    if len(at_rows) and (at_rows.min() < 0 or at_rows.max() >= len(out)):
+        raise IndexError(f"rows {at_rows.min()}..{at_rows.max()} outside {len(out)} outputs")
+    if not out.flags.c_contiguous:
+        return done
+    for span in back_to_back_runs(payloads):
+        if len(span) > 1:
+            first = memoryview(payloads[span.start]).cast("B")
+            run_rows = at_rows[span.start : span.stop]
+            done[span.start : span.stop] = _decode_run(first, len(span), out, run_rows)
+    return done
+
+
+def _decode_run(first: memoryview, count: int, out: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """decode_many of `count` payloads back to back from `first` (checked), into out[rows]."""
+    done = np.zeros(count, np.bool_)
+    try:
+        header, body = checked_body(first)
+        words = output_words(out[rows[0]], header)
+    except PayloadError:
+        return done
+    decode_run = _RUN_DECODERS.get(header.codec)
+    if decode_run is None or words.nbytes >= PARALLEL_MIN_BYTES:
+        return done
+    stride, head = len(first), len(first) - len(body)
+    data = np.lib.stride_tricks.as_strided(
+        np.frombuffer(first, np.uint8), (count * stride,), (1,), writeable=False
+    )
+    heads = data.reshape(count, stride)[:, :head]
+    at = np.flatnonzero((heads == heads[0]).all(axis=1))
+    out_rows = out.reshape(len(out), -1).view(words.dtype)
+    done[at] = decode_run(header, PayloadRun(data, stride, head, at), out_rows, rows[at])
+    return done
 
 
 _NDIM_AT = 7
@@ -177,6 +234,10 @@ def warmup(
         codec = get_codec(name, 128)
         payload = encode_block(codec, array, dtype, kv_split=(1, 64))  # pairs too
         decode_into(payload, np.empty_like(array))
+        if name in _RUN_DECODERS:  # how a load decodes a run of promoted payloads
+            run = memoryview(bytes(payload) * 2)
+            halves = [run[: len(payload)], run[len(payload) :]]
+            decode_many(halves, np.empty((2, *array.shape), array.dtype), [0, 1])
         if isinstance(codec, lossless.LosslessCodec):
             codec.encode_pieces(array, dtype)  # ColdTier's hand-over of lossless blocks
         if with_fidelity:

@@ -35,6 +35,7 @@ from tierkv.quant.payload import (
     DTYPE_CODES,
     NonFiniteError,
     PayloadHeader,
+    PayloadRun,
     input_words,
     new_payload,
     pack_header,
@@ -188,6 +189,19 @@ def decode_parallel(body, code, group_size, out_words):
         _dequantize_groups(body, code, group_size, out_words, lo, hi)
 
 
+@njit(cache=True, nogil=True)
+def decode_rows(run, code, group_size, out_rows, rows):
+    """Decode the payloads at positions `at` of `run` = (data, stride, head, at) (back to back
+    in data, `stride` bytes each, the body after `head` header bytes; sizes already
+    validated) into rows `rows` of `out_rows`: a run of blocks in one call that keeps the GIL
+    released."""
+    data, stride, head, at = run
+    for i in range(at.size):
+        start = at[i] * stride
+        body = data[start + head : start + stride]
+        decode_serial(body, code, group_size, out_rows[rows[i]])
+
+
 encode_kernel = Threaded(encode_serial, encode_parallel)
 decode_kernel = Threaded(decode_serial, decode_parallel)
 
@@ -219,3 +233,13 @@ def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) 
     """Decode an int8 body (length already validated) into `out_words`."""
     code = DTYPE_CODES[header.dtype]
     decode_kernel(out_words.nbytes, body, code, header.group_size, out_words)
+
+
+def decode_run(
+    header: PayloadHeader, run: PayloadRun, out_rows: np.ndarray, rows: np.ndarray
+) -> np.ndarray:
+    """Decode the payloads of `run` (each with `header`) into rows `rows` of `out_rows`
+    ([n, values] words); which were decoded (all of them)."""
+    code = DTYPE_CODES[header.dtype]
+    decode_rows((run.data, run.stride, run.head, run.at), code, header.group_size, out_rows, rows)
+    return np.ones(run.at.size, np.bool_)

@@ -18,6 +18,7 @@ import functools
 import math
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,6 +95,32 @@ class PayloadHeader:
     def size(self) -> int:
         """Number of elements."""
         return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class PayloadRun:
+    """Payloads of one length lying back to back in `data` (uint8), `stride` bytes each, each
+    header `head` bytes long; the ones to decode are at positions `at` (int64)."""
+
+    data: np.ndarray
+    stride: int
+    head: int
+    at: np.ndarray
+
+
+def back_to_back_runs(payloads: Sequence[bytes | memoryview]) -> list[range]:
+    """The positions of `payloads` split into runs, in order, whose payloads have one length
+    and lie back to back in memory (as promoted payloads do in one receive buffer)."""
+    runs: list[range] = []
+    end = -1
+    for at, payload in enumerate(payloads):
+        start = np.frombuffer(payload, np.uint8).ctypes.data if len(payload) else -2
+        if runs and start == end and len(payload) == len(payloads[runs[-1].start]):
+            runs[-1] = range(runs[-1].start, at + 1)
+        else:
+            runs.append(range(at, at + 1))
+        end = start + len(payload)
+    return runs
 
 
 def bit_layout(codec: str, group_size: int, dtype: str) -> BitLayout:

@@ -56,6 +56,7 @@ from tierkv.quant.payload import (
     NonFiniteError,
     PayloadError,
     PayloadHeader,
+    PayloadRun,
     input_words,
     new_payload,
     pack_header,
@@ -808,6 +809,29 @@ def decode_parallel(body, code, d, select, out_words, out_pairs, offsets, hi, lo
         )
 
 
+@njit(cache=True, nogil=True)
+def decode_rows(run, code, d, select, mask_bytes, rows, out, ok, offsets, hi, lo):
+    """Decode the payloads at positions `at` of `run` = (data, stride, head, at) (back to back
+    in data, `stride` bytes each, the body after `head` header bytes; sizes already
+    validated) into rows `rows` of `out` = (row words, the same memory as words of twice the
+    size): a run of blocks in one call that keeps the GIL released. With `mask_bytes` (mixed
+    modes) each body's channel masks are read into select's channels first; ok[i] = False for
+    a body whose masks do not select hi[0] channels each (it is not decoded)."""
+    data, stride, head, at = run
+    channels, _, sel_mod = select
+    out_rows, pair_rows = out
+    for i in range(at.size):
+        start = at[i] * stride
+        body = data[start + head : start + stride]
+        if mask_bytes:
+            masks = body[2 : 2 + sel_mod * mask_bytes].reshape((sel_mod, mask_bytes))
+            if not _mask_channels(masks, hi[0], channels):
+                ok[i] = False
+                continue
+        out_words, out_pairs = out_rows[rows[i]], pair_rows[rows[i]]
+        decode_serial(body, code, d, select, out_words, out_pairs, offsets, hi, lo)
+
+
 scan_kernel = Threaded(scan_serial, scan_parallel)
 encode_kernel = Threaded(encode_serial, encode_parallel)
 decode_kernel = Threaded(decode_serial, decode_parallel)
@@ -954,6 +978,35 @@ class TurboCodec:
             *self.kernel_args(),
         )
 
+    def decode_run(
+        self,
+        run: PayloadRun,
+        dtype: str,
+        shape: tuple[int, ...],
+        out_rows: np.ndarray,
+        rows: np.ndarray,
+    ) -> np.ndarray:
+        """Decode the bodies of `run` (lengths already checked) into rows `rows` of `out_rows`
+        ([n, values] words); which were decoded (not those whose channel masks are corrupt)."""
+        layout = self.layout(shape)
+        channels = self._one_order
+        if self.lo is not None:
+            channels = np.empty((layout.sel_mod, self.group_size), np.int32)
+        ok = np.ones(run.at.size, np.bool_)
+        decode_rows(
+            (run.data, run.stride, run.head, run.at),
+            DTYPE_CODES[dtype],
+            self.group_size,
+            (channels, layout.sel_div, layout.sel_mod),
+            layout.mask_bytes,
+            rows,
+            (out_rows, out_rows.view(_PAIR_TYPES[out_rows.itemsize])),
+            ok,
+            layout.offsets,
+            *self.kernel_args(),
+        )
+        return ok
+
 
 def index_positions(m: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """Byte offset and bit shift of each of m packed indices (the kernels' _pack layout), for the
@@ -1016,3 +1069,12 @@ def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) 
     named_codec(header.codec, header.group_size, header.version).decode_words(
         body, header.dtype, header.shape, out_words
     )
+
+
+def decode_run(
+    header: PayloadHeader, run: PayloadRun, out_rows: np.ndarray, rows: np.ndarray
+) -> np.ndarray:
+    """Decode the payloads of `run` (each with `header`) into rows `rows` of `out_rows`
+    ([n, values] words); which were decoded."""
+    codec = named_codec(header.codec, header.group_size, header.version)
+    return codec.decode_run(run, header.dtype, header.shape, out_rows, rows)
