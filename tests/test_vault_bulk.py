@@ -29,6 +29,7 @@ from tierkv.vault.bulk import (
     WELCOME,
     Deadline,
     ReceiveBuffers,
+    _recv_into,
     _recv_scattered,
 )
 from tierkv.vault.client import VaultClient
@@ -122,6 +123,59 @@ def test_a_scattered_receive_fills_every_buffer_however_the_bytes_arrive() -> No
         sender.close()
         receiver.close()
     assert b"".join(received) == data
+
+
+class CountingSocket(socket.socket):
+    """A socket that counts its recv_into calls."""
+
+    calls = 0
+
+    def recv_into(self, *args: Any) -> int:
+        CountingSocket.calls += 1
+        return super().recv_into(*args)
+
+
+def test_a_receive_asks_the_kernel_once_however_the_bytes_trickle_in() -> None:
+    """Each call gives the GIL back, and a thread busy in Python may then keep it for a switch
+    interval (5 ms): one call per buffer, not one per piece that has arrived."""
+    data = random.Random(1).randbytes(1 << 20)
+    sender, plain = socket.socketpair()
+    receiver = CountingSocket(fileno=plain.detach())
+
+    def send() -> None:
+        for at in range(0, len(data), 1 << 16):
+            sender.sendall(data[at : at + (1 << 16)])
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    view = memoryview(bytearray(len(data)))
+    try:
+        _recv_into(receiver, view, Deadline(time.monotonic() + 30, 30))
+    finally:
+        thread.join()
+        sender.close()
+        receiver.close()
+    assert view == data
+    assert CountingSocket.calls == 1
+
+
+@pytest.mark.parametrize("deadline_s, stall_s", [(0.3, 30), (30, 0.3)], ids=["deadline", "stall"])
+def test_a_silent_peer_times_out_a_receive_by_its_deadline_or_stall_time(
+    deadline_s: float, stall_s: float
+) -> None:
+    sender, receiver = socket.socketpair()
+    sender.sendall(b"x" * 1000)  # a part of the buffer arrives, then nothing
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            _recv_into(
+                receiver, memoryview(bytearray(4096)), Deadline(started + deadline_s, stall_s)
+            )
+    finally:
+        sender.close()
+        receiver.close()
+    assert 0.25 < time.monotonic() - started < 5
 
 
 def test_a_block_sent_twice_is_placed_once() -> None:

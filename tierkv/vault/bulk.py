@@ -31,7 +31,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol, TypeVar
 
 import numpy as np
@@ -60,7 +60,7 @@ costs less than a system call per payload."""
 SEND_BUFFERS = 512
 """Buffers per sendmsg call (the kernel takes at most IOV_MAX, 1024 on Linux)."""
 RECV_BUFFERS = 256
-"""Buffers per recvmsg_into call (each call fills what has arrived, usually far fewer)."""
+"""Buffers per recvmsg_into call (the kernel takes at most IOV_MAX)."""
 CLIENT_RUN_BYTES = 8 * MIB
 """The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
 RECEIVED_BYTES = 1 * MIB
@@ -127,11 +127,37 @@ class Deadline:
         self.stall_s = stall_s
 
     def arm(self, sock: socket.socket) -> None:
-        """Set the socket's timeout for its next operation; TimeoutError once the time is up."""
+        """Bound the socket's next operation by the stall time and the deadline; TimeoutError
+        once the deadline has passed.
+
+        A plain socket is made blocking, with the kernel's send and receive timeouts set, so
+        one system call (one release of the GIL) receives a whole buffer (MSG_WAITALL) or
+        sends a whole frame. Python's own timeouts need a poll and a call per piece that has
+        arrived, and each time the GIL is given back a thread busy in Python (an engine's) may
+        keep it for a switch interval (5 ms). Those calls raise BlockingIOError when the time
+        is up (see _timed_out)."""
         remaining = self.at - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("the deadline passed")
-        sock.settimeout(min(self.stall_s, remaining))
+        wait = min(self.stall_s, remaining)
+        if isinstance(sock, ssl.SSLSocket):
+            sock.settimeout(wait)
+            return
+        sock.settimeout(None)
+        seconds = int(wait)
+        timeval = struct.pack("@ll", seconds, max(1, int((wait - seconds) * 1e6)))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+@contextlib.contextmanager
+def _timed_out() -> Iterator[None]:
+    """A kernel timeout (BlockingIOError on a blocking socket, see Deadline.arm) as the
+    TimeoutError of a Python one."""
+    try:
+        yield
+    except BlockingIOError:
+        raise TimeoutError("timed out") from None
 
 
 def _send_frame(
@@ -155,7 +181,8 @@ def _send_frame(
     first = 0  # buffers[first:] are still to send
     while first < len(buffers):
         deadline.arm(sock)
-        sent = sock.sendmsg(buffers[first : first + SEND_BUFFERS])
+        with _timed_out():
+            sent = sock.sendmsg(buffers[first : first + SEND_BUFFERS])
         while first < len(buffers) and sent >= len(buffers[first]):
             sent -= len(buffers[first])
             first += 1
@@ -168,7 +195,9 @@ def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline) -> Non
     filled = 0
     while filled < len(view):
         deadline.arm(sock)
-        received = sock.recv_into(view[filled:])
+        flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
+        with _timed_out():
+            received = sock.recv_into(view[filled:], 0, flags)
         if received == 0:
             raise ConnectionError("the peer closed the connection mid-frame")
         filled += received
@@ -185,7 +214,8 @@ def _recv_scattered(sock: socket.socket, buffers: list[memoryview], deadline: De
         if filled > start:
             window[0] = window[0][filled - start :]
         deadline.arm(sock)
-        received = sock.recvmsg_into(window)[0]
+        with _timed_out():
+            received = sock.recvmsg_into(window, 0, socket.MSG_WAITALL)[0]
         if received == 0:
             raise ConnectionError("the peer closed the connection mid-frame")
         filled += received
