@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.vault.store import LOCK_SLICE, VaultStore, entry_bytes
-from tierkv.vault.wire import block_checksum
+from tierkv.vault.wire import HOLDING_GIL_BYTES, block_checksum
 
 NS = b"n" * 16
 
@@ -90,6 +90,18 @@ def test_checksum_of_another_address_is_rejected() -> None:
         assert reason is not None and "checksum" in reason
     assert store.stats().entries == 0
     assert store.put(NS, key(1), 0, payload, block_checksum(NS, key(1), 0, payload)) is None
+
+
+def test_a_checksum_holding_the_gil_is_the_same_checksum() -> None:
+    """An engine's client hashes in slices (it keeps the GIL); the vault in one call."""
+    data = bytes(range(256)) * (3 * HOLDING_GIL_BYTES // 256 + 1)
+    for size in (0, 1, HOLDING_GIL_BYTES, HOLDING_GIL_BYTES + 1, len(data)):
+        payload = memoryview(data)[:size]
+        whole = block_checksum(NS, key(1), 0, payload)
+        assert block_checksum(NS, key(1), 0, payload, hold_gil=True) == whole
+        pieces = (payload[: size // 3], payload[size // 3 :])
+        assert block_checksum(NS, key(1), 0, *pieces, hold_gil=True) == whole
+        assert block_checksum(NS, key(1), 0, *pieces) == whole
 
 
 def test_lookup_counts_leading_keys_with_every_part() -> None:

@@ -175,7 +175,8 @@ class RedisBackend:
                     view = memoryview(value)
                     payload = view[_CHECKSUM_BYTES:]
                     checksum = int.from_bytes(view[:_CHECKSUM_BYTES], "little")
-                    if block_checksum(namespace, keys[index], part, payload) != checksum:
+                    actual = block_checksum(namespace, keys[index], part, payload, hold_gil=True)
+                    if actual != checksum:
                         bad_checksums += 1
                         continue
                     found[(index, part)] = payload
@@ -244,7 +245,7 @@ class RedisBackend:
         """Store `batch` (Redis refuses none of it: 0), or raise."""
         pipe = self._client.pipeline(transaction=False)
         for put in batch:
-            checksum = block_checksum(put.namespace, put.key, put.part, *put.pieces)
+            checksum = block_checksum(put.namespace, put.key, put.part, *put.pieces, hold_gil=True)
             value = b"".join((checksum.to_bytes(_CHECKSUM_BYTES, "little"), *put.pieces))
             pipe.set(redis_key(put.namespace, put.key, put.part), value)
         pipe.execute()

@@ -63,9 +63,10 @@ RECV_BUFFERS = 256
 """Buffers per recvmsg_into call (the kernel takes at most IOV_MAX)."""
 CLIENT_RUN_BYTES = 8 * MIB
 """The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
-RECEIVED_BYTES = 1 * MIB
+RECEIVED_BYTES = 4 * MIB
 """A Promote hands on the payloads it received in groups of about this many bytes, so they are
-checked while the next group is on the wire."""
+checked while the next group is on the wire. Each group is one receive call, and so one release
+of the GIL, which a thread busy in Python may keep for a switch interval (5 ms)."""
 MAX_POOLED_BYTES = 1024 * MIB
 """The client keeps at most this many bytes of receive buffers for reuse (per process)."""
 HUGE_PAGE_BYTES = 2 * MIB

@@ -375,7 +375,8 @@ class VaultClient:
             ):
                 if key_index >= len(keys) or part not in wanted_parts:
                     continue
-                if block_checksum(namespace, keys[key_index], part, *pieces) != checksum:
+                actual = block_checksum(namespace, keys[key_index], part, *pieces, hold_gil=True)
+                if actual != checksum:
                     bad_checksums += 1
                     continue
                 found[(key_index, part)] = pieces[0]
@@ -633,7 +634,9 @@ def _put_index(batch: Sequence[PendingPut]) -> vault_pb2.PutIndex:
         keys=[p.key for p in batch],
         parts=[p.part for p in batch],
         lengths=[p.size for p in batch],
-        checksums=[block_checksum(p.namespace, p.key, p.part, *p.pieces) for p in batch],
+        checksums=[
+            block_checksum(p.namespace, p.key, p.part, *p.pieces, hold_gil=True) for p in batch
+        ],
     )
 
 
