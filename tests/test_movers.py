@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ torch = pytest.importorskip("torch")
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from tierkv.movers import BlockMover, StagingRing, countdown  # noqa: E402
+from tierkv.tier import LOAD_SWITCH_INTERVAL_S  # noqa: E402
 
 
 class CountOps(TorchDispatchMode):
@@ -190,6 +193,7 @@ def test_a_load_decodes_a_run_of_lossy_payloads_in_one_call(monkeypatch):
     monkeypatch.setattr(tierkv.quant, "decode_into", one_by_one)
 
     def fetch(start: int, stop: int, consume, into) -> set[int]:
+        assert sys.getswitchinterval() <= LOAD_SWITCH_INTERVAL_S  # the whole load, copies too
         return consume([(i - start, 0, received[i]) for i in range(start, stop)])
 
     before = caches[0][:, n + 8].clone()

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -12,7 +13,7 @@ from tests.conftest import SLOW_BOX_MARGIN_S, VaultHandle
 from tierkv.config import config_from_mapping
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import NonFiniteError, get_codec
-from tierkv.tier import ColdTier
+from tierkv.tier import LOAD_SWITCH_INTERVAL_S, ColdTier, SwitchInterval
 from tierkv.vault.client import VaultClient
 
 NS = namespace_fingerprint({"test": "tier"})
@@ -366,6 +367,56 @@ def test_load_blocks_hands_each_key_whole_to_the_consumer_and_a_raising_one_fail
     assert (stats["loaded_blocks"], stats["load_failures"]) == (2, 2)
     assert stats["loaded_payload_bytes"] > 0
     tier.close()
+
+
+def test_a_load_runs_with_a_short_switch_interval_and_puts_it_back(vault: VaultHandle) -> None:
+    """A thread busy in Python keeps the GIL for a switch interval each time a load's thread
+    wants it back (5 ms by default): the load shortens it while it runs."""
+    data = {slot: array for slot, array in blocks().items() if slot[1] == "kv"}
+    tier = ColdTier(get_codec("int8"), {"kv": VaultClient(vault.address)})
+    store_all(tier, data)
+    before = sys.getswitchinterval()
+    seen: list[float] = []
+
+    def consume(arrived: list[tuple[int, int, memoryview]]) -> set[int]:
+        seen.append(sys.getswitchinterval())
+        return set()
+
+    assert tier.load_blocks(NS, KEYS, {"kv": KV_PARTS}, consume) == set()
+    assert seen and max(seen) <= LOAD_SWITCH_INTERVAL_S < before
+    assert sys.getswitchinterval() == before
+    tier.close()
+
+
+def test_the_switch_interval_is_put_back_by_the_last_load_and_left_alone_if_changed() -> None:
+    before = sys.getswitchinterval()
+    short = SwitchInterval(0.0003)
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_load() -> None:
+        with short:
+            entered.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=other_load)
+    try:
+        with short:
+            thread.start()
+            assert entered.wait(10)
+        assert sys.getswitchinterval() == pytest.approx(0.0003)  # the other load still runs
+        leave.set()
+        thread.join()
+        assert sys.getswitchinterval() == before
+        with short:
+            sys.setswitchinterval(0.002)  # someone else's choice, made meanwhile
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        sys.setswitchinterval(0.0001)
+        with short:  # already shorter: left as it is
+            assert sys.getswitchinterval() == pytest.approx(0.0001)
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+    finally:
+        leave.set()
+        sys.setswitchinterval(before)
 
 
 @pytest.mark.parametrize("bulk", [True, False])

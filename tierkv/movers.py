@@ -402,6 +402,14 @@ class BlockMover:
         the rest of the batch is still on the wire; the scatter leaves them out. Returns once
         every copy has completed (on CUDA: its event), so the blocks may be reported loaded.
         """
+        from tierkv.tier import SWITCH_INTERVAL_WHILE_LOADING
+
+        with SWITCH_INTERVAL_WHILE_LOADING:  # its copies too (see LOAD_SWITCH_INTERVAL_S)
+            return self._load(block_ids, fetch, batch_blocks, on_device)
+
+    def _load(
+        self, block_ids: Sequence[int], fetch: Fetch, batch_blocks: int, on_device: bool
+    ) -> set[int]:
         from tierkv.tier import decode_each
 
         direct = self._host_layers is not None and len(self.parts) == 1 and not on_device
