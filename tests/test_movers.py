@@ -128,22 +128,36 @@ def back_to_back(payloads: list[bytes]) -> list[memoryview]:
     return [buffer[end - len(payload) : end] for payload, end in zip(payloads, ends, strict=True)]
 
 
-def test_a_load_copies_lossless_payloads_from_the_receive_buffer_and_never_bad_ones():
+def encoded_blocks(
+    n: int, codec: str, odd_one: int, odd_codec: str
+) -> tuple[list[torch.Tensor], BlockMover, list[bytes]]:
+    """Paged layers of 2n blocks, a mover over them and the payloads of blocks 0..n-1 (to
+    restore into blocks n..2n-1), encoded with `codec`, block `odd_one` with `odd_codec`."""
     from tierkv.quant import encode_block, get_codec
 
-    n = 12
     caches = paged(2 * n)
     mover = mover_of(caches)
     staged = mover.store(list(range(n)))
     assert staged is not None
     blocks = staged.arrays()[0]
-    none, int8 = get_codec("none", 16), get_codec("int8", 16)
-    payloads = [encode_block(int8 if i == 5 else none, blocks[i], "bf16") for i in range(n)]
+    usual, odd = get_codec(codec, 16), get_codec(odd_codec, 16)
+    payloads = [encode_block(odd if i == odd_one else usual, blocks[i], "bf16") for i in range(n)]
     staged.release()
-    for bad in (7, 9):  # a header byte (group size): its checksum fails
-        corrupt = bytearray(payloads[bad])
-        corrupt[10] ^= 1
-        payloads[bad] = bytes(corrupt)
+    return caches, mover, payloads
+
+
+def corrupt_header(payloads: list[bytes], index: int) -> None:
+    """Flip a header byte (the group size) of payloads[index]: its header checksum fails."""
+    corrupt = bytearray(payloads[index])
+    corrupt[10] ^= 1
+    payloads[index] = bytes(corrupt)
+
+
+def test_a_load_copies_lossless_payloads_from_the_receive_buffer_and_never_bad_ones():
+    n = 12
+    caches, mover, payloads = encoded_blocks(n, "none", 5, "int8")
+    for bad in (7, 9):
+        corrupt_header(payloads, bad)
     received = back_to_back(payloads)
     before = [cache.clone() for cache in caches]
 
@@ -165,24 +179,15 @@ def test_a_load_copies_lossless_payloads_from_the_receive_buffer_and_never_bad_o
 
 def test_a_load_decodes_a_run_of_lossy_payloads_in_one_call(monkeypatch):
     import tierkv.quant
-    from tierkv.quant import decode_into, encode_block, get_codec
+    from tierkv.quant import decode_into
 
     n = 10
-    caches = paged(2 * n)
-    mover = mover_of(caches)
-    staged = mover.store(list(range(n)))
-    assert staged is not None
-    blocks = staged.arrays()[0]
-    int8, tq4 = get_codec("int8", 16), get_codec("tq4", 16)
-    payloads = [encode_block(tq4 if i == 3 else int8, blocks[i], "bf16") for i in range(n)]
-    staged.release()
+    caches, mover, payloads = encoded_blocks(n, "int8", 3, "tq4")
     expected = []
-    for payload, block in zip(payloads, blocks, strict=True):
-        expected.append(np.empty_like(block))
+    for payload in payloads:
+        expected.append(np.empty((len(caches), 2, 4, 16), np.uint16))
         decode_into(payload, expected[-1])
-    corrupt = bytearray(payloads[8])  # its header: does not decode
-    corrupt[10] ^= 1
-    payloads[8] = bytes(corrupt)
+    corrupt_header(payloads, 8)  # does not decode
     received = back_to_back(payloads)
     alone: list[int] = []  # the blocks decoded one by one
 
@@ -204,7 +209,7 @@ def test_a_load_decodes_a_run_of_lossy_payloads_in_one_call(monkeypatch):
         for i in range(n):
             if i != 8:
                 restored = cache[:, n + i].contiguous().view(torch.uint16).numpy()
-                assert np.array_equal(restored, expected[i][layer].view(np.uint16)), (layer, i)
+                assert np.array_equal(restored, expected[i][layer]), (layer, i)
 
 
 def test_countdown_runs_once_on_the_last_call():
