@@ -3,13 +3,14 @@ restarts and garbage, and never returns or stores a payload that did not arrive 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,35 @@ def test_a_promote_receives_payloads_into_the_buffers_it_is_given(vault: Any) ->
             assert bytes(found[(i, 0)]) == payload(i, sizes[i])
 
 
+@contextlib.contextmanager
+def trickling(
+    sender: socket.socket,
+    receiver: socket.socket,
+    data: bytes,
+    piece_bytes: Callable[[], int],
+    pause_s: float,
+) -> Iterator[None]:
+    """While inside, a thread sends `data` from `sender` in pieces of piece_bytes() bytes, a
+    pause after each; both sockets are closed on the way out."""
+
+    def send() -> None:
+        at = 0
+        while at < len(data):
+            piece = piece_bytes()
+            sender.sendall(data[at : at + piece])
+            at += piece
+            time.sleep(pause_s)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+        sender.close()
+        receiver.close()
+
+
 def test_a_scattered_receive_fills_every_buffer_however_the_bytes_arrive() -> None:
     """More buffers than one recvmsg_into takes, empty ones among them, and bytes that arrive
     in pieces cutting buffers anywhere: each buffer gets exactly its stretch of the stream."""
@@ -106,22 +136,11 @@ def test_a_scattered_receive_fills_every_buffer_however_the_bytes_arrive() -> No
     received = list(buffers)
     sender, receiver = socket.socketpair()
 
-    def send() -> None:
-        at = 0
-        while at < len(data):
-            piece = rng.choice([1, 7, 4093, 65_536, 300_000])
-            sender.sendall(data[at : at + piece])
-            at += piece
-            time.sleep(0.0005)
+    def pieces() -> int:
+        return rng.choice([1, 7, 4093, 65_536, 300_000])
 
-    thread = threading.Thread(target=send)
-    thread.start()
-    try:
+    with trickling(sender, receiver, data, pieces, 0.0005):
         _recv_scattered(receiver, buffers, Deadline(time.monotonic() + 30, 30))
-    finally:
-        thread.join()
-        sender.close()
-        receiver.close()
     assert b"".join(received) == data
 
 
@@ -141,21 +160,9 @@ def test_a_receive_asks_the_kernel_once_however_the_bytes_trickle_in() -> None:
     data = random.Random(1).randbytes(1 << 20)
     sender, plain = socket.socketpair()
     receiver = CountingSocket(fileno=plain.detach())
-
-    def send() -> None:
-        for at in range(0, len(data), 1 << 16):
-            sender.sendall(data[at : at + (1 << 16)])
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=send)
-    thread.start()
     view = memoryview(bytearray(len(data)))
-    try:
+    with trickling(sender, receiver, data, lambda: 1 << 16, 0.002):
         _recv_into(receiver, view, Deadline(time.monotonic() + 30, 30))
-    finally:
-        thread.join()
-        sender.close()
-        receiver.close()
     assert view == data
     assert CountingSocket.calls == 1
 
