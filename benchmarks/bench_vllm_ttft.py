@@ -202,7 +202,11 @@ def main() -> None:
                     "load_gbps": round(moved / ld / 1e9, 3),
                     "promote_gbps": round(moved / p / 1e9, 3),
                     "load_vs_promote": round(
-                        statistics.median(b / a for a, b in zip(load, promote, strict=True)), 3
+                        statistics.median(
+                            promote_s / load_s
+                            for load_s, promote_s in zip(load, promote, strict=True)
+                        ),
+                        3,
                     ),
                     "memcpy_gbps": round(moved / memcpy_seconds(moved) / 1e9, 3),
                 }
