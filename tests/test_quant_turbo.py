@@ -12,7 +12,13 @@ from tests.test_quant_codec import DTYPES, as_f64, round_trip, to_dtype
 from tierkv.quant import NonFiniteError, PayloadError, decode_into, get_codec, read_header
 from tierkv.quant.codebooks import lloyd_max, rotation
 from tierkv.quant.payload import TURBO_MODES, header_bytes
-from tierkv.quant.turbo import Layout, channels_from_mask, named_codec, selection_groups
+from tierkv.quant.turbo import (
+    Layout,
+    _quantize,
+    channels_from_mask,
+    named_codec,
+    selection_groups,
+)
 
 TURBO = tuple(TURBO_MODES)
 
@@ -196,3 +202,18 @@ def test_codebooks_and_rotations_are_well_formed(m: int, version: int) -> None:
         assert np.allclose(book.centroids, -book.centroids[::-1], atol=1e-7)
     r = rotation(m, version).as_matrix()
     assert np.allclose(r @ r.T, np.eye(m), atol=1e-5)
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 15, 31])
+def test_quantize_counts_the_boundaries_each_coordinate_exceeds(size: int) -> None:
+    """_quantize (unrolled per codebook size, with a generic fallback for other sizes) gives
+    each coordinate the number of boundaries strictly below it, ties included."""
+    rng = np.random.default_rng(size)
+    boundaries = np.sort(rng.standard_normal(size)).astype(np.float32)
+    y = rng.standard_normal((40, 64)).astype(np.float32)
+    y[0, :size] = boundaries  # exactly on a boundary: not above it
+    idx = np.full((40, 64), -1, np.int32)
+    _quantize(y, 37, 50, boundaries, idx)
+    expected = np.searchsorted(boundaries, y[:37, :50], side="left")
+    assert (idx[:37, :50] == expected).all()
+    assert (idx[37:] == -1).all() and (idx[:, 50:] == -1).all()

@@ -263,6 +263,39 @@ def packed_bytes(m, bits):
     return (m // 8) * bits + ((m % 8) * bits + 7) // 8
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _count_above(y, m, n, boundaries, count, idx):
+    """idx[j, t] = how many of the first `count` boundaries y[j, t] exceeds, for j < m, t < n.
+    Inlined with `count` a constant, the loop over boundaries unrolls and the one across
+    vectors vectorizes (holding the count in a register instead of in idx)."""
+    for j in range(m):
+        row, out = y[j], idx[j]
+        for t in range(n):
+            value = row[t]
+            above = np.int32(0)
+            for b in range(count):
+                above += value > boundaries[b]
+            out[t] = above
+
+
+@njit(cache=True, nogil=True)
+def _quantize(y, m, n, boundaries, idx):
+    """The codebook index of each coordinate y[j, t] (j < m, t < n) in idx: the number of
+    decision boundaries it exceeds. One _count_above per codebook size in use (3, 7, 15 and 31
+    boundaries: 2 to 5 bits), so each has a constant loop count."""
+    size = boundaries.size
+    if size == 3:
+        _count_above(y, m, n, boundaries, 3, idx)
+    elif size == 7:
+        _count_above(y, m, n, boundaries, 7, idx)
+    elif size == 15:
+        _count_above(y, m, n, boundaries, 15, idx)
+    elif size == 31:
+        _count_above(y, m, n, boundaries, 31, idx)
+    else:
+        _count_above(y, m, n, boundaries, size, idx)
+
+
 @njit(cache=True, nogil=True)
 def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
     """Norms and packed indices of one instance for vectors v0 .. v0 + n - 1, held in x[:n]
@@ -306,13 +339,7 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
         for i in range(m):
             for t in range(n):
                 y[i, t] = _dot(matrix[i], vectors[t], m) * inv_norms[t]
-    for j in range(m):
-        for t in range(n):
-            idx[j, t] = 0
-        for b in range(boundaries.size):
-            edge = boundaries[b]
-            for t in range(n):
-                idx[j, t] += y[j, t] > edge
+    _quantize(y, m, n, boundaries, idx)
     _pack(idx, m, n, bits, out, index_at, index_stride)
 
 
