@@ -353,18 +353,22 @@ def _unpack_rows(body, n, vec, inst, index_at, stride, y):
     m, bits, _, _, _, table, _ = inst
     lanes = table.reshape(-1).view(np.uint64)  # one 64-bit move per pair of coordinates
     rows = y.view(np.uint64)
+    # (a view of each vector's bytes: indexing body at a position computed from vec[t] would
+    # check every index for negative wraparound)
     if table.shape[1] == 4:
         for t in range(n):
             pos = index_at + vec[t] * stride
+            packed = body[pos : pos + m // 4]
             for i in range(m // 4):
-                code = 2 * np.intp(body[pos + i])
+                code = 2 * np.intp(packed[i])
                 rows[(2 * i) * _DTILE + t] = lanes[code]
                 rows[(2 * i + 1) * _DTILE + t] = lanes[code + 1]
     elif bits == 4:
         for t in range(n):
             pos = index_at + vec[t] * stride
+            packed = body[pos : pos + m // 2]
             for r in range(m // 2):
-                rows[r * _DTILE + t] = lanes[body[pos + r]]
+                rows[r * _DTILE + t] = lanes[packed[r]]
     else:
         pair_bits = np.uint64(2 * bits)
         pair_mask = np.uint64((1 << (2 * bits)) - 1)
