@@ -217,3 +217,19 @@ def test_quantize_counts_the_boundaries_each_coordinate_exceeds(size: int) -> No
     expected = np.searchsorted(boundaries, y[:37, :50], side="left")
     assert (idx[:37, :50] == expected).all()
     assert (idx[37:] == -1).all() and (idx[:, 50:] == -1).all()
+
+
+@pytest.mark.parametrize("d", [16, 96, 128, 1000])
+def test_channel_map_takes_the_most_energy_ties_to_the_lower_channel(d: int) -> None:
+    """The Numba selection equals numpy's stable argsort of -energy, with many exact ties (and
+    zeros), and its masks are the packed form of the selection."""
+    codec = named_codec("tq3.5", d)
+    rng = np.random.default_rng(d)
+    energy = rng.integers(0, 4, size=(9, d)).astype(np.float64)  # ties everywhere
+    energy[0] = 0.0
+    channels, masks = codec.channel_map(energy)
+    top = np.argsort(-energy, axis=1, kind="stable")[:, : codec.hi.m]
+    mask = np.zeros(energy.shape, bool)
+    np.put_along_axis(mask, top, True, axis=1)
+    assert np.array_equal(channels, channels_from_mask(mask))
+    assert np.array_equal(masks, np.packbits(mask, axis=1, bitorder="little"))

@@ -252,7 +252,7 @@ def _turbo_encode(
     energy = np.zeros((layout.sel_mod, d))
     if codec.lo is not None and n:  # scaled: float32 squares of |x| up to 3e38 neither overflow
         energy[:] = np.asarray(mx.square(scaled).sum(axis=(0, 2)))  # nor underflow
-    channels = codec.channel_map(energy)
+    channels, masks = codec.channel_map(energy)
     norms, indices = [], []
     for start, inst, _ in codec.instances():
         if inst.m < d:
@@ -266,10 +266,7 @@ def _turbo_encode(
         norms.append(norm)
         indices.append(_pack(_quantize(_rotate(u, inst), boundaries), inst.m, inst.bits))
     body[:2] = np.frombuffer(np.int16(k).astype("<i2").tobytes(), np.uint8)
-    if codec.lo is not None:
-        mask = np.zeros((layout.sel_mod, d), bool)
-        np.put_along_axis(mask, channels[:, : codec.hi.m].astype(np.intp), True, axis=1)
-        body[2 : layout.norms_offset] = np.packbits(mask, axis=1, bitorder="little").reshape(-1)
+    body[2 : layout.norms_offset] = masks.reshape(-1)
     body[layout.norms_offset : layout.indices_offset] = _host_bytes(
         mx.concatenate(norms, axis=-1).astype(mx.float16)
     )

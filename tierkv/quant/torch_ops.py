@@ -186,7 +186,7 @@ def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) ->
     if codec.lo is not None:
         for s in range(layout.sel_mod):
             energy[s] = grouped[:, s].double().square().sum(dim=(0, 1)).cpu().numpy()
-    channels = codec.channel_map(energy)
+    channels, masks = codec.channel_map(energy)
     scaled = _by_group(vectors * 2.0**-k, layout)
     norms = torch.empty((layout.n_vectors, layout.n_instances), device=device)
     packed = torch.zeros(
@@ -212,10 +212,7 @@ def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) ->
     head = torch.tensor([k], dtype=torch.int16, device=device).view(torch.uint8)
     parts = [head]
     if codec.lo is not None:
-        mask = np.zeros((layout.sel_mod, d), bool)
-        np.put_along_axis(mask, channels[:, : codec.hi.m].astype(np.intp), True, axis=1)
-        masks = np.packbits(mask, axis=1, bitorder="little").reshape(-1)
-        parts.append(torch.from_numpy(masks).to(device))
+        parts.append(torch.from_numpy(masks.reshape(-1)).to(device))
     parts.append(norms.half().view(-1).view(torch.uint8))
     parts.append(packed[:, :-1].to(torch.uint8).reshape(-1))
     return torch.cat(parts)

@@ -917,15 +917,18 @@ class TurboCodec:
         """The (hi, lo) instance tuples the kernels take."""
         return self._kernel_args
 
-    def channel_map(self, energy: np.ndarray) -> np.ndarray:
-        """Per selection group: its hi channels (ascending) then its lo channels (ascending)."""
+    def channel_map(self, energy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(channels, masks) for the per-channel energy of each selection group: channels[g] is
+        group g's hi channels (its hi.m of most energy, ties to the lower channel), ascending,
+        then its lo channels, ascending; masks[g] the packed bit mask of its hi channels, as a
+        body stores it (no bytes when not mixed). In Numba, with the GIL released."""
         d = self.group_size
         if self.lo is None:
-            return np.arange(d, dtype=np.int32)[None, :]
-        top = np.argsort(-energy, axis=1, kind="stable")[:, : self.hi.m]
-        mask = np.zeros(energy.shape, bool)
-        np.put_along_axis(mask, top, True, axis=1)
-        return channels_from_mask(mask)
+            return self._one_order, np.zeros((1, 0), np.uint8)
+        channels = np.empty(energy.shape, np.int32)
+        masks = np.empty((energy.shape[0], (d + 7) // 8), np.uint8)
+        _select_channels(energy, self.hi.m, masks, channels)
+        return channels, masks
 
     def encode(self, src: np.ndarray, dtype: str | None = None) -> bytes:
         words, dtype = input_words(src, dtype)
@@ -961,13 +964,9 @@ class TurboCodec:
         if max_bits >= nonfinite_bits(code):
             raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
         k = block_exponent(np.float64(bits_value(np.uint32(max_bits), code)) * math.sqrt(d))
-        channels = self.channel_map(energy)
+        channels, masks = self.channel_map(energy)
         body[:2] = np.frombuffer(np.int16(k).astype("<i2").tobytes(), np.uint8)
-        if self.lo is not None:
-            mask = np.zeros((layout.sel_mod, d), bool)
-            np.put_along_axis(mask, channels[:, : self.hi.m].astype(np.intp), True, axis=1)
-            masks = np.packbits(mask, axis=1, bitorder="little")
-            body[2 : layout.norms_offset] = masks.reshape(-1)
+        body[2 : layout.norms_offset] = masks.reshape(-1)
         select = (channels, layout.sel_div, layout.sel_mod)
         encode_kernel(
             words.nbytes, words, code, d, select, k, body, layout.offsets, *self.kernel_args()
@@ -1067,6 +1066,19 @@ def _mask_channels(masks, hi_m, channels):
                 channels[g, lo_at] = c
                 lo_at += 1
     return True
+
+
+@njit(cache=True, nogil=True)
+def _select_channels(energy, hi_m, masks, channels):
+    """masks[g]: the packed (LSB-first) bit mask of the hi_m channels of row g of energy with
+    the most energy, ties to the lower channel (np.argsort(-energy[g], kind="stable")[:hi_m]);
+    channels[g]: those channels, ascending, then the others, ascending."""
+    masks[:] = 0
+    for g in range(energy.shape[0]):
+        top = np.argsort(-energy[g], kind="mergesort")[:hi_m]
+        for c in top:
+            masks[g, c >> 3] |= np.uint8(1 << (c & 7))
+    _mask_channels(masks, hi_m, channels)
 
 
 def channels_from_mask(mask: np.ndarray) -> np.ndarray:
