@@ -15,12 +15,16 @@ from tierkv.quant.payload import TURBO_MODES, header_bytes
 from tierkv.quant.turbo import (
     Layout,
     _quantize,
-    channels_from_mask,
     named_codec,
     selection_groups,
 )
 
 TURBO = tuple(TURBO_MODES)
+
+
+def channels_from_mask(mask: np.ndarray) -> np.ndarray:
+    """The reference channel order: per row, the True channels (ascending), then the False."""
+    return np.argsort(~mask, axis=1, kind="stable").astype(np.int32)
 
 
 def relative_error(x: np.ndarray, y: np.ndarray, dtype: str) -> float:

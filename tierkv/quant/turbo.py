@@ -1049,7 +1049,7 @@ def index_positions(m: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
 @njit(cache=True, nogil=True)
 def _mask_channels(masks, hi_m, channels):
     """channels[g] = the channels set in row g of the packed (LSB-first) bit masks, ascending,
-    then the others, ascending (as channels_from_mask of the unpacked masks); False when a row
+    then the others, ascending; False when a row
     does not set exactly hi_m of its channels.shape[1] bits (bits past them are ignored)."""
     d = channels.shape[1]
     for g in range(channels.shape[0]):
@@ -1079,12 +1079,6 @@ def _select_channels(energy, hi_m, masks, channels):
         for c in top:
             masks[g, c >> 3] |= np.uint8(1 << (c & 7))
     _mask_channels(masks, hi_m, channels)
-
-
-def channels_from_mask(mask: np.ndarray) -> np.ndarray:
-    """Per row: indices of the True channels (ascending) then of the False ones, as int32."""
-    order = np.argsort(~mask, axis=1, kind="stable")
-    return np.ascontiguousarray(order, dtype=np.int32)
 
 
 @lru_cache(maxsize=64)
