@@ -1049,8 +1049,8 @@ def index_positions(m: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
 @njit(cache=True, nogil=True)
 def _mask_channels(masks, hi_m, channels):
     """channels[g] = the channels set in row g of the packed (LSB-first) bit masks, ascending,
-    then the others, ascending; False when a row
-    does not set exactly hi_m of its channels.shape[1] bits (bits past them are ignored)."""
+    then the others, ascending; False when a row does not set exactly hi_m of its
+    channels.shape[1] bits (bits past them are ignored)."""
     d = channels.shape[1]
     for g in range(channels.shape[0]):
         hi_at, lo_at = 0, hi_m
