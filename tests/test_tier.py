@@ -292,6 +292,11 @@ def test_a_load_promotes_in_runs_and_a_run_that_returns_nothing_ends_it(
     for slot, array in data.items():
         np.testing.assert_array_equal(outs[slot], array)
 
+    vault.store.delete(NS, [KEYS[2]])  # a key of the second run, keys 1 and 2, is gone
+    recorder.calls = []
+    failed = tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)])
+    assert failed == {2} and recorder.calls == [1, 2, 1]
+
     recorder.calls, recorder.fail_from_call = [], 2
     failed = tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)])
     assert failed == {1, 2, 3} and recorder.calls == [1, 2]  # no third call after an empty run

@@ -58,6 +58,8 @@ ALIGN = 256
 """Regions and parts start on multiples of this many bytes (any dtype view, DMA friendly)."""
 CODEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 """The torch dtypes the codecs take, by their codec dtype name."""
+_HEADER_VERDICTS = 64
+"""Payload headers whose verdict a mover remembers (see BlockMover._lossless_header)."""
 
 
 Blocks = list[tuple[int, int, memoryview]]
@@ -257,6 +259,7 @@ class BlockMover:
             if self.device.type == "cpu"
             else None
         )
+        self._header_verdicts: dict[bytes, bool] = {}  # see _lossless_header
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
@@ -441,7 +444,7 @@ class BlockMover:
                 )
                 into = functools.partial(self._placing, ids, places) if places is not None else None
                 bad = fetch(start, start + len(ids), consume, into)
-                good = [i for i in range(len(ids)) if i not in bad and i not in written]
+                good = sorted(set(range(len(ids))) - bad - written)
                 self.scatter(staged, good, [ids[index] for index in good])
                 failed.update(start + index for index in bad)
         finally:
@@ -507,7 +510,10 @@ class BlockMover:
             placed = [index for index, _, payload in blocks if places.rows.get(index) is payload]
             failed = self._check_placed(places, placed)
             written.update(set(placed) - failed)
-            blocks = [block for block in blocks if places.rows.get(block[0]) is not block[2]]
+            if len(placed) == len(blocks):
+                blocks = []
+            else:
+                blocks = [block for block in blocks if places.rows.get(block[0]) is not block[2]]
         lossy = blocks and self._lossless(blocks[0][2]) is False  # the tier's codec, surely
         rest = blocks if lossy else self._scatter_lossless(block_ids, blocks)
         written.update({index for index, _, _ in blocks} - {index for index, _, _ in rest})
@@ -519,8 +525,9 @@ class BlockMover:
         to the first one's share its verdict."""
         if not indices:
             return set()
-        at = np.asarray(indices, dtype=np.int64)
-        rows = places.heads[at]
+        every = len(indices) == len(places.heads)  # (indices are distinct)
+        at = np.arange(len(indices)) if every else np.asarray(indices, dtype=np.int64)
+        rows = places.heads if every else places.heads[at]
         same = (rows == rows[0]).all(axis=1)
         ok = same & self._lossless_header(rows[0])
         for row in np.flatnonzero(~same):
@@ -528,10 +535,17 @@ class BlockMover:
         return set(at[~ok].tolist())
 
     def _lossless_header(self, head: np.ndarray) -> bool:
-        """Whether `head` is the header of a lossless payload of this one-part mover's block."""
-        payload = np.zeros(len(head) + self.part_bytes(0), dtype=np.uint8)
-        payload[: len(head)] = head
-        return self._lossless(payload.data) is True
+        """Whether `head` is the header of a lossless payload of this one-part mover's block
+        (remembered per header: a load's headers are nearly always the same one)."""
+        verdict = self._header_verdicts.get(head.tobytes())
+        if verdict is None:
+            payload = np.zeros(len(head) + self.part_bytes(0), dtype=np.uint8)
+            payload[: len(head)] = head
+            verdict = self._lossless(payload.data) is True
+            if len(self._header_verdicts) >= _HEADER_VERDICTS:
+                self._header_verdicts.clear()
+            self._header_verdicts[head.tobytes()] = verdict
+        return verdict
 
     def _scatter_lossless(self, block_ids: Sequence[int], blocks: Blocks) -> Blocks:
         """Copy lossless payloads of this one-part mover straight into the engine blocks; the

@@ -23,6 +23,7 @@ would compound instead of staying in one block.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import threading
@@ -77,8 +78,9 @@ progress per restore at 0.1 ms (about 45 ms of its time against 110 ms; over TLS
 
 Block = tuple[int, int, memoryview]
 """(key index, part, payload) of a block a load received."""
-Sizes = dict[tuple[int, int], tuple[memoryview, int]]
-"""(key index, part) -> (first buffer, bytes) of the blocks a load asked `into` to place."""
+Sizes = dict[int, tuple[memoryview, int]]
+"""id(first buffer) -> (that buffer, bytes of all its block's buffers), for the blocks a load
+asked `into` to place (the buffer is kept alive, so its id names no other object)."""
 Consume = Callable[[list[Block]], set[int]]
 """consume(blocks) -> the key indices it could not restore (see ColdTier.load_blocks)."""
 
@@ -317,24 +319,23 @@ class ColdTier:
         def arrived(blocks: list[Block]) -> None:
             """Hand on the keys whose every part has now arrived (a partial key is recomputed
             anyway, decoding it would be wasted work)."""
-            whole = []
-            if wanted == 1:
-                whole = [[block] for block in blocks]
-            else:
+            whole: list[list[Block]] = []
+            if wanted > 1:
                 with waiting_lock:
                     for block in blocks:
                         parts = waiting.setdefault(block[0], [])
                         parts.append(block)
                         if len(parts) == wanted:
                             whole.append(waiting.pop(block[0]))
-            if not whole:
+                blocks = [block for parts in whole for block in parts]
+            if not blocks:
                 return
             if _payload_bytes(blocks) <= DECODE_TASK_BYTES:
                 # Little to do (a short run, or payloads placed in their destination): here,
                 # at once, costs less than waking a decode thread (milliseconds when busy).
-                blocks = [block for parts in whole for block in parts]
                 consumed_here.append(self._consume(blocks, consume, sizes))
                 return
+            whole = whole or [[block] for block in blocks]
             for batch in batched_by_size(whole, _payload_bytes, DECODE_TASK_BYTES):
                 claim = [[block for parts in batch for block in parts]]
                 consumed.append(
@@ -358,10 +359,10 @@ class ColdTier:
             for vault, parts in parts_by_vault.items()
             if vault in others
         }
-        found: dict[str, set[tuple[int, int]]] = {}
+        failed: set[int] = set()
         for vault, parts in parts_by_vault.items():
             try:
-                found[vault] = (
+                failed |= (
                     promotes[vault].result()
                     if vault in promotes
                     else self._promote_runs(
@@ -370,14 +371,7 @@ class ColdTier:
                 )
             except Exception:
                 log.exception("tierkv: promote from the %s vault failed; recomputing", vault)
-                found[vault] = set()
-        failed = {
-            index
-            for vault, parts in parts_by_vault.items()
-            for part in parts
-            for index in range(len(keys))
-            if (index, part) not in found[vault]
-        }
+                failed.update(range(len(keys)))
         # Every promote has returned, nothing is submitted any more: this thread runs the
         # calls no decode thread has started (waking one costs milliseconds on a busy machine).
         mine = [self._claimed(claim, consume, sizes) for _, claim in consumed]
@@ -483,11 +477,11 @@ class ColdTier:
         arrived: Callable[[list[Block]], None],
         into: Into | None,
         sizes: Sizes,
-    ) -> set[tuple[int, int]]:
+    ) -> set[int]:
         """Promote `keys` run by run, handing each run's payloads to `arrived`, until a run
-        returns nothing or the load deadline has passed; what arrived (`sizes`: see
-        _measured)."""
-        got: set[tuple[int, int]] = set()
+        returns nothing or the load deadline has passed; the indices of the keys with a part
+        that did not arrive (`sizes`: see _measured)."""
+        missing: set[int] = set()
         received = 0
         run_bytes = PROMOTE_RUN_BYTES if into is None else PLACED_RUN_BYTES
         start, run = 0, FIRST_PROMOTE_RUN_KEYS
@@ -509,15 +503,21 @@ class ColdTier:
             found = backend.promote(namespace, keys[start:stop], parts, run_into)
             if not found:
                 break
+            if len(found) < (stop - start) * len(parts):  # it holds only (index, part) asked for
+                missing.update(
+                    start + index
+                    for index, part in itertools.product(range(stop - start), parts)
+                    if (index, part) not in found
+                )
             blocks = [(start + index, part, payload) for (index, part), payload in found.items()]
-            got.update((index, part) for index, part, _ in blocks)
-            received += sum([_size(sizes, block) for block in blocks])
+            received += sum([_size(sizes, payload) for _, _, payload in blocks])
             arrived(blocks)
             start = stop
             run = max(1, run_bytes * start // max(1, received))
         if received:
             self._key_bytes[id(backend)] = received // start
-        return got
+        missing.update(range(start, len(keys)))
+        return missing
 
     def _claimed(
         self,
@@ -549,7 +549,9 @@ class ColdTier:
                 "tierkv: restoring %d arrived blocks failed; recomputing them", len(blocks)
             )
             failed = {index for index, _, _ in blocks}
-        restored = sum([_size(sizes, block) for block in blocks if block[0] not in failed])
+        restored = sum(
+            [_size(sizes, payload) for index, _, payload in blocks if index not in failed]
+        )
         with self._lock:
             self._stats.loaded_payload_bytes += restored
         return failed
@@ -621,15 +623,14 @@ def _measured(into: Into, sizes: Sizes) -> Into:
         indices: Sequence[int], parts: Sequence[int]
     ) -> dict[tuple[int, int], list[memoryview]]:
         placement = into(indices, parts)
-        for block, buffers in placement.items():
-            sizes[block] = (buffers[0], sum(map(len, buffers)))
+        for buffers in placement.values():
+            sizes[id(buffers[0])] = (buffers[0], sum(map(len, buffers)))
         return placement
 
     return placing
 
 
-def _size(sizes: Sizes, block: Block) -> int:
-    """Payload bytes of an arrived block (`sizes`: of the blocks `into` was asked to place)."""
-    index, part, payload = block
-    placed = sizes.get((index, part))
-    return placed[1] if placed is not None and placed[0] is payload else len(payload)
+def _size(sizes: Sizes, payload: memoryview) -> int:
+    """Bytes of an arrived payload (`sizes`: of the blocks `into` was asked to place)."""
+    placed = sizes.get(id(payload))
+    return len(payload) if placed is None else placed[1]

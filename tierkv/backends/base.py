@@ -49,7 +49,8 @@ class Backend(Protocol):
         parts: Sequence[int],
         into: Into | None = None,
     ) -> dict[tuple[int, int], memoryview]:
-        """(key index, part) → payload that passed its checksum; failures are absent.
+        """(key index, part) → payload that passed its checksum, for pairs asked for only;
+        failures are absent.
 
         A backend may receive payloads straight into the buffers `into(key indices, parts)`
         gives for them (a vault's bulk path does), and then returns each as the first
