@@ -159,7 +159,7 @@ def vault(
             if cfg.vault.max_bytes is not None
             else f"default: {DEFAULT_RAM_FRACTION:.0%} of {format_size(physical_ram_bytes())} RAM"
         )
-    from tierkv.vault.memory import reuse_freed_memory
+    from tierkv.vault.memory import freeze_startup_objects, reuse_freed_memory
     from tierkv.vault.server import VaultBindError, serve
 
     reuse_freed_memory()
@@ -188,6 +188,7 @@ def vault(
         where = f" ({listen_origin})" if from_config and bind_error else ""
         raise fail("vault", f"{exc}{where}", 2 if isinstance(exc, ConfigError) else 1) from None
 
+    freeze_startup_objects()
     stop = threading.Event()
 
     def request_stop(signum: int, frame: FrameType | None) -> None:
