@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.vault.store import LOCK_SLICE, VaultStore, entry_bytes
-from tierkv.vault.wire import HOLDING_GIL_BYTES, block_checksum
+from tierkv.vault.wire import HOLDING_GIL_BYTES, address_prefix, block_checksum, checksum_at
 
 NS = b"n" * 16
 
@@ -102,6 +103,11 @@ def test_a_checksum_holding_the_gil_is_the_same_checksum() -> None:
         pieces = (payload[: size // 3], payload[size // 3 :])
         assert block_checksum(NS, key(1), 0, *pieces, hold_gil=True) == whole
         assert block_checksum(NS, key(1), 0, *pieces) == whole
+        address = address_prefix(NS, 0) + key(1)
+        cuts = (0, size // 3, 2 * size // 3, size)
+        thirds = [payload[start:stop] for start, stop in itertools.pairwise(cuts)]
+        assert checksum_at(address, thirds, hold_gil=True) == whole
+        assert checksum_at(address, [payload], hold_gil=True) == whole
 
 
 def test_lookup_counts_leading_keys_with_every_part() -> None:

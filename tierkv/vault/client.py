@@ -35,9 +35,11 @@ from tierkv.vault.auth import call_metadata, channel_credentials, client_token, 
 from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError, Into
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
+    address_prefix,
     already_encoded,
     batched_by_size,
     block_checksum,
+    checksum_at,
     decode_bulk,
     encode_bulk,
     split_payloads,
@@ -357,7 +359,7 @@ class VaultClient:
         if not keys or not parts or not self._breaker.allow():
             return found
         deadline = time.monotonic() + self.promote_deadline_s
-        wanted_parts = set(parts)
+        prefixes = {part: address_prefix(namespace, part) for part in parts}  # the wanted ones
         bad_checksums = 0
 
         def verify(
@@ -373,10 +375,10 @@ class VaultClient:
                 index.checksums[first:end],
                 strict=False,
             ):
-                if key_index >= len(keys) or part not in wanted_parts:
+                prefix = prefixes.get(part)
+                if prefix is None or key_index >= len(keys):
                     continue
-                actual = block_checksum(namespace, keys[key_index], part, *pieces, hold_gil=True)
-                if actual != checksum:
+                if checksum_at(prefix + keys[key_index], pieces, hold_gil=True) != checksum:
                     bad_checksums += 1
                     continue
                 found[(key_index, part)] = pieces[0]

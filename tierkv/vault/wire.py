@@ -52,11 +52,20 @@ def block_checksum(
     `hold_gil` (in an engine's process) hashes in slices of HOLDING_GIL_BYTES, so the GIL is
     never given back: each time it is, a thread busy in Python may keep it for a switch
     interval (5 ms), per block. A vault gives it back, so its other threads run meanwhile."""
-    seed = xxhash.xxh3_64_intdigest(_address_prefix(namespace, part) + key)
-    if not more and (not hold_gil or len(payload) <= HOLDING_GIL_BYTES):
-        return xxhash.xxh3_64_intdigest(payload, seed=seed)
+    return checksum_at(address_prefix(namespace, part) + key, (payload, *more), hold_gil)
+
+
+def checksum_at(
+    address: bytes, pieces: Sequence[bytes | memoryview], hold_gil: bool = False
+) -> int:
+    """block_checksum of the payload in `pieces` at `address`, which is
+    `address_prefix(namespace, part) + key` (a caller checking many blocks of a part makes the
+    prefix once)."""
+    seed = xxhash.xxh3_64_intdigest(address)
+    if len(pieces) == 1 and (not hold_gil or len(pieces[0]) <= HOLDING_GIL_BYTES):
+        return xxhash.xxh3_64_intdigest(pieces[0], seed=seed)
     hasher = xxhash.xxh3_64(seed=seed)
-    for piece in (payload, *more):
+    for piece in pieces:
         if not hold_gil or len(piece) <= HOLDING_GIL_BYTES:
             hasher.update(piece)
             continue
@@ -67,7 +76,7 @@ def block_checksum(
 
 
 @lru_cache(maxsize=256)
-def _address_prefix(namespace: bytes, part: int) -> bytes:
+def address_prefix(namespace: bytes, part: int) -> bytes:
     """What a block's address starts with: the same for every key of a namespace's part."""
     return struct.pack("<II", len(namespace), part) + namespace
 
