@@ -537,14 +537,15 @@ class BlockMover:
     def _lossless_header(self, head: np.ndarray) -> bool:
         """Whether `head` is the header of a lossless payload of this one-part mover's block
         (remembered per header: a load's headers are nearly always the same one)."""
-        verdict = self._header_verdicts.get(head.tobytes())
+        key = head.tobytes()
+        verdict = self._header_verdicts.get(key)
         if verdict is None:
             payload = np.zeros(len(head) + self.part_bytes(0), dtype=np.uint8)
             payload[: len(head)] = head
             verdict = self._lossless(payload.data) is True
             if len(self._header_verdicts) >= _HEADER_VERDICTS:
                 self._header_verdicts.clear()
-            self._header_verdicts[head.tobytes()] = verdict
+            self._header_verdicts[key] = verdict
         return verdict
 
     def _scatter_lossless(self, block_ids: Sequence[int], blocks: Blocks) -> Blocks:
