@@ -15,6 +15,7 @@ from tierkv.quant.payload import TURBO_MODES, header_bytes
 from tierkv.quant.turbo import (
     Layout,
     _quantize,
+    index_positions,
     named_codec,
     selection_groups,
 )
@@ -49,6 +50,56 @@ def test_round_trip_any_shape(data, name: str, dtype: str, group_size: int, lead
     y = round_trip(name, x, dtype, group_size)
     assert y.shape == x.shape
     assert relative_error(x, y, dtype) < 0.6
+
+
+def reference_one_width_decode(payload: bytes) -> np.ndarray:
+    """A tq4 / tq3 / tq2 payload of a power-of-two group size decoded in numpy float32, in the
+    kernels' order of operations: the levels, the Walsh-Hadamard butterflies of distance 1, 2,
+    4, ..., times 1 / sqrt(m), the norm and 2**k, R's signs, then the dtype (clamped, rounded
+    to nearest even)."""
+    header = read_header(payload)
+    codec = named_codec(header.codec, header.group_size)
+    layout, inst, m = codec.layout(header.shape), codec.hi, header.group_size
+    n = layout.n_vectors
+    body = np.frombuffer(payload, np.uint8)[header_bytes(len(header.shape)) :]
+    pow2k = np.float32(2.0 ** int(body[:2].view("<i2")[0]))
+    norms = body[layout.norms_offset : layout.indices_offset].view("<f2").astype(np.float32)
+    packed = body[layout.indices_offset :].reshape(n, layout.bytes_per_vector)
+    packed = np.concatenate([packed, np.zeros((n, 1), np.uint8)], axis=1).astype(np.uint32)
+    offset, shift = index_positions(m, inst.bits)
+    both = packed[:, offset] | (packed[:, offset + 1] << 8)
+    y = inst.codebook.centroids.astype(np.float32)[(both >> shift) & ((1 << inst.bits) - 1)]
+    distance = 1
+    while distance < m:
+        pairs = y.reshape(n, m // (2 * distance), 2, distance)
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = np.stack([a + b, a - b], axis=2).reshape(n, m)
+        distance *= 2
+    x = y * np.float32(1.0 / np.sqrt(m)) * norms[:, None] * pow2k
+    x = x * np.where(inst.rotation.signs < 0, -1, 1).astype(np.float32)
+    if header.dtype == "fp16":
+        return np.clip(x, -65504, 65504).astype(np.float16).view(np.uint16)
+    if header.dtype == "bf16":
+        return to_dtype(np.clip(x, -3.3895314e38, 3.3895314e38), "bf16")
+    return x.view(np.uint32)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["tq4", "tq3", "tq2"])
+def test_one_width_decode_is_the_reference_bit_for_bit(
+    name: str, dtype: str, group_size: int
+) -> None:
+    """Every size, those whose butterflies run in SIMD registers (hadamard.SIZES) and the
+    others, over several tiles of vectors and a partial one."""
+    rng = np.random.default_rng(group_size)
+    x = rng.standard_normal((37, 3, group_size)).astype(np.float32)
+    x[:, :, 5] *= 30.0
+    payload = get_codec(name, group_size).encode(to_dtype(x, dtype), dtype)
+    out = np.empty_like(to_dtype(x, dtype))
+    decode_into(payload, out)
+    expected = reference_one_width_decode(payload)
+    assert np.array_equal(out.reshape(-1).view(expected.dtype), expected.reshape(-1))
 
 
 @pytest.mark.parametrize("name", TURBO)

@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from tierkv.quant.codebooks import Codebook, Rotation, lloyd_max, rotation
+from tierkv.quant.hadamard import fwht, fwht_fits
 from tierkv.quant.kernels import (
     BF16,
     CHUNK_VALUES,
@@ -528,6 +529,75 @@ def _decode_direct(body, n, vec, inst, scratch, code, out_pairs, at, pow2k):
 
 
 @njit(cache=True, nogil=True)
+def _unpack_vectors(body, n, vec, inst, index_at, stride, y):
+    """Look up the packed indices of the n vectors of a tile (vector t's at body[index_at +
+    vec[t] * stride]) in the instance's table, vector t's coordinates in order in y[t * m:]
+    (the layout _decode_vectors transforms in registers)."""
+    m, bits, _, _, _, table, _ = inst
+    lanes = table.reshape(-1).view(np.uint64)  # one 64-bit move per pair of coordinates
+    pairs = y.view(np.uint64)
+    half = m // 2
+    for t in range(n):
+        pos = index_at + vec[t] * stride
+        dst = pairs[t * half : (t + 1) * half]
+        if table.shape[1] == 4:  # a byte: 4 indices of 2 bits
+            packed = body[pos : pos + m // 4]
+            for i in range(m // 4):
+                code = 2 * np.intp(packed[i])
+                dst[2 * i] = lanes[code]
+                dst[2 * i + 1] = lanes[code + 1]
+        elif bits == 4:  # a byte: a pair
+            packed = body[pos : pos + half]
+            for r in range(half):
+                dst[r] = lanes[packed[r]]
+        else:  # groups of 8 indices (m is a power of two of at least 64: whole groups)
+            pair_bits = np.uint64(2 * bits)
+            pair_mask = np.uint64((1 << (2 * bits)) - 1)
+            loaded = m // 8 if pos + (m // 8 - 1) * bits + 8 <= body.size else 0
+            for k in range(loaded):
+                acc = load_u64(body, pos + k * bits)
+                dst[4 * k] = lanes[acc & pair_mask]
+                dst[4 * k + 1] = lanes[(acc >> pair_bits) & pair_mask]
+                dst[4 * k + 2] = lanes[(acc >> (2 * pair_bits)) & pair_mask]
+                dst[4 * k + 3] = lanes[(acc >> (3 * pair_bits)) & pair_mask]
+            for k in range(loaded, m // 8):  # the last groups, byte by byte
+                acc = np.uint64(0)
+                for byte in range(bits):
+                    acc |= np.uint64(body[pos + k * bits + byte]) << np.uint64(8 * byte)
+                for i in range(4):
+                    dst[4 * k + i] = lanes[(acc >> (pair_bits * np.uint64(i))) & pair_mask]
+
+
+@njit(cache=True, nogil=True)
+def _decode_vectors(body, n, vec, inst, scratch, code, out_words, at, pow2k):
+    """Decode a tile of a one-instance body rotated by a single Hadamard block of a size
+    hadamard.fwht is built for, straight into the output: each vector's coordinates in order,
+    its butterflies in SIMD registers, then scaled and converted with R's signs as sign bits. No
+    tile transposes, and the same operations in the same order as _decode_direct, so the same
+    bits."""
+    m, _, _, _, _, table, _ = inst
+    y, sign_words = scratch[0], scratch[9]
+    norm_at, norm_stride, index_at, index_stride = at
+    _unpack_vectors(body, n, vec, inst, index_at, index_stride, y)
+    for t in range(n):  # (all unpacked first: the vector loads then find the stores done)
+        fwht(y, t * m, m, table.shape[1])
+    scale = _block_scale(inst)
+    for t in range(n):
+        norm = half_to_f32(read_u16(body, norm_at + vec[t] * norm_stride))
+        row = y[t * m : (t + 1) * m]
+        dst = out_words[vec[t] * m : (vec[t] + 1) * m]
+        if code == FP16:
+            for j in range(m):
+                dst[j] = fp16_word(row[j] * scale * norm * pow2k) ^ sign_words[j]
+        elif code == BF16:
+            for j in range(m):
+                dst[j] = bf16_word(row[j] * scale * norm * pow2k) ^ sign_words[j]
+        else:
+            for j in range(m):
+                dst[j] = fp32_word(row[j] * scale * norm * pow2k) ^ sign_words[j]
+
+
+@njit(cache=True, nogil=True)
 def _group_tiles(n_vectors, sel_div, sel_mod):
     """(order, tiles): the vectors sorted by selection group (ascending within one), and per
     tile of up to _DTILE vectors of one group its first entry in `order` and its size; tiles
@@ -766,11 +836,13 @@ def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, 
     z = np.empty(d // 2 * _LANES, np.float32)
     lane_norms = np.empty(_LANES, np.float32)
     direct = n_inst == 1 and hi[3].shape[0] < d
+    vectors = direct and hi[3].shape[0] <= 1 and fwht_fits(d, hi[5].shape[1])
     mixed = _is_mixed_hadamard(hi, lo)
     pairs = np.empty(d * _DTILE // 2, out_pairs.dtype)
     masks = np.zeros(d // 2, out_pairs.dtype)
     if direct:
         _sign_masks(hi[2], 8 * out_words.itemsize, masks)
+    sign_words = masks.view(out_words.dtype)
     channels, sel_div, sel_mod = select
     sources = np.zeros((channels.shape[0], d), np.int64)
     flips = np.zeros((channels.shape[0], d // 2), out_pairs.dtype)
@@ -781,7 +853,8 @@ def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, 
             chan = channels[g][hi[0] :]
             _pair_sources(chan, lo[0], lo[2], hi[0] // 2, word_bits, sources[g], flips[g])
     ordered = z.view(out_pairs.dtype)[: pairs.size]  # z is free once a tile is converted
-    scratch = (y, z, lane_norms, pairs.view(out_words.dtype), pairs, masks, sources, flips, ordered)
+    words = pairs.view(out_words.dtype)
+    scratch = (y, z, lane_norms, words, pairs, masks, sources, flips, ordered, sign_words)
     x = np.empty((_DTILE, d), np.float32)
     rows_scratch = (y, z, lane_norms, np.empty((_DTILE, d), np.float32))
     at = (norms_offset, 2 * n_inst, indices_offset, bpv)
@@ -789,7 +862,9 @@ def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, 
     for tile in range(t_lo, t_hi):
         first, n = tiles[tile, 0], tiles[tile, 1]
         vec = order[first : first + n]
-        if direct:
+        if vectors:
+            _decode_vectors(body, n, vec, hi, scratch, code, out_words, at, pow2k)
+        elif direct:
             _decode_direct(body, n, vec, hi, scratch, code, out_pairs, at, pow2k)
         elif mixed:
             g = (vec[0] // sel_div) % sel_mod
