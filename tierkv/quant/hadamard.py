@@ -2,9 +2,9 @@
 
 `fwht(y, start, size, first)` (a Numba intrinsic, written as LLVM vector IR) runs the butterfly
 stages of coordinate distance first, 2 * first, ..., size / 2 on y[start : start + size] (float32)
-in place, and returns True; False, touching nothing, when (size, first) is not one of the
-combinations it is built for (see `fwht_fits`). Each pair (a, b) becomes (a + b, a - b), stage by
-stage, exactly as the scalar loop does, so the result is bit for bit the same.
+in place, for the combinations of size and first it is built for (`fwht_fits`; it leaves y as it
+is for any other). Each pair (a, b) becomes (a + b, a - b), stage by stage, exactly as the scalar
+loop does, so the result is bit for bit the same.
 
 The values are loaded once, into vectors of LANES floats: stages of distance LANES and up pair
 whole vectors; shorter ones pair lanes within a vector (a lane swap, an add, a subtract and a
@@ -30,6 +30,7 @@ already did the stages before)."""
 
 @njit(cache=True, nogil=True)
 def _power_of_two_in(value, low, high):
+    """Whether `value` is a power of two in [low, high]."""
     return low <= value <= high and value & (value - 1) == 0
 
 
@@ -68,7 +69,7 @@ def _butterflies(builder: ir.IRBuilder, regs: list[ir.Value], first: int) -> Non
 @intrinsic
 def fwht(typingctx, y, start, size, first):
     """See the module docstring."""
-    sig = types.boolean(y, start, size, first)
+    sig = types.void(y, start, size, first)
 
     def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
@@ -81,9 +82,7 @@ def fwht(typingctx, y, start, size, first):
         )
         key = builder.add(builder.mul(size_value, ir.Constant(size_value.type, 8)), first_value)
         done = builder.append_basic_block("fwht.done")
-        missing = builder.append_basic_block("fwht.missing")
-        switch = builder.switch(key, missing)
-        handled = []
+        switch = builder.switch(key, done)
         for case_size in SIZES:
             for case_first in FIRSTS:
                 block = builder.append_basic_block(f"fwht.{case_size}.{case_first}")
@@ -97,14 +96,7 @@ def fwht(typingctx, y, start, size, first):
                 for pointer, reg in zip(pointers, regs, strict=True):
                     builder.store(reg, pointer, align=4)
                 builder.branch(done)
-                handled.append(block)
-        builder.position_at_end(missing)
-        builder.branch(done)
         builder.position_at_end(done)
-        result = builder.phi(ir.IntType(1))
-        for block in handled:
-            result.add_incoming(ir.Constant(ir.IntType(1), 1), block)
-        result.add_incoming(ir.Constant(ir.IntType(1), 0), missing)
-        return result
+        return context.get_dummy_value()
 
     return sig, codegen

@@ -345,54 +345,64 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
     _pack(idx, m, n, bits, out, index_at, index_stride)
 
 
-@njit(cache=True, nogil=True)
-def _unpack_rows(body, n, vec, inst, index_at, stride, y):
+@njit(cache=True, nogil=True, inline="always")
+def _unpack(body, n, vec, inst, index_at, stride, pairs, pair_step, vector_step):
     """Look up the packed indices of the n vectors of a tile (vector t's at body[index_at +
-    vec[t] * stride]) in the instance's table: coordinates (2r, 2r + 1) of vector t go to
-    row r, lanes 2t and 2t + 1 of y (see _DTILE). A table of 4 values per entry covers a byte
-    (4 indices of 2 bits: rows 2i and 2i + 1), one of 2 a pair of indices."""
+    vec[t] * stride]) in the instance's table: coordinates (2r, 2r + 1) of vector t become the
+    float32 pair pairs[r * pair_step + t * vector_step] (uint64). A table of 4 values per entry
+    covers a byte (4 indices of 2 bits: pairs 2i and 2i + 1), one of 2 a pair of indices.
+    Inlined with constant steps, so each caller's stores keep their stride."""
     m, bits, _, _, _, table, _ = inst
     lanes = table.reshape(-1).view(np.uint64)  # one 64-bit move per pair of coordinates
-    rows = y.view(np.uint64)
     # (a view of each vector's bytes: indexing body at a position computed from vec[t] would
     # check every index for negative wraparound)
     if table.shape[1] == 4:
         for t in range(n):
             pos = index_at + vec[t] * stride
             packed = body[pos : pos + m // 4]
+            dst = pairs[t * vector_step :]
             for i in range(m // 4):
                 code = 2 * np.intp(packed[i])
-                rows[(2 * i) * _DTILE + t] = lanes[code]
-                rows[(2 * i + 1) * _DTILE + t] = lanes[code + 1]
+                dst[(2 * i) * pair_step] = lanes[code]
+                dst[(2 * i + 1) * pair_step] = lanes[code + 1]
     elif bits == 4:
         for t in range(n):
             pos = index_at + vec[t] * stride
             packed = body[pos : pos + m // 2]
+            dst = pairs[t * vector_step :]
             for r in range(m // 2):
-                rows[r * _DTILE + t] = lanes[packed[r]]
+                dst[r * pair_step] = lanes[packed[r]]
     else:
         pair_bits = np.uint64(2 * bits)
         pair_mask = np.uint64((1 << (2 * bits)) - 1)
         whole = m // 8  # groups of 8 indices: one 64-bit load, 4 look-ups
         for t in range(n):
             pos = index_at + vec[t] * stride
+            dst = pairs[t * vector_step :]
             loaded = whole if pos + (whole - 1) * bits + 8 <= body.size else 0
             for k in range(loaded):
                 acc = load_u64(body, pos + k * bits)
-                row = 4 * k * _DTILE + t
-                rows[row] = lanes[acc & pair_mask]
-                rows[row + _DTILE] = lanes[(acc >> pair_bits) & pair_mask]
-                rows[row + 2 * _DTILE] = lanes[(acc >> (2 * pair_bits)) & pair_mask]
-                rows[row + 3 * _DTILE] = lanes[(acc >> (3 * pair_bits)) & pair_mask]
+                at = 4 * k * pair_step
+                dst[at] = lanes[acc & pair_mask]
+                dst[at + pair_step] = lanes[(acc >> pair_bits) & pair_mask]
+                dst[at + 2 * pair_step] = lanes[(acc >> (2 * pair_bits)) & pair_mask]
+                dst[at + 3 * pair_step] = lanes[(acc >> (3 * pair_bits)) & pair_mask]
             for g in range(8 * loaded, m, 8):  # the rest byte by byte
                 count = min(8, m - g)
                 at = pos + (g // 8) * bits
-                row = (g // 2) * _DTILE + t
                 acc = np.uint64(0)
                 for byte in range((count * bits + 7) // 8):
                     acc |= np.uint64(body[at + byte]) << np.uint64(8 * byte)
                 for k in range(count // 2):
-                    rows[row + k * _DTILE] = lanes[(acc >> (pair_bits * np.uint64(k))) & pair_mask]
+                    pair = (acc >> (pair_bits * np.uint64(k))) & pair_mask
+                    dst[(g // 2 + k) * pair_step] = lanes[pair]
+
+
+@njit(cache=True, nogil=True)
+def _unpack_rows(body, n, vec, inst, index_at, stride, y):
+    """_unpack into a tile: coordinates (2r, 2r + 1) of vector t go to row r, lanes 2t and
+    2t + 1 of y (see _DTILE)."""
+    _unpack(body, n, vec, inst, index_at, stride, y.view(np.uint64), _DTILE, 1)
 
 
 @njit(cache=True, nogil=True)
@@ -530,42 +540,9 @@ def _decode_direct(body, n, vec, inst, scratch, code, out_pairs, at, pow2k):
 
 @njit(cache=True, nogil=True)
 def _unpack_vectors(body, n, vec, inst, index_at, stride, y):
-    """Look up the packed indices of the n vectors of a tile (vector t's at body[index_at +
-    vec[t] * stride]) in the instance's table, vector t's coordinates in order in y[t * m:]
-    (the layout _decode_vectors transforms in registers)."""
-    m, bits, _, _, _, table, _ = inst
-    lanes = table.reshape(-1).view(np.uint64)  # one 64-bit move per pair of coordinates
-    pairs = y.view(np.uint64)
-    half = m // 2
-    for t in range(n):
-        pos = index_at + vec[t] * stride
-        dst = pairs[t * half : (t + 1) * half]
-        if table.shape[1] == 4:  # a byte: 4 indices of 2 bits
-            packed = body[pos : pos + m // 4]
-            for i in range(m // 4):
-                code = 2 * np.intp(packed[i])
-                dst[2 * i] = lanes[code]
-                dst[2 * i + 1] = lanes[code + 1]
-        elif bits == 4:  # a byte: a pair
-            packed = body[pos : pos + half]
-            for r in range(half):
-                dst[r] = lanes[packed[r]]
-        else:  # groups of 8 indices (m is a power of two of at least 64: whole groups)
-            pair_bits = np.uint64(2 * bits)
-            pair_mask = np.uint64((1 << (2 * bits)) - 1)
-            loaded = m // 8 if pos + (m // 8 - 1) * bits + 8 <= body.size else 0
-            for k in range(loaded):
-                acc = load_u64(body, pos + k * bits)
-                dst[4 * k] = lanes[acc & pair_mask]
-                dst[4 * k + 1] = lanes[(acc >> pair_bits) & pair_mask]
-                dst[4 * k + 2] = lanes[(acc >> (2 * pair_bits)) & pair_mask]
-                dst[4 * k + 3] = lanes[(acc >> (3 * pair_bits)) & pair_mask]
-            for k in range(loaded, m // 8):  # the last groups, byte by byte
-                acc = np.uint64(0)
-                for byte in range(bits):
-                    acc |= np.uint64(body[pos + k * bits + byte]) << np.uint64(8 * byte)
-                for i in range(4):
-                    dst[4 * k + i] = lanes[(acc >> (pair_bits * np.uint64(i))) & pair_mask]
+    """_unpack with vector t's coordinates in order in y[t * m:] (the layout _decode_vectors
+    transforms in registers)."""
+    _unpack(body, n, vec, inst, index_at, stride, y.view(np.uint64), 1, inst[0] // 2)
 
 
 @njit(cache=True, nogil=True)
