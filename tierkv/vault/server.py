@@ -107,11 +107,14 @@ def encode_promote_chunks(
 
 
 def _promote_index(blocks: Sequence[StoredBlock]) -> vault_pb2.PromoteIndex:
+    if not blocks:
+        return vault_pb2.PromoteIndex()
+    key_indices, parts, payloads, checksums = zip(*blocks, strict=True)  # (one pass, in C)
     return vault_pb2.PromoteIndex(
-        key_indices=[b.key_index for b in blocks],
-        parts=[b.part for b in blocks],
-        lengths=[len(b.payload) for b in blocks],
-        checksums=[b.checksum for b in blocks],
+        key_indices=key_indices,
+        parts=parts,
+        lengths=list(map(len, payloads)),
+        checksums=checksums,
     )
 
 

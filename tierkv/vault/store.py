@@ -200,18 +200,27 @@ class VaultStore:
         found: list[StoredBlock] = []
         absent: list[tuple[int, int]] = []
         step = max(1, LOCK_SLICE // max(1, len(parts)))
+        # (the loop runs once per block of a restore: its lookups are hoisted out of it)
+        get, refresh = self._entries.get, self._entries.move_to_end
+        tenant_order = None
         for start in range(0, len(keys), step):
             with self._lock:
+                if self._tenant_of is not None:  # (a namespace belongs to one tenant)
+                    tenant = self._tenants.get(self._tenant_of(namespace))
+                    tenant_order = tenant.order.move_to_end if tenant else None
+                hits = len(found)
                 for index, key in enumerate(keys[start : start + step], start):
                     for part in parts:
                         entry_key = (namespace, key, part)
-                        entry = self._entries.get(entry_key)
+                        entry = get(entry_key)
                         if entry is None:
                             absent.append((index, part))
                             continue
-                        self._touch(entry_key)
-                        self._hits += 1
+                        refresh(entry_key)
+                        if tenant_order is not None:
+                            tenant_order(entry_key)
                         found.append(StoredBlock(index, part, entry[0], entry[1]))
+                self._hits += len(found) - hits
         with self._lock:
             self._ram_rate.add(len(found))
         if self.disk is not None and found:
@@ -340,12 +349,6 @@ class VaultStore:
             self._evictions += 1
             if victim[0] in self._namespaces:
                 self._namespaces[victim[0]].evictions += 1
-
-    def _touch(self, entry_key: EntryKey) -> None:
-        """Make a stored entry the most recently used; the caller holds the lock."""
-        self._entries.move_to_end(entry_key)
-        if self._tenant_of is not None:
-            self._tenants[self._tenant_of(entry_key[0])].order.move_to_end(entry_key)
 
     def _victim(self, newest: EntryKey) -> EntryKey:
         """The entry to evict next, never `newest` (just stored, and within the cap alone): the
