@@ -351,7 +351,7 @@ def _unpack(body, n, vec, inst, index_at, stride, pairs, pair_step, vector_step)
     vec[t] * stride]) in the instance's table: coordinates (2r, 2r + 1) of vector t become the
     float32 pair pairs[r * pair_step + t * vector_step] (uint64). A table of 4 values per entry
     covers a byte (4 indices of 2 bits: pairs 2i and 2i + 1), one of 2 a pair of indices.
-    Inlined with constant steps, so each caller's stores keep their stride."""
+    Inlined, so a caller's constant pair step stays a constant in its stores."""
     m, bits, _, _, _, table, _ = inst
     lanes = table.reshape(-1).view(np.uint64)  # one 64-bit move per pair of coordinates
     # (a view of each vector's bytes: indexing body at a position computed from vec[t] would
