@@ -208,7 +208,6 @@ class VaultStore:
                 if self._tenant_of is not None:  # (a namespace belongs to one tenant)
                     tenant = self._tenants.get(self._tenant_of(namespace))
                     tenant_order = tenant.order.move_to_end if tenant else None
-                hits = len(found)
                 for index, key in enumerate(keys[start : start + step], start):
                     for part in parts:
                         entry_key = (namespace, key, part)
@@ -220,8 +219,8 @@ class VaultStore:
                         if tenant_order is not None:
                             tenant_order(entry_key)
                         found.append(StoredBlock(index, part, entry[0], entry[1]))
-                self._hits += len(found) - hits
         with self._lock:
+            self._hits += len(found)
             self._ram_rate.add(len(found))
         if self.disk is not None and found:
             self.disk.touch(namespace, [(keys[block.key_index], block.part) for block in found])
