@@ -52,31 +52,57 @@ def test_round_trip_any_shape(data, name: str, dtype: str, group_size: int, lead
     assert relative_error(x, y, dtype) < 0.6
 
 
-def reference_one_width_decode(payload: bytes) -> np.ndarray:
-    """A tq4 / tq3 / tq2 payload of a power-of-two group size decoded in numpy float32, in the
-    kernels' order of operations: the levels, the Walsh-Hadamard butterflies of distance 1, 2,
-    4, ..., times 1 / sqrt(m), the norm and 2**k, R's signs, then the dtype (clamped, rounded
-    to nearest even)."""
+def reference_decode(payload: bytes) -> np.ndarray:
+    """A format-2 TurboQuant payload decoded in numpy float32, in the kernels' order of
+    operations, per instance: the levels; when the rotation has q > 1 Hadamard blocks, the
+    blocks mixed (0 + Q^T[a, 0] * block 0 + Q^T[a, 1] * block 1 ...); the Walsh-Hadamard
+    butterflies of distance 1, 2, 4, ... within each block; times 1 / sqrt(block size), the norm
+    and 2**k; R's signs; then each coordinate to its channel (mixed: the masked channels take the
+    hi instance, ascending, the others the lo one) and the dtype (clamped, rounded to nearest
+    even)."""
     header = read_header(payload)
     codec = named_codec(header.codec, header.group_size)
-    layout, inst, m = codec.layout(header.shape), codec.hi, header.group_size
-    n = layout.n_vectors
+    layout, d = codec.layout(header.shape), header.group_size
+    n, n_inst = layout.n_vectors, layout.n_instances
     body = np.frombuffer(payload, np.uint8)[header_bytes(len(header.shape)) :]
     pow2k = np.float32(2.0 ** int(body[:2].view("<i2")[0]))
     norms = body[layout.norms_offset : layout.indices_offset].view("<f2").astype(np.float32)
+    norms = norms.reshape(n, n_inst)
     packed = body[layout.indices_offset :].reshape(n, layout.bytes_per_vector)
     packed = np.concatenate([packed, np.zeros((n, 1), np.uint8)], axis=1).astype(np.uint32)
-    offset, shift = index_positions(m, inst.bits)
-    both = packed[:, offset] | (packed[:, offset + 1] << 8)
-    y = inst.codebook.centroids.astype(np.float32)[(both >> shift) & ((1 << inst.bits) - 1)]
-    distance = 1
-    while distance < m:
-        pairs = y.reshape(n, m // (2 * distance), 2, distance)
-        a, b = pairs[:, :, 0], pairs[:, :, 1]
-        y = np.stack([a + b, a - b], axis=2).reshape(n, m)
-        distance *= 2
-    x = y * np.float32(1.0 / np.sqrt(m)) * norms[:, None] * pow2k
-    x = x * np.where(inst.rotation.signs < 0, -1, 1).astype(np.float32)
+    channels = np.tile(np.arange(d), (1, 1))
+    if codec.lo is not None:
+        masks = body[2 : layout.norms_offset].reshape(layout.sel_mod, layout.mask_bytes)
+        channels = channels_from_mask(np.unpackbits(masks, axis=1, bitorder="little")[:, :d] > 0)
+    group = (np.arange(n) // layout.sel_div) % layout.sel_mod
+    x = np.empty((n, d), np.float32)
+    for which, (first_channel, inst, first_byte) in enumerate(codec.instances()):
+        m, rot = inst.m, inst.rotation
+        q = max(1, rot.matrix.shape[0])
+        assert q < m, "a dense rotation (format 1) decodes to CPU-dependent bits"
+        p = m // q
+        offset, shift = index_positions(m, inst.bits)
+        at = first_byte + offset
+        both = packed[:, at] | (packed[:, at + 1] << 8)
+        y = inst.codebook.centroids.astype(np.float32)[(both >> shift) & ((1 << inst.bits) - 1)]
+        if q > 1:
+            blocks = y.reshape(n, q, p)
+            mixed = np.empty_like(blocks)
+            for a in range(q):
+                mixed[:, a] = np.float32(0.0) + rot.matrix_t[a, 0] * blocks[:, 0]
+                for b in range(1, q):
+                    mixed[:, a] += rot.matrix_t[a, b] * blocks[:, b]
+            y = mixed.reshape(n, m)
+        distance = 1
+        while distance < p:
+            pairs = y.reshape(n, m // (2 * distance), 2, distance)
+            a, b = pairs[:, :, 0], pairs[:, :, 1]
+            y = np.stack([a + b, a - b], axis=2).reshape(n, m)
+            distance *= 2
+        y = y * np.float32(1.0 / np.sqrt(p)) * norms[:, which, None] * pow2k
+        y = y * np.where(rot.signs < 0, -1, 1).astype(np.float32)
+        rows = np.arange(n)[:, None]
+        x[rows, channels[group, first_channel : first_channel + m]] = y
     if header.dtype == "fp16":
         return np.clip(x, -65504, 65504).astype(np.float16).view(np.uint16)
     if header.dtype == "bf16":
@@ -84,21 +110,19 @@ def reference_one_width_decode(payload: bytes) -> np.ndarray:
     return x.view(np.uint32)
 
 
-@pytest.mark.parametrize("group_size", [32, 64, 128, 256, 512])
+@pytest.mark.parametrize("group_size", [32, 48, 64, 96, 128, 192, 256, 512])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["tq4", "tq3", "tq2"])
-def test_one_width_decode_is_the_reference_bit_for_bit(
-    name: str, dtype: str, group_size: int
-) -> None:
-    """Every size, those whose butterflies run in SIMD registers (hadamard.SIZES) and the
-    others, over several tiles of vectors and a partial one."""
+@pytest.mark.parametrize("name", TURBO)
+def test_decode_is_the_reference_bit_for_bit(name: str, dtype: str, group_size: int) -> None:
+    """Every mode and size, those whose butterflies run in SIMD registers (hadamard.SIZES) and
+    the others, over several tiles of vectors of three selection groups and a partial one."""
     rng = np.random.default_rng(group_size)
     x = rng.standard_normal((37, 3, group_size)).astype(np.float32)
     x[:, :, 5] *= 30.0
     payload = get_codec(name, group_size).encode(to_dtype(x, dtype), dtype)
     out = np.empty_like(to_dtype(x, dtype))
     decode_into(payload, out)
-    expected = reference_one_width_decode(payload)
+    expected = reference_decode(payload)
     assert np.array_equal(out.reshape(-1).view(expected.dtype), expected.reshape(-1))
 
 
