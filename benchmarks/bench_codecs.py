@@ -7,13 +7,18 @@ Two ways of calling the codecs are measured:
 
   whole   one call per K and per V tensor (the multi-threaded kernels),
   blocks  one call per block of --block-tokens tokens from --threads Python threads, as ColdTier
-          does (the single-threaded kernels; they release the GIL, so the threads run in parallel;
-          each payload is dropped once made, as ColdTier drops it once sent).
+          encodes (the single-threaded kernels; they release the GIL, so the threads run in
+          parallel; each payload is dropped once made, as ColdTier drops it once sent).
+  runs    decode only, as ColdTier's load does: the block payloads lie back to back in one
+          buffer, as a Promote receives them, and are decoded with decode_many in tasks of
+          DECODE_TASK_BYTES on --threads threads (payloads it cannot take, the lossless ones,
+          one by one with decode_into).
 
 "payload GB/s" is decode speed counted in payload bytes consumed: what a link must deliver for the
-decoder to keep up (10 GbE = 1.25 GB/s, 25 GbE = 3.1 GB/s). Targets on a 2-core machine (blocks):
-none encode >= 0.5x memcpy and decode >= 0.8x, int8 encode >= 0.35x, TurboQuant encode >= 0.10x,
-every codec's decode >= 1.25 payload GB/s. Timings are the best of --repeats runs.
+decoder to keep up (10 GbE = 1.25 GB/s, 25 GbE = 3.1 GB/s). Targets on a 2-core machine (encode:
+blocks, decode: runs): none encode >= 0.5x memcpy and decode >= 0.8x, int8 encode >= 0.35x,
+TurboQuant encode >= 0.10x, every codec's decode >= 1.25 payload GB/s. Timings are the best of
+--repeats runs.
 
     .venv/bin/python benchmarks/bench_codecs.py [--tokens 30000] [--codecs int8,tq3]
 """
@@ -21,6 +26,7 @@ every codec's decode >= 1.25 payload GB/s. Timings are the best of --repeats run
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import time
 from collections import deque
@@ -31,7 +37,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.quant import CODEC_NAMES, decode_into, fidelity, get_codec, warmup
+from tierkv.quant import CODEC_NAMES, decode_into, decode_many, fidelity, get_codec, warmup
+from tierkv.tier import DECODE_TASK_BYTES
+from tierkv.vault.wire import batched_by_size
 
 HEADS, HEAD_DIM = 8, 128
 
@@ -71,10 +79,26 @@ def split_blocks(kv: np.ndarray, block_tokens: int) -> list[np.ndarray]:
     return [kv[p, t : t + block_tokens] for p in range(2) for t in range(0, tokens, block_tokens)]
 
 
+def back_to_back(payloads: list[bytes]) -> list[memoryview]:
+    """`payloads` copied back to back into one buffer, as views of it (a Promote's receive)."""
+    buffer = memoryview(b"".join(payloads))
+    offsets = np.cumsum([0] + [len(payload) for payload in payloads])
+    return [buffer[start:stop] for start, stop in itertools.pairwise(offsets)]
+
+
+def decode_task(task: list[tuple[int, memoryview]], outs: np.ndarray) -> None:
+    """One decode thread's task of a load: decode_many, then the payloads it did not take."""
+    rows = [row for row, _ in task]
+    done = decode_many([payload for _, payload in task], outs, rows)
+    for (row, payload), ok in zip(task, done, strict=True):
+        if not ok:
+            decode_into(payload, outs[row])
+
+
 def measure(
     name: str, kv: np.ndarray, dtype: str, args: argparse.Namespace, pool: ThreadPoolExecutor
 ) -> list[list[str]]:
-    """Table rows (whole, blocks) for one codec on one dtype."""
+    """Table rows (whole, blocks, runs) for one codec on one dtype."""
     codec = get_codec(name, HEAD_DIM)
     copy, out = np.empty_like(kv), np.empty_like(kv)
     payloads = [codec.encode(kv[p], dtype) for p in range(2)]
@@ -86,6 +110,17 @@ def measure(
     blocks = split_blocks(kv, args.block_tokens)
     block_outs = [np.empty_like(block) for block in blocks]
     block_payloads = [codec.encode(block, dtype) for block in blocks]
+    full = [index for index, block in enumerate(blocks) if len(block) == args.block_tokens]
+    tails = [index for index in range(len(blocks)) if index not in set(full)]
+    run_outs = np.empty((len(blocks), args.block_tokens, HEADS, HEAD_DIM), kv.dtype)
+    received = back_to_back([block_payloads[index] for index in full])
+    tasks = list(
+        batched_by_size(
+            list(zip(range(len(full)), received, strict=True)),
+            lambda item: len(item[1]),
+            DECODE_TASK_BYTES,
+        )
+    )
 
     def encode_whole() -> None:
         for p in range(2):
@@ -101,21 +136,28 @@ def measure(
     def decode_blocks() -> None:
         list(pool.map(decode_into, block_payloads, block_outs))
 
+    def decode_runs() -> None:
+        list(pool.map(lambda task: decode_task(task, run_outs), tasks))
+        for index in tails:  # the short last block of K and of V
+            decode_into(block_payloads[index], block_outs[index])
+
     rows = []
-    for mode, encode, decode in (
+    modes: list[tuple[str, Callable[[], None] | None, Callable[[], None]]] = [
         ("whole", encode_whole, decode_whole),
         ("blocks", encode_blocks, decode_blocks),
-    ):
+        ("runs", None, decode_runs),
+    ]
+    for mode, encode, decode in modes:
         memcpy_s = best_time(lambda: np.copyto(copy, kv), args.repeats)
-        encode_s = best_time(encode, args.repeats)
+        encode_s = best_time(encode, args.repeats) if encode is not None else None
         decode_s = best_time(decode, args.repeats)
         rows.append(
             [
                 dtype,
                 name,
                 mode,
-                f"{kv.nbytes / encode_s / 1e9:.2f}",
-                f"{memcpy_s / encode_s:.2f}",
+                f"{kv.nbytes / encode_s / 1e9:.2f}" if encode_s else "",
+                f"{memcpy_s / encode_s:.2f}" if encode_s else "",
                 f"{kv.nbytes / decode_s / 1e9:.2f}",
                 f"{memcpy_s / decode_s:.2f}",
                 f"{payload_bytes / decode_s / 1e9:.2f}",
