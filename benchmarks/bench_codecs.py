@@ -20,6 +20,12 @@ blocks, decode: runs): none encode >= 0.5x memcpy and decode >= 0.8x, int8 encod
 TurboQuant encode >= 0.10x, every codec's decode >= 1.25 payload GB/s. Timings are the best of
 --repeats runs.
 
+Encodes write fresh payloads, which the C library maps afresh when they are large: in the whole
+rows each encode writes two fresh 61 MB payloads. On this development VM a fresh mapping's first
+touch is slow (often the host's fault too), so the whole `none` encode ran at 0.04-0.05x memcpy
+while the same checked copy into memory already mapped ran at 1.2x. ColdTier never encodes a
+lossless block: it sends the block's own memory behind a header.
+
     .venv/bin/python benchmarks/bench_codecs.py [--tokens 30000] [--codecs int8,tq3]
 """
 
