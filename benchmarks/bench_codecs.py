@@ -22,9 +22,9 @@ TurboQuant encode >= 0.10x, every codec's decode >= 1.25 payload GB/s. Timings a
 
 Encodes write fresh payloads, which the C library maps afresh when they are large: in the whole
 rows each encode writes two fresh 61 MB payloads. On this development VM a fresh mapping's first
-touch is slow (often the host's fault too), so the whole `none` encode ran at 0.04-0.05x memcpy
-while the same checked copy into memory already mapped ran at 1.2x. ColdTier never encodes a
-lossless block: it sends the block's own memory behind a header.
+touch is slow (a page fault per page, dearer in a VM), so the whole `none` encode ran at
+0.04-0.05x memcpy while the same checked copy into memory already mapped ran at 1.2x. ColdTier
+never encodes a lossless block: it sends the block's own memory behind a header.
 
     .venv/bin/python benchmarks/bench_codecs.py [--tokens 30000] [--codecs int8,tq3]
 """
@@ -92,6 +92,13 @@ def back_to_back(payloads: list[bytes]) -> list[memoryview]:
     return [buffer[start:stop] for start, stop in itertools.pairwise(offsets)]
 
 
+def load_tasks(payloads: list[bytes], task_bytes: int) -> list[list[tuple[int, memoryview]]]:
+    """The decode tasks of a load of `payloads` (block i into row i): received back to back, in
+    tasks of about `task_bytes`."""
+    received = list(enumerate(back_to_back(payloads)))
+    return list(batched_by_size(received, lambda item: len(item[1]), task_bytes))
+
+
 def decode_task(task: list[tuple[int, memoryview]], outs: np.ndarray) -> None:
     """One decode thread's task of a load: decode_many, then the payloads it did not take."""
     rows = [row for row, _ in task]
@@ -117,16 +124,9 @@ def measure(
     block_outs = [np.empty_like(block) for block in blocks]
     block_payloads = [codec.encode(block, dtype) for block in blocks]
     full = [index for index, block in enumerate(blocks) if len(block) == args.block_tokens]
-    tails = [index for index in range(len(blocks)) if index not in set(full)]
-    run_outs = np.empty((len(blocks), args.block_tokens, HEADS, HEAD_DIM), kv.dtype)
-    received = back_to_back([block_payloads[index] for index in full])
-    tasks = list(
-        batched_by_size(
-            list(zip(range(len(full)), received, strict=True)),
-            lambda item: len(item[1]),
-            DECODE_TASK_BYTES,
-        )
-    )
+    tails = [index for index, block in enumerate(blocks) if len(block) != args.block_tokens]
+    run_outs = np.empty((len(full), args.block_tokens, HEADS, HEAD_DIM), kv.dtype)
+    tasks = load_tasks([block_payloads[index] for index in full], DECODE_TASK_BYTES)
 
     def encode_whole() -> None:
         for p in range(2):

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_codecs import as_dtype, back_to_back, decode_task, split_blocks, synthetic_kv
+from bench_codecs import as_dtype, decode_task, load_tasks, split_blocks, synthetic_kv
 
 from tierkv.quant import decode_into, get_codec
 from tierkv.tier import DECODE_TASK_BYTES
-from tierkv.vault.wire import batched_by_size
 
 
 @pytest.mark.parametrize("name", ["none", "int8", "tq4", "tq3.5"])
@@ -23,8 +22,7 @@ def test_runs_decode_equals_block_by_block_decode(name: str) -> None:
     expected = np.empty((len(blocks), *blocks[0].shape), np.float16)
     for payload, out in zip(payloads, expected, strict=True):
         decode_into(payload, out)
-    received = list(enumerate(back_to_back(payloads)))
-    tasks = list(batched_by_size(received, lambda item: len(item[1]), DECODE_TASK_BYTES // 8))
+    tasks = load_tasks(payloads, DECODE_TASK_BYTES // 8)
     assert len(tasks) > 1
     outs = np.full_like(expected, np.nan)
     for task in tasks:
