@@ -14,6 +14,7 @@ from tierkv.quant.codebooks import lloyd_max, rotation
 from tierkv.quant.payload import TURBO_MODES, header_bytes
 from tierkv.quant.turbo import (
     Layout,
+    _group_tiles,
     _quantize,
     index_positions,
     named_codec,
@@ -281,6 +282,24 @@ def test_codebooks_and_rotations_are_well_formed(m: int, version: int) -> None:
         assert np.allclose(book.centroids, -book.centroids[::-1], atol=1e-7)
     r = rotation(m, version).as_matrix()
     assert np.allclose(r @ r.T, np.eye(m), atol=1e-5)
+
+
+@pytest.mark.parametrize("div, mod", [(1, 1), (1, 8), (3, 2), (7, 3), (256, 8)])
+@pytest.mark.parametrize("n_vectors", [0, 1, 31, 32, 33, 100, 2048, 3001])
+def test_group_tiles_follow_the_selection_groups(n_vectors: int, div: int, mod: int) -> None:
+    """_group_tiles (which counts groups as it goes) orders vectors by (v // div) % mod, stable,
+    and deals each group's tiles of up to 32 vectors round by round."""
+    groups = (np.arange(n_vectors) // div) % mod
+    order, tiles = _group_tiles(n_vectors, div, mod)
+    assert (order == np.argsort(groups, kind="stable")).all()
+    starts = np.searchsorted(groups[order], np.arange(mod + 1))
+    expected = [
+        (first, min(32, starts[g + 1] - first))
+        for k in range(0, max(1, n_vectors), 32)
+        for g in range(mod)
+        if (first := starts[g] + k) < starts[g + 1]
+    ]
+    assert tiles.tolist() == [[int(a), int(b)] for a, b in expected]
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 15, 31])
