@@ -31,6 +31,11 @@
     A directory for a vault's disk tier that does not exist yet: under tmp_path, and on tmpfs
     (/dev/shm, removed afterwards; skipped where there is none).
 
+`stop_process(pid, timeout=10.0)`
+    SIGSTOP a server process and return only once every one of its threads has stopped: `kill`
+    only queues the stop, and until each thread takes it the others go on answering (a "hung"
+    vault that still served lookups made a dead-vault test flaky in CI).
+
 `SLOW_BOX_MARGIN_S`
     What a time bound adds to a configured deadline ("never much past it"): enough for a
     2-core CI box busy with other work. Speed itself is measured by benchmarks, not tests.
@@ -71,6 +76,26 @@ def pick_free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((LOOPBACK, 0))
         return int(probe.getsockname()[1])
+
+
+def _thread_state(stat: Path) -> str:
+    """The one-letter state in a /proc/.../stat file (T or t = stopped); "" once it is gone."""
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid`; return once all its threads are stopped (see the module docstring)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = [_thread_state(stat) for stat in Path(f"/proc/{pid}/task").glob("*/stat")]
+        if all(state in ("T", "t", "") for state in states):
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} did not stop within {timeout} s")
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from tests.conftest import SLOW_BOX_MARGIN_S, VaultHandle
+from tests.conftest import SLOW_BOX_MARGIN_S, VaultHandle, stop_process
 from tests.redis_servers import RedisServer, start_cluster, start_redis
 from tests.tls_certs import make_certs
 from tierkv.backends import open_backend, open_one
@@ -216,7 +216,7 @@ def test_a_stalled_redis_is_a_miss_within_the_deadline(redis_server: RedisServer
     backend = open_one(f"redis://{redis_server.address}", FAST)
     keys = block_keys(10)
     put_all(backend, keys)
-    os.kill(redis_server.process.pid, signal.SIGSTOP)
+    stop_process(redis_server.process.pid)
     try:
         for call in (
             lambda: backend.lookup(NS, keys, PARTS),

@@ -6,11 +6,10 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SLOW_BOX_MARGIN_S
+from conftest import SLOW_BOX_MARGIN_S, stop_process
 
 from tierkv.vault.client import VaultClient
 from tierkv.vault.server import serve
@@ -30,11 +29,6 @@ def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.02)
     return condition()
-
-
-def process_state(pid: int) -> str:
-    """The one-letter state of a Linux process (T = stopped)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_killed_vault_gives_misses_in_time_and_puts_never_block(vault_factory: Callable) -> None:
@@ -107,8 +101,7 @@ def test_hung_vault_costs_one_deadline_and_the_queue_drops_the_oldest(
     try:
         client.put(NS, key(100), 0, b"warm")
         assert client.flush(timeout=10)
-        os.kill(vault.process.pid, signal.SIGSTOP)
-        assert wait_until(lambda: process_state(vault.process.pid) == "T", timeout=5)
+        stop_process(vault.process.pid)
         try:
             # Each call gives up after its 1 s deadline (the promote's whole-call deadline is
             # 30 s: its stall guard ends it), never much later even on a loaded box.
@@ -129,6 +122,25 @@ def test_hung_vault_costs_one_deadline_and_the_queue_drops_the_oldest(
         assert client.flush(timeout=10) is False  # eleven were dropped
         present = [i for i in range(20) if client.lookup(NS, [key(i)], [0]) == 1]
         assert present == list(range(11, 20))
+    finally:
+        client.close()
+
+
+def test_a_stopped_vault_answers_nothing(vault_factory: Callable) -> None:
+    """Regression: SIGSTOP only queues the stop, and a vault's other threads answered lookups
+    until each took it, so a "hung" vault gave a lookup hit in a CI run. stop_process waits."""
+    vault: Any = vault_factory(subprocess=True)
+    client = VaultClient(vault.address, deadline_s=0.2, breaker_failures=1_000_000)
+    try:
+        client.put(NS, key(1), 0, b"present")
+        assert client.flush(timeout=10)
+        for _ in range(30):
+            stop_process(vault.process.pid)
+            try:
+                assert client.lookup(NS, [key(1)], [0]) == 0
+            finally:
+                os.kill(vault.process.pid, signal.SIGCONT)
+            assert wait_until(lambda: client.lookup(NS, [key(1)], [0]) == 1, timeout=10)
     finally:
         client.close()
 

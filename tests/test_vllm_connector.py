@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import pick_free_port, start_subprocess_vault
+from conftest import pick_free_port, start_subprocess_vault, stop_process
 from tiny_models import (
     IMAGE_SIZE,
     IMAGE_TOKEN_ID,
@@ -566,7 +566,7 @@ def test_dead_vault_costs_at_most_a_deadline(models: dict[str, Path], tmp_path: 
             cold_neighbour = engine.generate(neighbour)
 
             # a hung vault: the lookup gives up after its deadline, the prompt is recomputed
-            process.send_signal(signal.SIGSTOP)
+            stop_process(process.pid)
             tokens, seconds_hung = engine.timed_generate(hung)
             process.send_signal(signal.SIGCONT)
             assert tokens == [cold_hung]
