@@ -127,6 +127,28 @@ def load_u64(typingctx, buf, pos):
 
 
 @intrinsic
+def copy_u64_pair(typingctx, src, src_at, dst, dst_at):
+    """dst[dst_at : dst_at + 2] = src[src_at : src_at + 2] for uint64 arrays, as one 16-byte load
+    and one 16-byte store (Numba does not merge the two 8-byte moves itself; the caller keeps both
+    ranges in bounds; contiguous arrays only)."""
+    if src.layout != "C" or dst.layout != "C":
+        return None
+    sig = types.void(src, src_at, dst, dst_at)
+
+    def codegen(context, builder, signature, args):
+        pair = ir.VectorType(ir.IntType(64), 2).as_pointer()
+
+        def at(i: int) -> ir.Value:  # a pointer to element args[i + 1] of the array args[i]
+            array = context.make_array(signature.args[i])(context, builder, args[i])
+            return builder.bitcast(builder.gep(array.data, [args[i + 1]]), pair)
+
+        builder.store(builder.load(at(0), align=8), at(2), align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def store_le(typingctx, buf, pos, value):
     """Write the unsigned integer `value` (uint16, uint32 or uint64) into a uint8 array `buf` at
     byte offset `pos`, little-endian, any alignment (one store; the caller keeps pos plus its

@@ -36,6 +36,7 @@ from tierkv.quant.kernels import (
     bf16_word,
     bits_value,
     block_exponent,
+    copy_u64_pair,
     f32_to_half,
     fp16_word,
     fp32_word,
@@ -363,8 +364,11 @@ def _unpack(body, n, vec, inst, index_at, stride, pairs, pair_step, vector_step)
             dst = pairs[t * vector_step :]
             for i in range(m // 4):
                 code = 2 * np.intp(packed[i])
-                dst[(2 * i) * pair_step] = lanes[code]
-                dst[(2 * i + 1) * pair_step] = lanes[code + 1]
+                if pair_step == 1:  # vector-major: both pairs in one move (12% of a tq2 decode)
+                    copy_u64_pair(lanes, code, dst, 2 * i)
+                else:
+                    dst[(2 * i) * pair_step] = lanes[code]
+                    dst[(2 * i + 1) * pair_step] = lanes[code + 1]
     elif bits == 4:
         for t in range(n):
             pos = index_at + vec[t] * stride
