@@ -130,7 +130,7 @@ def load_u64(typingctx, buf, pos):
 def copy_u64_pair(typingctx, src, src_at, dst, dst_at):
     """dst[dst_at : dst_at + 2] = src[src_at : src_at + 2] for uint64 arrays, as one 16-byte load
     and one 16-byte store (Numba does not merge the two 8-byte moves itself; the caller keeps both
-    ranges in bounds; contiguous arrays only)."""
+    ranges in bounds; contiguous arrays only, any alignment)."""
     if src.layout != "C" or dst.layout != "C":
         return None
     sig = types.void(src, src_at, dst, dst_at)
@@ -142,7 +142,7 @@ def copy_u64_pair(typingctx, src, src_at, dst, dst_at):
             array = context.make_array(signature.args[i])(context, builder, args[i])
             return builder.bitcast(builder.gep(array.data, [args[i + 1]]), pair)
 
-        builder.store(builder.load(at(0), align=8), at(2), align=8)
+        builder.store(builder.load(at(0), align=1), at(2), align=1)
         return context.get_dummy_value()
 
     return sig, codegen
