@@ -14,7 +14,6 @@ from tierkv.quant.codebooks import lloyd_max, rotation
 from tierkv.quant.payload import TURBO_MODES, header_bytes
 from tierkv.quant.turbo import (
     Layout,
-    _group_tiles,
     _quantize,
     index_positions,
     named_codec,
@@ -120,11 +119,27 @@ def test_decode_is_the_reference_bit_for_bit(name: str, dtype: str, group_size: 
     rng = np.random.default_rng(group_size)
     x = rng.standard_normal((37, 3, group_size)).astype(np.float32)
     x[:, :, 5] *= 30.0
-    payload = get_codec(name, group_size).encode(to_dtype(x, dtype), dtype)
-    out = np.empty_like(to_dtype(x, dtype))
+    assert_decodes_as_the_reference(name, to_dtype(x, dtype), dtype, group_size)
+
+
+def assert_decodes_as_the_reference(name: str, x: np.ndarray, dtype: str, group_size: int) -> None:
+    payload = get_codec(name, group_size).encode(x, dtype)
+    out = np.empty_like(x)
     decode_into(payload, out)
     expected = reference_decode(payload)
     assert np.array_equal(out.reshape(-1).view(expected.dtype), expected.reshape(-1))
+
+
+@pytest.mark.parametrize("group_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["tq3.5", "tq2.5"])
+def test_heads_first_blocks_decode_as_the_reference(name: str, dtype: str, group_size: int) -> None:
+    """MLX's [heads, tokens, d] layout: each head's channel order covers a run of vectors, and
+    a tile of vectors (128 of 128 values) starts part of the way through a run."""
+    rng = np.random.default_rng(group_size)
+    x = rng.standard_normal((3, 150, group_size)).astype(np.float32)
+    x[:, :, 5] *= 30.0
+    assert_decodes_as_the_reference(name, to_dtype(x, dtype), dtype, group_size)
 
 
 @pytest.mark.parametrize("name", TURBO)
@@ -282,24 +297,6 @@ def test_codebooks_and_rotations_are_well_formed(m: int, version: int) -> None:
         assert np.allclose(book.centroids, -book.centroids[::-1], atol=1e-7)
     r = rotation(m, version).as_matrix()
     assert np.allclose(r @ r.T, np.eye(m), atol=1e-5)
-
-
-@pytest.mark.parametrize("div, mod", [(1, 1), (1, 8), (3, 2), (7, 3), (256, 8)])
-@pytest.mark.parametrize("n_vectors", [0, 1, 31, 32, 33, 100, 2048, 3001])
-def test_group_tiles_follow_the_selection_groups(n_vectors: int, div: int, mod: int) -> None:
-    """_group_tiles (which counts groups as it goes) orders vectors by (v // div) % mod, stable,
-    and deals each group's tiles of up to 32 vectors round by round."""
-    groups = (np.arange(n_vectors) // div) % mod
-    order, tiles = _group_tiles(n_vectors, div, mod)
-    assert (order == np.argsort(groups, kind="stable")).all()
-    starts = np.searchsorted(groups[order], np.arange(mod + 1))
-    expected = [
-        (first, min(32, starts[g + 1] - first))
-        for k in range(0, max(1, n_vectors), 32)
-        for g in range(mod)
-        if (first := starts[g] + k) < starts[g + 1]
-    ]
-    assert tiles.tolist() == [[int(a), int(b)] for a, b in expected]
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 15, 31])

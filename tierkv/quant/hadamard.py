@@ -1,10 +1,14 @@
 """Walsh-Hadamard butterflies held in SIMD registers, for the TurboQuant decoder.
 
-`fwht(y, start, size, first)` (a Numba intrinsic, written as LLVM vector IR) runs the butterfly
-stages of coordinate distance first, 2 * first, ..., size / 2 on y[start : start + size] (float32)
-in place, for the combinations of size and first it is built for (`fwht_fits`; it leaves y as it
-is for any other). Each pair (a, b) becomes (a + b, a - b), stage by stage, exactly as the scalar
-loop does, so the result is bit for bit the same.
+`butterflies(y, start, step, count, size, first)` runs the butterfly stages of coordinate distance
+first, 2 * first, ..., size / 2 on each of y[start + i * step :][:size] (float32), i < count, in
+place (one call for the vectors of a tile: a call per vector would cost two atomic reference
+counts of y, as much as its butterflies). Each pair (a, b) becomes
+(a + b, a - b), stage by stage, exactly as the textbook loop does, so the result is bit for bit
+the same whichever way it runs: up to 256 values with `fwht` (a Numba intrinsic, written as LLVM
+vector IR, for the combinations of size and first it is built for, `fwht_fits`), the stages past
+256 values as loops over whole runs of values (which vectorize), and sizes under 16 values as a
+scalar loop.
 
 The values are loaded once, into vectors of LANES floats: stages of distance LANES and up pair
 whole vectors; shorter ones pair lanes within a vector (a lane swap, an add, a subtract and a
@@ -15,17 +19,19 @@ not vectorize at all.
 
 from __future__ import annotations
 
+import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
 LANES = 16
 """Floats per vector register of the generated code (one AVX-512 register, two AVX2 ones)."""
-SIZES = (64, 128, 256)
-"""Transform sizes built: the powers of two from 64 to 256 (the head dims of common models)."""
-FIRSTS = (2, 4)
-"""First stage distances built: the powers of two from 2 to 4 (the decoder's look-up tables
-already did the stages before)."""
+SIZES = (16, 32, 64, 128, 256)
+"""Transform sizes built: the powers of two from 16 (one vector) to 256 (the head dims of common
+models, and the Hadamard blocks of a quarter or three quarters of one)."""
+FIRSTS = (1, 2, 4)
+"""First stage distances built: the powers of two from 1 to 4 (the decoder's look-up tables may
+already have done the stages of distance 1 and 2)."""
 
 
 @njit(cache=True, nogil=True)
@@ -100,3 +106,27 @@ def fwht(typingctx, y, start, size, first):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def butterflies(y, start, step, count, size, first):
+    """The transforms of `size` values at y[start + i * step], i < count (see the module
+    docstring; size a power of two, first a power of two below it). Indices are cast to
+    unsigned, so Numba checks none for wraparound and the loops vectorize."""
+    top = min(size, SIZES[-1])
+    in_registers = fwht_fits(top, first)
+    for i in range(count):
+        at = start + i * step
+        distance = first
+        if in_registers:
+            for chunk in range(at, at + size, top):
+                fwht(y, chunk, top, first)
+            distance = top
+        while distance < size:
+            for block in range(at, at + size, 2 * distance):
+                for j in range(block, block + distance):
+                    a = y[np.uint64(j)]
+                    b = y[np.uint64(j + distance)]
+                    y[np.uint64(j)] = a + b
+                    y[np.uint64(j + distance)] = a - b
+            distance *= 2

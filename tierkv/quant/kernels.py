@@ -13,8 +13,9 @@ import threading
 from typing import Any, ClassVar
 
 import numpy as np
-from llvmlite import ir
+from llvmlite import binding, ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 FP16, BF16, FP32 = 0, 1, 2
@@ -143,6 +144,62 @@ def copy_u64_pair(typingctx, src, src_at, dst, dst_at):
             return builder.bitcast(builder.gep(array.data, [args[i + 1]]), pair)
 
         builder.store(builder.load(at(0), align=1), at(2), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+EXPAND_LANES = 512
+"""Bits of the vectors expand_merge fills: one AVX-512 register."""
+_HOST_FEATURES = binding.get_host_cpu_features()
+EXPANDS = (
+    bool(_HOST_FEATURES.get("avx512vbmi2", False)),
+    bool(_HOST_FEATURES.get("avx512f", False)),
+)
+"""Whether this CPU expands (fills chosen lanes from consecutive memory) a vector of 16-bit words,
+and of 32-bit words, in one instruction (x86 AVX-512 VBMI2 and AVX-512F). Elsewhere LLVM turns
+expand_merge into a branch per lane, far slower than a plain loop. Numba's cache is per CPU
+model and features, so code compiled with these values only runs where they hold."""
+
+
+@njit(cache=True, nogil=True)
+def expands(word_bytes):
+    """Whether this CPU runs expand_merge in single instructions for words of word_bytes."""
+    if word_bytes == 2:
+        return EXPANDS[0]
+    return EXPANDS[1] if word_bytes == 4 else False
+
+
+@intrinsic
+def expand_merge(typingctx, src, hi_at, lo_at, mask, dst, dst_at):
+    """Merge two runs of src into the n = EXPAND_LANES / word bits words dst[dst_at : dst_at + n]:
+    the words whose bit is set in `mask` (bit i for word i) take src[hi_at], src[hi_at + 1], ...
+    in order, the others src[lo_at], src[lo_at + 1], ... (two masked expand-loads and a store; only
+    the words taken are read; C-contiguous uint16 or uint32 arrays of one dtype, any alignment,
+    the caller keeps every range in bounds)."""
+    if src.layout != "C" or dst.layout != "C" or src.dtype != dst.dtype:
+        return None
+    sig = types.void(src, hi_at, lo_at, mask, dst, dst_at)
+
+    def codegen(context, builder, signature, args):
+        word = context.get_value_type(signature.args[0].dtype)
+        lanes = EXPAND_LANES // word.width
+        vector, bits = ir.VectorType(word, lanes), ir.VectorType(ir.IntType(1), lanes)
+        expand = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(vector, [word.as_pointer(), bits, vector]),
+            f"llvm.masked.expandload.v{lanes}i{word.width}",
+        )
+        mask = context.cast(builder, args[3], signature.args[3], types.uint64)
+        taken = builder.bitcast(builder.trunc(mask, ir.IntType(lanes)), bits)
+        src_data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        dst_data = context.make_array(signature.args[4])(context, builder, args[4]).data
+        first = builder.gep(src_data, [args[1]])
+        merged = builder.call(expand, [first, taken, ir.Constant(vector, None)])
+        rest = builder.gep(src_data, [args[2]])
+        merged = builder.call(expand, [rest, builder.not_(taken), merged])
+        at = builder.bitcast(builder.gep(dst_data, [args[5]]), vector.as_pointer())
+        builder.store(merged, at, align=1)
         return context.get_dummy_value()
 
     return sig, codegen

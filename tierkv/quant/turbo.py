@@ -27,20 +27,22 @@ import numpy as np
 from numba import njit, prange
 
 from tierkv.quant.codebooks import Codebook, Rotation, lloyd_max, rotation
-from tierkv.quant.hadamard import fwht, fwht_fits
+from tierkv.quant.hadamard import butterflies
 from tierkv.quant.kernels import (
     BF16,
     CHUNK_VALUES,
+    EXPAND_LANES,
     FP16,
     Threaded,
     bf16_word,
     bits_value,
     block_exponent,
     copy_u64_pair,
+    expand_merge,
+    expands,
     f32_to_half,
     fp16_word,
     fp32_word,
-    from_f32,
     half_to_f32,
     load_u64,
     max_abs_bits,
@@ -68,12 +70,9 @@ _ENERGY_CHUNK_VALUES = 1 << 17
 """Values per work item of the energy scan (each keeps its own per-channel sums)."""
 _TILE = 64
 """Vectors encoded together, laid out as columns so the inner loops run across vectors."""
-_DTILE = 32
-"""Vectors decoded together, in a tile of rows of _LANES float32: coordinates (2r, 2r + 1) of
-vector t sit in row r at lanes 2t and 2t + 1, so every butterfly stage that pairs coordinates
-further apart than 1 pairs whole rows (contiguous SIMD lanes), and a table look-up writes a
-coordinate pair with one 64-bit move."""
-_LANES = 2 * _DTILE
+_DECODE_TILE_VALUES = 1 << 14
+"""Values decoded together (a tile of 128 vectors of 128), pass by pass: every vector's levels
+are looked up, then rotated back, then converted."""
 
 
 def check_group_size(name: str, group_size: int) -> None:
@@ -96,10 +95,6 @@ def selection_groups(shape: tuple[int, ...]) -> tuple[int, int]:
         return 1, 1
     a, b = shape[-3], shape[-2]
     return (1, b) if b <= a else (b, a)
-
-
-_PAIR_TYPES = {2: np.uint32, 4: np.uint64}
-"""Unsigned type of two output words, by word size."""
 
 
 class Instance:
@@ -346,133 +341,49 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
     _pack(idx, m, n, bits, out, index_at, index_stride)
 
 
-@njit(cache=True, nogil=True, inline="always")
-def _unpack(body, n, vec, inst, index_at, stride, pairs, pair_step, vector_step):
-    """Look up the packed indices of the n vectors of a tile (vector t's at body[index_at +
-    vec[t] * stride]) in the instance's table: coordinates (2r, 2r + 1) of vector t become the
-    float32 pair pairs[r * pair_step + t * vector_step] (uint64). A table of 4 values per entry
-    covers a byte (4 indices of 2 bits: pairs 2i and 2i + 1), one of 2 a pair of indices.
-    Inlined, so a caller's constant pair step stays a constant in its stores."""
+@njit(cache=True, nogil=True)
+def _unpack(body, v0, n, inst, index_at, stride, pairs, at, vector_step):
+    """Look up the packed indices of vectors v0 .. v0 + n - 1 (vector v's at body[index_at + v *
+    stride]) in the instance's table: coordinates (2r, 2r + 1) of vector v0 + t become the
+    float32 pair pairs[at + t * vector_step + r] (uint64), so each vector's levels lie in
+    coordinate order. A table of 4 values per entry covers a byte (4 indices of 2 bits: both
+    pairs in one 16-byte move), one of 2 a pair of indices. (Unsigned indices: see
+    _rotate_back.)"""
     m, bits, _, _, _, table, _ = inst
     lanes = table.reshape(-1).view(np.uint64)  # one 64-bit move per pair of coordinates
-    # (a view of each vector's bytes: indexing body at a position computed from vec[t] would
-    # check every index for negative wraparound)
     if table.shape[1] == 4:
         for t in range(n):
-            pos = index_at + vec[t] * stride
-            packed = body[pos : pos + m // 4]
-            dst = pairs[t * vector_step :]
+            pos, dst = index_at + (v0 + t) * stride, at + t * vector_step
             for i in range(m // 4):
-                code = 2 * np.intp(packed[i])
-                if pair_step == 1:  # vector-major: both pairs in one move (12% of a tq2 decode)
-                    copy_u64_pair(lanes, code, dst, 2 * i)
-                else:
-                    dst[(2 * i) * pair_step] = lanes[code]
-                    dst[(2 * i + 1) * pair_step] = lanes[code + 1]
+                code = 2 * np.intp(body[np.uint64(pos + i)])
+                copy_u64_pair(lanes, code, pairs, dst + 2 * i)
     elif bits == 4:
         for t in range(n):
-            pos = index_at + vec[t] * stride
-            packed = body[pos : pos + m // 2]
-            dst = pairs[t * vector_step :]
+            pos, dst = index_at + (v0 + t) * stride, at + t * vector_step
             for r in range(m // 2):
-                dst[r * pair_step] = lanes[packed[r]]
+                pairs[np.uint64(dst + r)] = lanes[body[np.uint64(pos + r)]]
     else:
         pair_bits = np.uint64(2 * bits)
         pair_mask = np.uint64((1 << (2 * bits)) - 1)
         whole = m // 8  # groups of 8 indices: one 64-bit load, 4 look-ups
         for t in range(n):
-            pos = index_at + vec[t] * stride
-            dst = pairs[t * vector_step :]
+            pos, dst = index_at + (v0 + t) * stride, at + t * vector_step
             loaded = whole if pos + (whole - 1) * bits + 8 <= body.size else 0
             for k in range(loaded):
                 acc = load_u64(body, pos + k * bits)
-                at = 4 * k * pair_step
-                dst[at] = lanes[acc & pair_mask]
-                dst[at + pair_step] = lanes[(acc >> pair_bits) & pair_mask]
-                dst[at + 2 * pair_step] = lanes[(acc >> (2 * pair_bits)) & pair_mask]
-                dst[at + 3 * pair_step] = lanes[(acc >> (3 * pair_bits)) & pair_mask]
+                pairs[np.uint64(dst + 4 * k)] = lanes[acc & pair_mask]
+                pairs[np.uint64(dst + 4 * k + 1)] = lanes[(acc >> pair_bits) & pair_mask]
+                pairs[np.uint64(dst + 4 * k + 2)] = lanes[(acc >> (2 * pair_bits)) & pair_mask]
+                pairs[np.uint64(dst + 4 * k + 3)] = lanes[(acc >> (3 * pair_bits)) & pair_mask]
             for g in range(8 * loaded, m, 8):  # the rest byte by byte
                 count = min(8, m - g)
-                at = pos + (g // 8) * bits
+                first = pos + (g // 8) * bits
                 acc = np.uint64(0)
                 for byte in range((count * bits + 7) // 8):
-                    acc |= np.uint64(body[at + byte]) << np.uint64(8 * byte)
+                    acc |= np.uint64(body[np.uint64(first + byte)]) << np.uint64(8 * byte)
                 for k in range(count // 2):
-                    pair = (acc >> (pair_bits * np.uint64(k))) & pair_mask
-                    dst[(g // 2 + k) * pair_step] = lanes[pair]
-
-
-@njit(cache=True, nogil=True)
-def _unpack_rows(body, n, vec, inst, index_at, stride, y):
-    """_unpack into a tile: coordinates (2r, 2r + 1) of vector t go to row r, lanes 2t and
-    2t + 1 of y (see _DTILE)."""
-    _unpack(body, n, vec, inst, index_at, stride, y.view(np.uint64), _DTILE, 1)
-
-
-@njit(cache=True, nogil=True)
-def _butterfly_rows(y, r0, rows, h):
-    """Butterfly stages of row distance h, 2h, 4h, ... < rows on rows [r0, r0 + rows) of a tile:
-    the Walsh-Hadamard stages of coordinate distance 2h and up, two per pass (radix 4). The h
-    rows paired with the next h rows are contiguous, so each group is one loop over h rows."""
-    while 4 * h <= rows:
-        span = h * _LANES
-        for i in range(r0 * _LANES, (r0 + rows) * _LANES, 4 * span):
-            y0, y1 = y[i : i + span], y[i + span : i + 2 * span]
-            _radix4(y0, y1, y[i + 2 * span : i + 3 * span], y[i + 3 * span : i + 4 * span], span)
-        h *= 4
-    if h < rows:
-        span = h * _LANES
-        for i in range(r0 * _LANES, (r0 + rows) * _LANES, 2 * span):
-            y0, y1 = y[i : i + span], y[i + span : i + 2 * span]
-            for lane in range(span):
-                s0 = y0[lane] + y1[lane]
-                s1 = y0[lane] - y1[lane]
-                y0[lane] = s0
-                y1[lane] = s1
-
-
-@njit(cache=True, nogil=True)
-def _mix_rows(y, z, mix, p):
-    """z = the tile y with its q = mix.shape[0] > 1 blocks of p / 2 rows mixed: block a of z is
-    sum_b mix[a, b] * block b of y (summed in order of b from 0), then the first butterfly
-    stage (coordinates 2r and 2r + 1, neighbouring lanes) on every row of z, in the pass that
-    adds the last block."""
-    q = mix.shape[0]
-    size = p // 2 * _LANES
-    last = y[(q - 1) * size : q * size]
-    for a in range(q):
-        dst = z[a * size : (a + 1) * size]
-        c = mix[a, 0]
-        for i in range(size):
-            dst[i] = np.float32(0.0) + c * y[i]
-        for b in range(1, q - 1):
-            c = mix[a, b]
-            src = y[b * size : (b + 1) * size]
-            for i in range(size):
-                dst[i] += c * src[i]
-        c = mix[a, q - 1]
-        for i in range(size // 2):
-            u = dst[2 * i] + c * last[2 * i]
-            w = dst[2 * i + 1] + c * last[2 * i + 1]
-            dst[2 * i] = u + w
-            dst[2 * i + 1] = u - w
-
-
-@njit(cache=True, nogil=True)
-def _rotate_back(y, z, inst):
-    """Undo the Hadamard-block rotation of a tile unpacked by _unpack_rows into y, up to the
-    factor _block_scale, in y, or in z when blocks are mixed (the array returned); the signs of
-    R are left to the caller."""
-    m, _, _, matrix, matrix_t, table, _ = inst
-    q = max(1, matrix.shape[0])
-    p = m // q
-    if q > 1:
-        _mix_rows(y, z, matrix_t, p)
-        y = z
-    first = 1 if q > 1 else table.shape[1] // 2  # row distance of the first stage left to do
-    for a in range(q):
-        _butterfly_rows(y, a * (p // 2), p // 2, first)
-    return y
+                    pair = lanes[(acc >> (pair_bits * np.uint64(k))) & pair_mask]
+                    pairs[np.uint64(dst + g // 2 + k)] = pair
 
 
 @njit(cache=True, nogil=True)
@@ -483,229 +394,208 @@ def _block_scale(inst):
 
 
 @njit(cache=True, nogil=True)
-def _scaled_words(rotated, m, scale, lane_norms, pow2k, code, words):
-    """words = the first m / 2 rows of a tile from _rotate_back, scaled to
-    rotated * scale * norm * 2**k (rounded product by product, left to right) and converted to
-    dtype `code` in the same pass: 2**k * norm * |R^T levels| per coordinate, the products
-    rounded as norm * 2**k * sign * R^T levels was, sign flips being exact."""
-    for r in range(m // 2):
-        row = rotated[r * _LANES : (r + 1) * _LANES]
-        out = words[r * _LANES : (r + 1) * _LANES]
-        if code == FP16:
-            for lane in range(_LANES):
-                out[lane] = fp16_word(row[lane] * scale * lane_norms[lane] * pow2k)
-        elif code == BF16:
-            for lane in range(_LANES):
-                out[lane] = bf16_word(row[lane] * scale * lane_norms[lane] * pow2k)
-        else:
-            for lane in range(_LANES):
-                out[lane] = fp32_word(row[lane] * scale * lane_norms[lane] * pow2k)
-
-
-@njit(cache=True, nogil=True)
-def _read_norms(body, n, vec, norm_at, norm_stride, lane_norms):
-    """lane_norms[2t] = lane_norms[2t + 1] = norm of vector t of the tile (at body[norm_at +
-    vec[t] * norm_stride]; 0 past n)."""
-    for t in range(_DTILE):
-        norm = half_to_f32(read_u16(body, norm_at + vec[t] * norm_stride)) if t < n else 0.0
-        lane_norms[2 * t] = norm
-        lane_norms[2 * t + 1] = norm
-
-
-@njit(cache=True, nogil=True)
-def _sign_masks(signs, word_bits, masks):
-    """masks[r]: the sign bits of coordinates 2r and 2r + 1 where signs < 0, placed as in a pair
-    of output words."""
-    top = np.uint64(word_bits - 1)
-    for r in range(signs.size // 2):
-        low = np.uint64(1 if signs[2 * r] < 0 else 0) << top
-        high = np.uint64(1 if signs[2 * r + 1] < 0 else 0) << (top + np.uint64(word_bits))
-        masks[r] = low | high
-
-
-@njit(cache=True, nogil=True)
-def _decode_direct(body, n, vec, inst, scratch, code, out_pairs, at, pow2k):
-    """Decode a tile of a one-instance Hadamard body straight into the output: the tile is
-    converted to output words in place of the SIMD rows, then moved out pair by pair with R's
-    signs applied as sign bits."""
-    m = inst[0]
-    y, z, lane_norms, words, pairs, masks = scratch[:6]
-    norm_at, norm_stride, index_at, index_stride = at
-    _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
-    _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
-    rotated = _rotate_back(y, z, inst)
-    _scaled_words(rotated, m, _block_scale(inst), lane_norms, pow2k, code, words)
-    half = m // 2
+def _mix(y, d, n, off, z, mix, p):
+    """For each of the n vectors t of a tile, z[t * d + off :][: q * p] = the q = mix.shape[0]
+    blocks of p values of y[t * d + off :] mixed: block a of z is sum over b of mix[a, b] *
+    block b, summed in order of b from 0 (for the q = 3 of every power-of-two head dim, all three
+    in one loop, in registers)."""
+    q = mix.shape[0]
+    zero = np.float32(0.0)
+    if q == 3:
+        c00, c01, c02 = mix[0, 0], mix[0, 1], mix[0, 2]
+        c10, c11, c12 = mix[1, 0], mix[1, 1], mix[1, 2]
+        c20, c21, c22 = mix[2, 0], mix[2, 1], mix[2, 2]
+        for t in range(n):
+            at = t * d + off
+            for i in range(p):
+                y0 = y[np.uint64(at + i)]
+                y1 = y[np.uint64(at + p + i)]
+                y2 = y[np.uint64(at + 2 * p + i)]
+                z[np.uint64(at + i)] = zero + c00 * y0 + c01 * y1 + c02 * y2
+                z[np.uint64(at + p + i)] = zero + c10 * y0 + c11 * y1 + c12 * y2
+                z[np.uint64(at + 2 * p + i)] = zero + c20 * y0 + c21 * y1 + c22 * y2
+        return
     for t in range(n):
-        dst = out_pairs[vec[t] * half : (vec[t] + 1) * half]
-        for r in range(half):
-            dst[r] = pairs[r * _DTILE + t] ^ masks[r]
+        at = t * d + off
+        for a in range(q):
+            c = mix[a, 0]
+            for i in range(p):
+                z[np.uint64(at + a * p + i)] = zero + c * y[np.uint64(at + i)]
+            for b in range(1, q):
+                c = mix[a, b]
+                for i in range(p):
+                    z[np.uint64(at + a * p + i)] += c * y[np.uint64(at + b * p + i)]
 
 
 @njit(cache=True, nogil=True)
-def _unpack_vectors(body, n, vec, inst, index_at, stride, y):
-    """_unpack with vector t's coordinates in order in y[t * m:] (the layout _decode_vectors
-    transforms in registers)."""
-    _unpack(body, n, vec, inst, index_at, stride, y.view(np.uint64), 1, inst[0] // 2)
+def _rotate_back(y, d, n, off, z, inst):
+    """Undo the rotation of one instance of the n vectors of a tile, up to the factor
+    _block_scale and R's signs: vector t's levels lie in y[t * d + off :] (from _unpack).
+    Hadamard blocks are rotated in place, their butterflies starting past the stages the
+    look-up table did; q > 1 of them are first mixed (_mix, by matrix_t) into the same place of
+    z, and a dense matrix (payload format version 1) multiplies into z. Which array holds the
+    result is returned. (Indices are cast to unsigned, here and in the other passes over a tile,
+    so Numba checks none for wraparound and the loops vectorize; and each pass takes the whole
+    tile: a view or a call per vector would cost two atomic reference counts of each array.)"""
+    m, _, _, matrix, matrix_t, table, _ = inst
+    q = max(1, matrix.shape[0])
+    p = m // q
+    if q == 1:
+        butterflies(y, off, d, n, m, table.shape[1])
+        return y
+    if q == m:
+        for t in range(n):
+            at = t * d + off
+            for i in range(m):
+                z[at + i] = _dot(matrix_t[i], y[at : at + m], m)
+        return z
+    _mix(y, d, n, off, z, matrix_t, p)
+    for a in range(q):
+        butterflies(z, off + a * p, d, n, p, 1)
+    return z
 
 
 @njit(cache=True, nogil=True)
-def _decode_vectors(body, n, vec, inst, scratch, code, out_words, at, pow2k):
-    """Decode a tile of a one-instance body rotated by a single Hadamard block of a size
-    hadamard.fwht is built for, straight into the output: each vector's coordinates in order,
-    its butterflies in SIMD registers, then scaled and converted with R's signs as sign bits. No
-    tile transposes, and the same operations in the same order as _decode_direct, so the same
-    bits."""
-    m, _, _, _, _, table, _ = inst
-    y, sign_words = scratch[0], scratch[9]
-    norm_at, norm_stride, index_at, index_stride = at
-    _unpack_vectors(body, n, vec, inst, index_at, index_stride, y)
-    for t in range(n):  # (all unpacked first: the vector loads then find the stores done)
-        fwht(y, t * m, m, table.shape[1])
-    scale = _block_scale(inst)
+def _to_words(src, d, v0, n, off, inst, body, norms, pow2k, code, flips, dst, direct):
+    """Scale and convert one instance of the n vectors of a tile from _rotate_back: the m values
+    at src[t * d + off :] times 1 / sqrt(p) (1 for a dense rotation), the norm at
+    body[norms[0] + (v0 + t) * norms[1]] and 2**k (rounded product by product, left to right) in
+    dtype `code`, each sign bit flipped by flips[j] (R's signs: a sign flip is exact, so these are
+    the bits of multiplying by the sign), to dst[(v0 + t) * d :] when direct, else to the same
+    place as in src."""
+    m, matrix = inst[0], inst[3]
+    scale = np.float32(1.0) if matrix.shape[0] == m else _block_scale(inst)
+    norm_at, norm_stride = norms
     for t in range(n):
-        norm = half_to_f32(read_u16(body, norm_at + vec[t] * norm_stride))
-        row = y[t * m : (t + 1) * m]
-        dst = out_words[vec[t] * m : (vec[t] + 1) * m]
+        at = t * d + off
+        to = (v0 + t) * d if direct else at
+        norm = half_to_f32(read_u16(body, norm_at + (v0 + t) * norm_stride))
         if code == FP16:
             for j in range(m):
-                dst[j] = fp16_word(row[j] * scale * norm * pow2k) ^ sign_words[j]
+                x = src[np.uint64(at + j)] * scale * norm * pow2k
+                dst[np.uint64(to + j)] = fp16_word(x) ^ flips[j]
         elif code == BF16:
             for j in range(m):
-                dst[j] = bf16_word(row[j] * scale * norm * pow2k) ^ sign_words[j]
+                x = src[np.uint64(at + j)] * scale * norm * pow2k
+                dst[np.uint64(to + j)] = bf16_word(x) ^ flips[j]
         else:
             for j in range(m):
-                dst[j] = fp32_word(row[j] * scale * norm * pow2k) ^ sign_words[j]
+                x = src[np.uint64(at + j)] * scale * norm * pow2k
+                dst[np.uint64(to + j)] = fp32_word(x) ^ flips[j]
 
 
 @njit(cache=True, nogil=True)
-def _group_tiles(n_vectors, sel_div, sel_mod):
-    """(order, tiles): the vectors sorted by selection group (ascending within one), and per
-    tile of up to _DTILE vectors of one group its first entry in `order` and its size; tiles
-    go round by round, the k-th of every group then the next (so consecutive tiles read and
-    write neighbouring bytes). Vector v's group is (v // sel_div) % sel_mod, counted as v
-    goes (two divisions per vector cost about 0.08 ns per value of a mixed-mode decode)."""
-    starts = np.zeros(sel_mod + 1, np.int64)
-    rounds, rest = divmod(n_vectors, sel_div * sel_mod)
-    for g in range(sel_mod):  # whole runs of sel_div vectors, then the last part of one
-        starts[g + 1] = rounds * sel_div + min(sel_div, max(0, rest - g * sel_div))
-    n_tiles = 0
-    for g in range(sel_mod):
-        n_tiles += (starts[g + 1] + _DTILE - 1) // _DTILE
-        starts[g + 1] += starts[g]
-    order = np.empty(n_vectors, np.int64)
-    fill = starts[:sel_mod].copy()
-    g, in_run = 0, 0
-    for v in range(n_vectors):
-        order[fill[g]] = v
-        fill[g] += 1
+def _sign_flips(inst, word_bits, flips):
+    """flips[j]: the sign bit of an output word where R's sign j is negative (none for a dense
+    rotation, whose matrix holds its signs)."""
+    m, _, signs, matrix, _, _, _ = inst
+    top = flips.dtype.type(1 << (word_bits - 1))
+    for j in range(m):
+        flips[j] = top if signs[j] < 0 and matrix.shape[0] < m else 0
+
+
+@njit(cache=True, nogil=True)
+def _merge_plan(select, hi_m, mixed, word_bytes):
+    """How _merge puts a mixed vector's words (hi instance, then lo) in channel order, per
+    selection group g of select = (channels, div, mod): with expand_merge when this CPU expands
+    words of word_bytes in single instructions and d is a whole number of its runs of `lanes`
+    words: masks[g, c] the bits of the hi channels of run c, starts[g, c] the positions of its
+    first hi and first lo word; otherwise (no runs) word by word to channels[g]."""
+    channels = select[0]
+    n_groups, d = channels.shape
+    lanes = EXPAND_LANES // (8 * word_bytes)
+    runs = d // lanes if mixed and expands(word_bytes) and d % lanes == 0 else 0
+    masks = np.zeros((n_groups, runs), np.uint64)
+    starts = np.zeros((n_groups, runs, 2), np.int64)
+    counts = np.zeros(max(runs, 1), np.int64)
+    for g in range(n_groups if runs else 0):
+        counts[:] = 0
+        for j in range(hi_m):
+            c = channels[g, j]
+            masks[g, c // lanes] |= np.uint64(1) << np.uint64(c % lanes)
+            counts[c // lanes] += 1
+        hi_at, lo_at = 0, hi_m
+        for c in range(runs):
+            starts[g, c, 0], starts[g, c, 1] = hi_at, lo_at
+            hi_at += counts[c]
+            lo_at += lanes - counts[c]
+    return select, masks, starts
+
+
+@njit(cache=True, nogil=True)
+def _merge(words, d, v0, n, plan, dst):
+    """dst[(v0 + t) * d :][:d] = the d words of mixed vector t of a tile at words[t * d :] (its
+    hi instance's, then its lo one's) in the channel order of its selection group (vector v's is
+    (v // div) % mod, counted as t goes; see _merge_plan), t < n."""
+    (channels, sel_div, sel_mod), masks, starts = plan
+    runs = masks.shape[1]
+    g, in_run = (v0 // sel_div) % sel_mod, v0 % sel_div
+    for t in range(n):
+        at, to = t * d, (v0 + t) * d
+        if runs:
+            lanes = d // runs
+            for c in range(runs):
+                hi_at, lo_at = at + starts[g, c, 0], at + starts[g, c, 1]
+                expand_merge(words, hi_at, lo_at, masks[g, c], dst, to + c * lanes)
+        else:
+            for j in range(d):
+                dst[np.uint64(to + channels[g, j])] = words[np.uint64(at + j)]
         in_run += 1
         if in_run == sel_div:
             in_run = 0
             g = g + 1 if g + 1 < sel_mod else 0
-    tiles = np.empty((n_tiles, 2), np.int64)
-    i, k = 0, 0
-    while i < n_tiles:
-        for g in range(sel_mod):
-            first = starts[g] + k * _DTILE
-            if first < starts[g + 1]:
-                tiles[i, 0] = first
-                tiles[i, 1] = min(_DTILE, starts[g + 1] - first)
-                i += 1
-        k += 1
-    return order, tiles
 
 
 @njit(cache=True, nogil=True)
-def _pair_sources(chan, m, signs, r0, word_bits, sources, flips):
-    """For output channels chan[:m] of one instance (converted to rows r0 .. r0 + m / 2 of a tile
-    of output word pairs, see _decode_mixed): sources[c] = 2 * row + the half of the pair holding
-    c, and in flips[c // 2] the sign bit of c where R's sign is negative, placed as in a pair of
-    output words."""
-    top = np.uint64(word_bits - 1)
-    for j in range(m):
-        c = chan[j]
-        sources[c] = 2 * (r0 + j // 2) + j % 2
-        if signs[j] < 0:
-            flips[c // 2] |= np.uint64(1) << (top + np.uint64(word_bits * (c % 2)))
-
-
-@njit(cache=True, nogil=True)
-def _convert_instance(body, n, vec, inst, scratch, code, at, pow2k, r0):
-    """Unpack, rotate back and scale one Hadamard-block instance of a tile, then convert it to
-    output words in rows r0 .. r0 + m / 2 of the tile of output words (laid out as the rows)."""
-    y, z, lane_norms, words = scratch[:4]
+def _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k):
+    """Decode vectors v0 .. v0 + n - 1 of a body straight into the output, pass by pass over
+    the tile: look up every vector's levels, then per instance rotate them back (butterflies in
+    SIMD registers), scale and convert them to output words, and for two instances put each
+    vector's words in channel order."""
+    y, z, words, flips, plan = scratch
     norm_at, norm_stride, index_at, index_stride = at
-    m = inst[0]
-    _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
-    _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
-    rotated = _rotate_back(y, z, inst)
-    _scaled_words(rotated, m, _block_scale(inst), lane_norms, pow2k, code, words[r0 * _LANES :])
+    hi_m, lo_m = hi[0], lo[0]
+    d = hi_m + lo_m
+    pairs = y.view(np.uint64)
+    _unpack(body, v0, n, hi, index_at, index_stride, pairs, 0, d // 2)
+    rotated = _rotate_back(y, d, n, 0, z, hi)
+    norms = (norm_at, norm_stride)
+    if lo_m == 0:
+        _to_words(rotated, d, v0, n, 0, hi, body, norms, pow2k, code, flips, out_words, True)
+        return
+    _to_words(rotated, d, v0, n, 0, hi, body, norms, pow2k, code, flips, words, False)
+    lo_index_at = index_at + packed_bytes(hi_m, hi[1])
+    _unpack(body, v0, n, lo, lo_index_at, index_stride, pairs, hi_m // 2, d // 2)
+    rotated = _rotate_back(y, d, n, hi_m, z, lo)
+    norms = (norm_at + 2, norm_stride)
+    lo_flips = flips[hi_m:]
+    _to_words(rotated, d, v0, n, hi_m, lo, body, norms, pow2k, code, lo_flips, words, False)
+    _merge(words, d, v0, n, plan, out_words)
 
 
 @njit(cache=True, nogil=True)
-def _decode_mixed(body, n, vec, g, hi, lo, scratch, code, out_pairs, at, pow2k):
-    """Decode a tile of vectors vec[:n] of one selection group g of a two-instance
-    Hadamard-block body straight into the output. Both instances are converted to output words
-    in their rows of one tile; as every vector of the tile has the same channel order, putting
-    the channels in order is a fixed choice of word per pair row, the same across the tile's
-    SIMD lanes (with R's signs as sign bits); the tile is then moved out pair by pair."""
-    words, pairs = scratch[3], scratch[4]
-    sources, flips, ordered = scratch[6], scratch[7], scratch[8]
-    norm_at, norm_stride, index_at, index_stride = at
-    _convert_instance(body, n, vec, hi, scratch, code, at, pow2k, 0)
-    lo_at = (norm_at + 2, norm_stride, index_at + packed_bytes(hi[0], hi[1]), index_stride)
-    _convert_instance(body, n, vec, lo, scratch, code, lo_at, pow2k, hi[0] // 2)
-    word_bits = 8 * words.itemsize
-    low = (np.uint64(1) << np.uint64(word_bits)) - np.uint64(1)
-    half = (hi[0] + lo[0]) // 2
-    for r in range(half):
-        even, odd = sources[g, 2 * r], sources[g, 2 * r + 1]
-        a = pairs[(even >> 1) * _DTILE : ((even >> 1) + 1) * _DTILE]
-        b = pairs[(odd >> 1) * _DTILE : ((odd >> 1) + 1) * _DTILE]
-        a_shift = pairs.dtype.type(word_bits * (even & 1))
-        b_shift = pairs.dtype.type(word_bits * (odd & 1))
-        up = pairs.dtype.type(word_bits)
-        mask = pairs.dtype.type(low)
-        flip = pairs.dtype.type(flips[g, r])
-        dst = ordered[r * _DTILE : (r + 1) * _DTILE]
-        for t in range(_DTILE):
-            dst[t] = (((a[t] >> a_shift) & mask) | ((b[t] >> b_shift) << up)) ^ flip
-    for t in range(n):
-        dst = out_pairs[vec[t] * half : (vec[t] + 1) * half]
-        for r in range(half):
-            dst[r] = ordered[r * _DTILE + t]
-
-
-@njit(cache=True, nogil=True)
-def _decode_into_rows(body, n, vec, select, offset, inst, scratch, x, at, pow2k):
-    """x[t, channels] = 2**k * norm * R^T levels for one instance of vectors vec[:n]
-    (select and offset as in _encode_tile); scratch = (y, z, lane_norms, rows)."""
-    channels, sel_div, sel_mod = select
-    m, _, signs, matrix, matrix_t, _, _ = inst
-    y, z, lane_norms, rows = scratch
-    norm_at, norm_stride, index_at, index_stride = at
-    _unpack_rows(body, n, vec, inst, index_at, index_stride, y)
-    if matrix.shape[0] < m:  # Hadamard blocks, mixed by matrix when there are several
-        _read_norms(body, n, vec, norm_at, norm_stride, lane_norms)
-        rotated = _rotate_back(y, z, inst)
-        scale = _block_scale(inst)
-        for t in range(n):
-            chan = channels[(vec[t] // sel_div) % sel_mod][offset : offset + m]
-            row = x[t]
-            norm = lane_norms[2 * t]
-            for r in range(m // 2):
-                at = r * _LANES + 2 * t
-                row[chan[2 * r]] = rotated[at] * scale * norm * pow2k * signs[2 * r]
-                row[chan[2 * r + 1]] = rotated[at + 1] * scale * norm * pow2k * signs[2 * r + 1]
-    else:  # a dense m x m matrix (payload format version 1)
-        for t in range(n):
-            norm = half_to_f32(read_u16(body, norm_at + vec[t] * norm_stride))
-            for j in range(m):
-                rows[t, j] = y[(j // 2) * _LANES + 2 * t + j % 2]
-            chan = channels[(vec[t] // sel_div) % sel_mod]
-            for i in range(m):
-                x[t, chan[offset + i]] = _dot(matrix_t[i], rows[t], m) * norm * pow2k
+def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi):
+    """Decode tiles [t_lo, t_hi) (of _DECODE_TILE_VALUES // d vectors) of a TurboQuant body
+    into `out_words`; see _encode_tiles."""
+    norms_offset, indices_offset, bpv = offsets
+    n_vectors = out_words.size // d
+    tile = _DECODE_TILE_VALUES // d
+    n_inst = 2 if lo[0] > 0 else 1
+    pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
+    word_bits = 8 * out_words.itemsize
+    flips = np.zeros(d, out_words.dtype)
+    _sign_flips(hi, word_bits, flips[: hi[0]])
+    _sign_flips(lo, word_bits, flips[hi[0] :])
+    plan = _merge_plan(select, hi[0], n_inst == 2, out_words.itemsize)
+    mixes = n_inst == 2 or hi[3].shape[0] > 1
+    y = np.empty(tile * d, np.float32)
+    z = np.empty(tile * d if mixes else 0, np.float32)
+    words = np.empty(tile * d if n_inst == 2 else 0, out_words.dtype)
+    scratch = (y, z, words, flips, plan)
+    at = (norms_offset, 2 * n_inst, indices_offset, bpv)
+    for v0 in range(t_lo * tile, min(t_hi * tile, n_vectors), tile):
+        n = min(tile, n_vectors - v0)
+        _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k)
 
 
 @njit(cache=True, nogil=True)
@@ -795,76 +685,6 @@ def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
 
 
 @njit(cache=True, nogil=True)
-def _is_mixed_hadamard(hi, lo):
-    """Whether both instances exist and rotate by Hadamard blocks (payload format 2 mixed)."""
-    return lo[0] > 0 and hi[3].shape[0] < hi[0] and lo[3].shape[0] < lo[0]
-
-
-@njit(cache=True, nogil=True)
-def _decode_plan(n_vectors, select, hi, lo):
-    """_group_tiles of the decoder: tiles of one selection group when _decode_mixed decodes
-    them, else of consecutive vectors."""
-    _, sel_div, sel_mod = select
-    if _is_mixed_hadamard(hi, lo):
-        return _group_tiles(n_vectors, sel_div, sel_mod)
-    return _group_tiles(n_vectors, 1, 1)
-
-
-@njit(cache=True, nogil=True)
-def _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, plan, t_lo, t_hi):
-    """Decode tiles [t_lo, t_hi) of `plan` (_decode_plan) of a TurboQuant body into `out_words`
-    (`out_pairs` is the same memory as words of twice the size); see _encode_tiles."""
-    norms_offset, indices_offset, bpv = offsets
-    order, tiles = plan
-    n_inst = 2 if lo[0] > 0 else 1
-    lo_index_offset = packed_bytes(hi[0], hi[1])
-    pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
-    y = np.zeros(d // 2 * _LANES, np.float32)
-    z = np.empty(d // 2 * _LANES, np.float32)
-    lane_norms = np.empty(_LANES, np.float32)
-    direct = n_inst == 1 and hi[3].shape[0] < d
-    vectors = direct and hi[3].shape[0] <= 1 and fwht_fits(d, hi[5].shape[1])
-    mixed = _is_mixed_hadamard(hi, lo)
-    pairs = np.empty(d * _DTILE // 2, out_pairs.dtype)
-    masks = np.zeros(d // 2, out_pairs.dtype)
-    if direct:
-        _sign_masks(hi[2], 8 * out_words.itemsize, masks)
-    sign_words = masks.view(out_words.dtype)
-    channels, sel_div, sel_mod = select
-    sources = np.zeros((channels.shape[0], d), np.int64)
-    flips = np.zeros((channels.shape[0], d // 2), out_pairs.dtype)
-    if mixed:
-        for g in range(channels.shape[0]):
-            word_bits = 8 * out_words.itemsize
-            _pair_sources(channels[g], hi[0], hi[2], 0, word_bits, sources[g], flips[g])
-            chan = channels[g][hi[0] :]
-            _pair_sources(chan, lo[0], lo[2], hi[0] // 2, word_bits, sources[g], flips[g])
-    ordered = z.view(out_pairs.dtype)[: pairs.size]  # z is free once a tile is converted
-    words = pairs.view(out_words.dtype)
-    scratch = (y, z, lane_norms, words, pairs, masks, sources, flips, ordered, sign_words)
-    x = np.empty((_DTILE, d), np.float32)
-    rows_scratch = (y, z, lane_norms, np.empty((_DTILE, d), np.float32))
-    at = (norms_offset, 2 * n_inst, indices_offset, bpv)
-    lo_at = (norms_offset + 2, 2 * n_inst, indices_offset + lo_index_offset, bpv)
-    for tile in range(t_lo, t_hi):
-        first, n = tiles[tile, 0], tiles[tile, 1]
-        vec = order[first : first + n]
-        if vectors:
-            _decode_vectors(body, n, vec, hi, scratch, code, out_words, at, pow2k)
-        elif direct:
-            _decode_direct(body, n, vec, hi, scratch, code, out_pairs, at, pow2k)
-        elif mixed:
-            g = (vec[0] // sel_div) % sel_mod
-            _decode_mixed(body, n, vec, g, hi, lo, scratch, code, out_pairs, at, pow2k)
-        else:
-            _decode_into_rows(body, n, vec, select, 0, hi, rows_scratch, x, at, pow2k)
-            if n_inst == 2:
-                _decode_into_rows(body, n, vec, select, hi[0], lo, rows_scratch, x, lo_at, pow2k)
-            v0 = vec[0]
-            from_f32(x.reshape(-1)[: n * d], code, out_words[v0 * d : (v0 + n) * d])
-
-
-@njit(cache=True, nogil=True)
 def encode_serial(words, code, d, select, k, out, offsets, hi, lo):
     """Encode every vector of `words` into `out` (offsets relative to out[0])."""
     n_tiles = (words.size // d + _TILE - 1) // _TILE
@@ -882,38 +702,32 @@ def encode_parallel(words, code, d, select, k, out, offsets, hi, lo):
 
 
 @njit(cache=True, nogil=True)
-def decode_serial(body, code, d, select, out_words, out_pairs, offsets, hi, lo):
-    """Decode every vector of a TurboQuant body into `out_words` (`out_pairs`: the same memory
-    as words of twice the size)."""
-    plan = _decode_plan(out_words.size // d, select, hi, lo)
-    n_tiles = plan[1].shape[0]
-    _decode_tiles(body, code, d, select, out_words, out_pairs, offsets, hi, lo, plan, 0, n_tiles)
+def decode_serial(body, code, d, select, out_words, offsets, hi, lo):
+    """Decode every vector of a TurboQuant body into `out_words`."""
+    n_tiles = -(-(out_words.size // d) // (_DECODE_TILE_VALUES // d))
+    _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, 0, n_tiles)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def decode_parallel(body, code, d, select, out_words, out_pairs, offsets, hi, lo):
+def decode_parallel(body, code, d, select, out_words, offsets, hi, lo):
     """decode_serial split across threads."""
-    plan = _decode_plan(out_words.size // d, select, hi, lo)
-    n_tiles = plan[1].shape[0]
-    per_chunk = max(1, CHUNK_VALUES // (_DTILE * d))
+    n_tiles = -(-(out_words.size // d) // (_DECODE_TILE_VALUES // d))
+    per_chunk = max(1, CHUNK_VALUES // _DECODE_TILE_VALUES)
     for c in prange((n_tiles + per_chunk - 1) // per_chunk):
         t_lo, t_hi = c * per_chunk, min(n_tiles, (c + 1) * per_chunk)
-        _decode_tiles(
-            body, code, d, select, out_words, out_pairs, offsets, hi, lo, plan, t_lo, t_hi
-        )
+        _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
 
 
 @njit(cache=True, nogil=True)
-def decode_rows(run, code, d, select, mask_bytes, rows, out, ok, offsets, hi, lo):
+def decode_rows(run, code, d, select, mask_bytes, rows, out_rows, ok, offsets, hi, lo):
     """Decode the payloads at positions `at` of `run` = (data, stride, head, at) (back to back
     in data, `stride` bytes each, the body after `head` header bytes; sizes already
-    validated) into rows `rows` of `out` = (row words, the same memory as words of twice the
-    size): a run of blocks in one call that keeps the GIL released. With `mask_bytes` (mixed
+    validated) into rows `rows` of the words `out_rows`: a run of blocks in one call that keeps
+    the GIL released. With `mask_bytes` (mixed
     modes) each body's channel masks are read into select's channels first; ok[i] = False for
     a body whose masks do not select hi[0] channels each (it is not decoded)."""
     data, stride, head, at = run
     channels, _, sel_mod = select
-    out_rows, pair_rows = out
     for i in range(at.size):
         start = at[i] * stride
         body = data[start + head : start + stride]
@@ -922,8 +736,7 @@ def decode_rows(run, code, d, select, mask_bytes, rows, out, ok, offsets, hi, lo
             if not _mask_channels(masks, hi[0], channels):
                 ok[i] = False
                 continue
-        out_words, out_pairs = out_rows[rows[i]], pair_rows[rows[i]]
-        decode_serial(body, code, d, select, out_words, out_pairs, offsets, hi, lo)
+        decode_serial(body, code, d, select, out_rows[rows[i]], offsets, hi, lo)
 
 
 scan_kernel = Threaded(scan_serial, scan_parallel)
@@ -1058,17 +871,8 @@ class TurboCodec:
         layout = self.layout(shape)
         select = (self.body_channels(body, layout), layout.sel_div, layout.sel_mod)
         code = DTYPE_CODES[dtype]
-        out_pairs = out_words.view(_PAIR_TYPES[out_words.itemsize])
         decode_kernel(
-            out_words.nbytes,
-            body,
-            code,
-            d,
-            select,
-            out_words,
-            out_pairs,
-            layout.offsets,
-            *self.kernel_args(),
+            out_words.nbytes, body, code, d, select, out_words, layout.offsets, *self.kernel_args()
         )
 
     def decode_run(
@@ -1093,7 +897,7 @@ class TurboCodec:
             (channels, layout.sel_div, layout.sel_mod),
             layout.mask_bytes,
             rows,
-            (out_rows, out_rows.view(_PAIR_TYPES[out_rows.itemsize])),
+            out_rows,
             ok,
             layout.offsets,
             *self.kernel_args(),
