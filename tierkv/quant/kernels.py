@@ -156,15 +156,17 @@ EXPANDS = (
     bool(_HOST_FEATURES.get("avx512vbmi2", False)),
     bool(_HOST_FEATURES.get("avx512f", False)),
 )
-"""Whether this CPU expands (fills chosen lanes from consecutive memory) a vector of 16-bit words,
-and of 32-bit words, in one instruction (x86 AVX-512 VBMI2 and AVX-512F). Elsewhere LLVM turns
-expand_merge into a branch per lane, far slower than a plain loop. Numba's cache is per CPU
+"""Whether this CPU expands (fills chosen lanes from consecutive memory) and compresses (stores
+chosen lanes to consecutive memory) a vector of 16-bit words, and of 32-bit words, in one
+instruction (x86 AVX-512 VBMI2 and AVX-512F). Elsewhere LLVM turns expand_merge and
+compress_split into a branch per lane, far slower than a plain loop. Numba's cache is per CPU
 model and features, so code compiled with these values only runs where they hold."""
 
 
 @njit(cache=True, nogil=True)
 def expands(word_bytes):
-    """Whether this CPU runs expand_merge in single instructions for words of word_bytes."""
+    """Whether this CPU runs expand_merge and compress_split in single instructions for words of
+    word_bytes."""
     if word_bytes == 2:
         return EXPANDS[0]
     return EXPANDS[1] if word_bytes == 4 else False
@@ -200,6 +202,98 @@ def expand_merge(typingctx, src, hi_at, lo_at, mask, dst, dst_at):
         merged = builder.call(expand, [rest, builder.not_(taken), merged])
         at = builder.bitcast(builder.gep(dst_data, [args[5]]), vector.as_pointer())
         builder.store(merged, at, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def compress_split(typingctx, src, src_at, mask, dst, hi_at, lo_at):
+    """The inverse of expand_merge: of the n = EXPAND_LANES / word bits words src[src_at : src_at
+    + n], those whose bit is set in `mask` go to dst[hi_at], dst[hi_at + 1], ... in order, the
+    others to dst[lo_at], dst[lo_at + 1], ... (a load and two masked compress-stores; only the
+    words stored are written; C-contiguous arrays of one dtype of 32-bit words, any alignment,
+    the caller keeps every range in bounds)."""
+    if src.layout != "C" or dst.layout != "C" or src.dtype != dst.dtype:
+        return None
+    sig = types.void(src, src_at, mask, dst, hi_at, lo_at)
+
+    def codegen(context, builder, signature, args):
+        word = context.get_value_type(signature.args[0].dtype)
+        lanes = EXPAND_LANES // 32
+        vector, bits = ir.VectorType(word, lanes), ir.VectorType(ir.IntType(1), lanes)
+        kind = "f32" if isinstance(word, ir.FloatType) else "i32"
+        compress = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(ir.VoidType(), [vector, word.as_pointer(), bits]),
+            f"llvm.masked.compressstore.v{lanes}{kind}",
+        )
+        mask = context.cast(builder, args[2], signature.args[2], types.uint64)
+        taken = builder.bitcast(builder.trunc(mask, ir.IntType(lanes)), bits)
+        src_data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        dst_data = context.make_array(signature.args[3])(context, builder, args[3]).data
+        at = builder.bitcast(builder.gep(src_data, [args[1]]), vector.as_pointer())
+        words = builder.load(at, align=1)
+        builder.call(compress, [words, builder.gep(dst_data, [args[4]]), taken])
+        builder.call(compress, [words, builder.gep(dst_data, [args[5]]), builder.not_(taken)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+TRANSPOSE = 16
+"""Side of the square blocks transpose_block moves: 16 float32, one AVX-512 register per row."""
+
+
+@intrinsic
+def transpose_block(typingctx, src, src_at, src_stride, dst, dst_at, dst_stride):
+    """dst[dst_at + j * dst_stride + i] = src[src_at + i * src_stride + j] for i, j < TRANSPOSE
+    (C-contiguous float32 arrays, any alignment; the caller keeps both blocks in bounds): the
+    rows are loaded into vector registers and transposed in log2(TRANSPOSE) rounds of two-input
+    shuffles, where a plain loop reads or writes one float at a time."""
+    if src.layout != "C" or dst.layout != "C":
+        return None
+    sig = types.void(src, src_at, src_stride, dst, dst_at, dst_stride)
+
+    def codegen(context, builder, signature, args):
+        vector = ir.VectorType(ir.FloatType(), TRANSPOSE)
+        index = ir.VectorType(ir.IntType(32), TRANSPOSE)
+
+        def rows(i: int) -> list[ir.Value]:  # pointers to the block's rows in array args[i]
+            data = context.make_array(signature.args[i])(context, builder, args[i]).data
+            stride = context.cast(builder, args[i + 2], signature.args[i + 2], types.intp)
+            start = context.cast(builder, args[i + 1], signature.args[i + 1], types.intp)
+            return [
+                builder.bitcast(
+                    builder.gep(
+                        data, [builder.add(start, builder.mul(stride, ir.Constant(stride.type, r)))]
+                    ),
+                    vector.as_pointer(),
+                )
+                for r in range(TRANSPOSE)
+            ]
+
+        regs = [builder.load(pointer, align=4) for pointer in rows(0)]
+        # Round h swaps bit h of the row with bit h of the lane: rows r and r + h (bit h clear in
+        # r) trade their lanes with bit h set for the other's lanes with it clear.
+        h = 1
+        while h < TRANSPOSE:
+            low = ir.Constant(
+                index,
+                [lane if lane & h == 0 else TRANSPOSE + lane - h for lane in range(TRANSPOSE)],
+            )
+            high = ir.Constant(
+                index,
+                [lane + h if lane & h == 0 else TRANSPOSE + lane for lane in range(TRANSPOSE)],
+            )
+            for r in range(TRANSPOSE):
+                if r & h == 0:
+                    a, b = regs[r], regs[r + h]
+                    regs[r] = builder.shuffle_vector(a, b, low)
+                    regs[r + h] = builder.shuffle_vector(a, b, high)
+            h *= 2
+        for pointer, reg in zip(rows(3), regs, strict=True):
+            builder.store(reg, pointer, align=4)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -33,10 +33,12 @@ from tierkv.quant.kernels import (
     CHUNK_VALUES,
     EXPAND_LANES,
     FP16,
+    TRANSPOSE,
     Threaded,
     bf16_word,
     bits_value,
     block_exponent,
+    compress_split,
     copy_u64_pair,
     expand_merge,
     expands,
@@ -51,6 +53,7 @@ from tierkv.quant.kernels import (
     read_u16,
     store_le,
     to_f32,
+    transpose_block,
     write_u16,
 )
 from tierkv.quant.payload import (
@@ -161,18 +164,20 @@ class Layout:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _radix4(y0, y1, y2, y3, n):
-    """Two Walsh-Hadamard butterfly stages on four rows of n lanes (y0 + y1, y0 - y1, the same
-    for y2, y3, then across the pairs), in place."""
+def _radix4(y, r0, r1, r2, r3, n):
+    """Two Walsh-Hadamard butterfly stages on the four runs of n lanes at y[r0:], y[r1:],
+    y[r2:], y[r3:] (r0 + r1, r0 - r1, the same for r2, r3, then across the pairs), in place."""
     for t in range(n):
-        s0 = y0[t] + y1[t]
-        s1 = y0[t] - y1[t]
-        s2 = y2[t] + y3[t]
-        s3 = y2[t] - y3[t]
-        y0[t] = s0 + s2
-        y1[t] = s1 + s3
-        y2[t] = s0 - s2
-        y3[t] = s1 - s3
+        a0, a1 = np.uint64(r0 + t), np.uint64(r1 + t)
+        a2, a3 = np.uint64(r2 + t), np.uint64(r3 + t)
+        s0 = y[a0] + y[a1]
+        s1 = y[a0] - y[a1]
+        s2 = y[a2] + y[a3]
+        s3 = y[a2] - y[a3]
+        y[a0] = s0 + s2
+        y[a1] = s1 + s3
+        y[a2] = s0 - s2
+        y[a3] = s1 - s3
 
 
 @njit(cache=True, nogil=True)
@@ -180,21 +185,24 @@ def _fwht_columns(y, m, n):
     """Unnormalised fast Walsh–Hadamard transform of each column y[:m, t], t < n (in place).
 
     Two butterfly stages per pass over the tile (radix 4), then a last radix-2 stage when
-    log2(m) is odd: half the passes of the textbook loop, twice as fast."""
+    log2(m) is odd: half the passes of the textbook loop, twice as fast. (Rows are addressed
+    in the flat array with unsigned indices, here and in the encoder's other passes over a
+    tile: a view per row would cost two atomic reference counts, no wraparound checks.)"""
+    flat, w = y.reshape(-1), y.shape[1]
     h = 1
     while 4 * h <= m:
         for i in range(0, m, 4 * h):
             for j in range(i, i + h):
-                _radix4(y[j], y[j + h], y[j + 2 * h], y[j + 3 * h], n)
+                _radix4(flat, j * w, (j + h) * w, (j + 2 * h) * w, (j + 3 * h) * w, n)
         h *= 4
     if h < m:
         for j in range(h):
-            y0, y1 = y[j], y[j + h]
             for t in range(n):
-                a = y0[t]
-                b = y1[t]
-                y0[t] = a + b
-                y1[t] = a - b
+                a0, a1 = np.uint64(j * w + t), np.uint64((j + h) * w + t)
+                a = flat[a0]
+                b = flat[a1]
+                flat[a0] = a + b
+                flat[a1] = a - b
 
 
 @njit(cache=True, nogil=True)
@@ -218,12 +226,29 @@ def _mix_columns(y, z, mix, p):
 
 
 @njit(cache=True, nogil=True, fastmath={"reassoc", "contract"})
-def _dot(a, b, m):
-    """sum(a[:m] * b[:m]) in float32 (reassociated, so it vectorizes)."""
+def _dot(a, a_at, b, b_at, m):
+    """sum(a[a_at : a_at + m] * b[b_at : b_at + m]) of 1-D arrays in float32 (reassociated, so it
+    vectorizes; unsigned indices and no views: no wraparound checks, no reference counts)."""
     acc = np.float32(0.0)
     for j in range(m):
-        acc += a[j] * b[j]
+        acc += a[np.uint64(a_at + j)] * b[np.uint64(b_at + j)]
     return acc
+
+
+@njit(cache=True, nogil=True)
+def _transpose(rows, offset, n, m, columns):
+    """columns[j, t] = rows[t, offset + j] for t < n, j < m (C-contiguous 2-D float32): whole
+    blocks with transpose_block, the edges one by one."""
+    flat_rows, flat_columns = rows.reshape(-1), columns.reshape(-1)
+    row_stride, column_stride = rows.shape[1], columns.shape[1]
+    n_whole, m_whole = n - n % TRANSPOSE, m - m % TRANSPOSE
+    for t in range(0, n_whole, TRANSPOSE):
+        for j in range(0, m_whole, TRANSPOSE):
+            at, to = t * row_stride + offset + j, j * column_stride + t
+            transpose_block(flat_rows, at, row_stride, flat_columns, to, column_stride)
+    for j in range(m):
+        for t in range(n_whole if j < m_whole else 0, n):
+            columns[j, t] = rows[t, offset + j]
 
 
 @njit(cache=True, nogil=True)
@@ -233,15 +258,16 @@ def _pack(idx, m, n, bits, out, start, stride):
     assembled for the whole tile at once (across vectors), then stored 4, 2 and 1 bytes at a
     time."""
     groups = np.empty(n, np.uint64)
+    flat, w = idx.reshape(-1), idx.shape[1]
     for g in range(0, m, 8):
         count = min(8, m - g)
         n_bytes = (count * bits + 7) // 8
         at = start + (g // 8) * bits
         groups[:] = 0
         for i in range(count):
-            row, shift = idx[g + i], np.uint64(bits * i)
+            row, shift = (g + i) * w, np.uint64(bits * i)
             for t in range(n):
-                groups[t] |= np.uint64(row[t]) << shift
+                groups[t] |= np.uint64(flat[np.uint64(row + t)]) << shift
         for t in range(n):
             acc, pos, done = groups[t], at + t * stride, 0
             while n_bytes - done >= 4:
@@ -265,14 +291,14 @@ def _count_above(y, m, n, boundaries, count, idx):
     """idx[j, t] = how many of the first `count` boundaries y[j, t] exceeds, for j < m, t < n.
     Inlined with `count` a constant, the loop over boundaries unrolls and the one across
     vectors vectorizes (holding the count in a register instead of in idx)."""
+    flat_y, flat_idx, w = y.reshape(-1), idx.reshape(-1), y.shape[1]
     for j in range(m):
-        row, out = y[j], idx[j]
         for t in range(n):
-            value = row[t]
+            value = flat_y[np.uint64(j * w + t)]
             above = np.int32(0)
             for b in range(count):
                 above += value > boundaries[b]
-            out[t] = above
+            flat_idx[np.uint64(j * w + t)] = above
 
 
 @njit(cache=True, nogil=True)
@@ -294,40 +320,35 @@ def _quantize(y, m, n, boundaries, idx):
 
 
 @njit(cache=True, nogil=True)
-def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
-    """Norms and packed indices of one instance for vectors v0 .. v0 + n - 1, held in x[:n]
-    (already scaled by 2**-k). select = (channels, div, mod) picks each vector's channel order,
-    offset the instance's first position in it; inst = (m, bits, signs, matrix, matrix_t,
-    centroids, boundaries); scratch = (rows, y, z, idx, norms);
-    at = (first norm, norm stride, first index byte, index stride) in out.
+def _encode_tile(vectors, offset, n, inst, scratch, out, at):
+    """Norms and packed indices of one instance for the n vectors of a tile: vector t's channels
+    of the instance in vectors[t, offset : offset + m] (already scaled by 2**-k; gathered in the
+    order of its selection group when mixed); inst = (m, bits, signs, matrix, matrix_t,
+    centroids, boundaries); scratch = (y, z, idx, norms); at = (first norm, norm stride, first
+    index byte, index stride) in out.
 
     The rotated coordinates land in y[:m, :n], one column per vector, so quantizing and the
     Walsh-Hadamard butterflies run across vectors."""
-    channels, sel_div, sel_mod = select
     m, bits, signs, matrix, _, _, boundaries = inst
-    rows, y, z, idx, inv_norms = scratch
+    y, z, idx, inv_norms = scratch
     norm_at, norm_stride, index_at, index_stride = at
-    if m < x.shape[1]:  # mixed: gather this instance's channels
-        for t in range(n):  # (unsigned indices into row views: no wraparound, 2-3x faster)
-            chan = channels[((v0 + t) // sel_div) % sel_mod, offset : offset + m]
-            src, dst = x[t], rows[t]
-            for j in range(m):
-                dst[j] = src[np.uint32(chan[j])]
-        vectors = rows
-    else:
-        vectors = x
+    flat = vectors.reshape(-1)
+    d = vectors.shape[1]
     for t in range(n):
-        norm = np.sqrt(_dot(vectors[t], vectors[t], m))
+        norm = np.sqrt(_dot(flat, t * d + offset, flat, t * d + offset, m))
         write_u16(out, norm_at + t * norm_stride, f32_to_half(norm))
         inv_norms[t] = np.float32(1.0) / norm if norm > 0 else np.float32(0.0)
     if matrix.shape[0] < m:  # Hadamard blocks, mixed by matrix when there are several
         q = max(1, matrix.shape[0])
         p = m // q
         scale = np.float32(1.0 / math.sqrt(p))
+        _transpose(vectors, offset, n, m, y)
+        columns, w = y.reshape(-1), y.shape[1]
         for j in range(m):
             f = signs[j] * scale
             for t in range(n):
-                y[j, t] = vectors[t, j] * inv_norms[t] * f
+                at = np.uint64(j * w + t)
+                columns[at] = columns[at] * inv_norms[t] * f
         for a in range(q):
             _fwht_columns(y[a * p : (a + 1) * p], p, n)
         if q > 1:
@@ -336,7 +357,8 @@ def _encode_tile(x, n, v0, select, offset, inst, scratch, out, at):
     else:  # a dense m x m matrix (payload format version 1)
         for i in range(m):
             for t in range(n):
-                y[i, t] = _dot(matrix[i], vectors[t], m) * inv_norms[t]
+                dot = _dot(matrix.reshape(-1), i * m, flat, t * d + offset, m)
+                y[i, t] = dot * inv_norms[t]
     _quantize(y, m, n, boundaries, idx)
     _pack(idx, m, n, bits, out, index_at, index_stride)
 
@@ -447,7 +469,7 @@ def _rotate_back(y, d, n, off, z, inst):
         for t in range(n):
             at = t * d + off
             for i in range(m):
-                z[at + i] = _dot(matrix_t[i], y[at : at + m], m)
+                z[at + i] = _dot(matrix_t.reshape(-1), i * m, y, at, m)
         return z
     _mix(y, d, n, off, z, matrix_t, p)
     for a in range(q):
@@ -540,6 +562,31 @@ def _merge(words, d, v0, n, plan, dst):
         else:
             for j in range(d):
                 dst[np.uint64(to + channels[g, j])] = words[np.uint64(at + j)]
+        in_run += 1
+        if in_run == sel_div:
+            in_run = 0
+            g = g + 1 if g + 1 < sel_mod else 0
+
+
+@njit(cache=True, nogil=True)
+def _split(x, d, v0, n, plan, rows):
+    """The inverse of _merge for the encoder: rows[t] = the d float32 values of mixed vector
+    v0 + t, x[t], in the channel order of its selection group (its hi channels, then its lo
+    ones), t < n; plan from _merge_plan for 4-byte words."""
+    (channels, sel_div, sel_mod), masks, starts = plan
+    runs = masks.shape[1]
+    src, dst = x.reshape(-1), rows.reshape(-1)
+    g, in_run = (v0 // sel_div) % sel_mod, v0 % sel_div
+    for t in range(n):
+        at = t * d
+        if runs:
+            lanes = d // runs
+            for c in range(runs):
+                hi_at, lo_at = at + starts[g, c, 0], at + starts[g, c, 1]
+                compress_split(src, at + c * lanes, masks[g, c], dst, hi_at, lo_at)
+        else:
+            for j in range(d):
+                dst[np.uint64(at + j)] = src[np.uint64(at + channels[g, j])]
         in_run += 1
         if in_run == sel_div:
             in_run = 0
@@ -667,7 +714,8 @@ def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
     lo_index_offset = packed_bytes(hi[0], hi[1])
     inv_pow2k = np.float32(pow2(-k))
     x, rows, y, z, idx, norms = _tile_buffers(d)
-    scratch = (rows, y, z, idx, norms)
+    scratch = (y, z, idx, norms)
+    plan = _merge_plan(select, hi[0], n_inst == 2, 4)
     for tile in range(t_lo, t_hi):
         v0 = tile * _TILE
         n = min(_TILE, n_vectors - v0)
@@ -678,10 +726,13 @@ def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
         norm_at = norms_offset + 2 * n_inst * v0
         index_at = indices_offset + bpv * v0
         at = (norm_at, 2 * n_inst, index_at, bpv)
-        _encode_tile(x, n, v0, select, 0, hi, scratch, out, at)
-        if n_inst == 2:
-            at = (norm_at + 2, 2 * n_inst, index_at + lo_index_offset, bpv)
-            _encode_tile(x, n, v0, select, hi[0], lo, scratch, out, at)
+        if n_inst == 1:
+            _encode_tile(x, 0, n, hi, scratch, out, at)
+            continue
+        _split(x, d, v0, n, plan, rows)
+        _encode_tile(rows, 0, n, hi, scratch, out, at)
+        at = (norm_at + 2, 2 * n_inst, index_at + lo_index_offset, bpv)
+        _encode_tile(rows, hi[0], n, lo, scratch, out, at)
 
 
 @njit(cache=True, nogil=True)
