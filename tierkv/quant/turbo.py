@@ -71,11 +71,10 @@ from tierkv.quant.payload import (
 
 _ENERGY_CHUNK_VALUES = 1 << 17
 """Values per work item of the energy scan (each keeps its own per-channel sums)."""
-_TILE = 64
-"""Vectors encoded together, laid out as columns so the inner loops run across vectors."""
-_DECODE_TILE_VALUES = 1 << 14
-"""Values decoded together (a tile of 128 vectors of 128), pass by pass: every vector's levels
-are looked up, then rotated back, then converted."""
+_TILE_VALUES = 1 << 14
+"""Values encoded or decoded together, pass by pass over the tile of _TILE_VALUES // d vectors
+(128 of 128): the encoder lays them out as columns so its inner loops run across vectors; the
+decoder looks up every vector's levels, then rotates them back, then converts them."""
 
 
 def check_group_size(name: str, group_size: int) -> None:
@@ -255,29 +254,34 @@ def _transpose(rows, offset, n, m, columns):
 def _pack(idx, m, n, bits, out, start, stride):
     """Bit-pack idx[:m, t] for each vector t into out[start + t * stride:], LSB first, in groups
     of 8 indices (bits bytes each; a last partial group is padded to a byte). Each group is
-    assembled for the whole tile at once (across vectors), then stored 4, 2 and 1 bytes at a
-    time."""
-    groups = np.empty(n, np.uint64)
+    assembled for the whole tile at once (across vectors); then, vector by vector and in
+    order, each group is stored as one 8-byte word whose bytes past the group the next groups
+    overwrite, and the groups too close to the vector's end 4, 2 and 1 bytes at a time."""
+    n_groups = (m + 7) // 8
+    groups = np.zeros((n_groups, n), np.uint64)
     flat, w = idx.reshape(-1), idx.shape[1]
-    for g in range(0, m, 8):
-        count = min(8, m - g)
-        n_bytes = (count * bits + 7) // 8
-        at = start + (g // 8) * bits
-        groups[:] = 0
-        for i in range(count):
-            row, shift = (g + i) * w, np.uint64(bits * i)
+    for g in range(n_groups):
+        for i in range(min(8, m - 8 * g)):
+            row, shift = (8 * g + i) * w, np.uint64(bits * i)
             for t in range(n):
-                groups[t] |= np.uint64(flat[np.uint64(row + t)]) << shift
-        for t in range(n):
-            acc, pos, done = groups[t], at + t * stride, 0
+                groups[g, t] |= np.uint64(flat[np.uint64(row + t)]) << shift
+    total = packed_bytes(m, bits)
+    whole = min(m // 8, max(0, (total - 8) // bits + 1))  # groups whose 8 bytes fit
+    for t in range(n):
+        pos = start + t * stride
+        for g in range(whole):
+            store_le(out, pos + g * bits, groups[g, t])
+        for g in range(whole, n_groups):
+            acc, at, done = groups[g, t], pos + g * bits, 0
+            n_bytes = (min(8, m - 8 * g) * bits + 7) // 8
             while n_bytes - done >= 4:
-                store_le(out, pos + done, np.uint32(acc >> np.uint64(8 * done)))
+                store_le(out, at + done, np.uint32(acc >> np.uint64(8 * done)))
                 done += 4
             if n_bytes - done >= 2:
-                store_le(out, pos + done, np.uint16(acc >> np.uint64(8 * done)))
+                store_le(out, at + done, np.uint16(acc >> np.uint64(8 * done)))
                 done += 2
             if n_bytes > done:
-                out[pos + done] = np.uint8(acc >> np.uint64(8 * done))
+                out[at + done] = np.uint8(acc >> np.uint64(8 * done))
 
 
 @njit(cache=True, nogil=True)
@@ -622,11 +626,11 @@ def _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k):
 
 @njit(cache=True, nogil=True)
 def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi):
-    """Decode tiles [t_lo, t_hi) (of _DECODE_TILE_VALUES // d vectors) of a TurboQuant body
+    """Decode tiles [t_lo, t_hi) (of _TILE_VALUES // d vectors) of a TurboQuant body
     into `out_words`; see _encode_tiles."""
     norms_offset, indices_offset, bpv = offsets
     n_vectors = out_words.size // d
-    tile = _DECODE_TILE_VALUES // d
+    tile = _TILE_VALUES // d
     n_inst = 2 if lo[0] > 0 else 1
     pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
     word_bits = 8 * out_words.itemsize
@@ -646,16 +650,16 @@ def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
 
 
 @njit(cache=True, nogil=True)
-def _tile_buffers(d):
-    """Scratch space for one encoder tile: x and rows (vectors as rows), y and z (as columns),
-    indices, norms."""
+def _tile_buffers(d, tile):
+    """Scratch space for one encoder tile of `tile` vectors: x and rows (vectors as rows), y and
+    z (as columns), indices, norms."""
     return (
-        np.empty((_TILE, d), np.float32),
-        np.empty((_TILE, d), np.float32),
-        np.empty((d, _TILE), np.float32),
-        np.empty((d, _TILE), np.float32),
-        np.empty((d, _TILE), np.int32),
-        np.empty(_TILE, np.float32),
+        np.empty((tile, d), np.float32),
+        np.empty((tile, d), np.float32),
+        np.empty((d, tile), np.float32),
+        np.empty((d, tile), np.float32),
+        np.empty((d, tile), np.int32),
+        np.empty(tile, np.float32),
     )
 
 
@@ -713,12 +717,13 @@ def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
     n_inst = 2 if lo[0] > 0 else 1
     lo_index_offset = packed_bytes(hi[0], hi[1])
     inv_pow2k = np.float32(pow2(-k))
-    x, rows, y, z, idx, norms = _tile_buffers(d)
+    tile_vectors = _TILE_VALUES // d
+    x, rows, y, z, idx, norms = _tile_buffers(d, tile_vectors)
     scratch = (y, z, idx, norms)
     plan = _merge_plan(select, hi[0], n_inst == 2, 4)
     for tile in range(t_lo, t_hi):
-        v0 = tile * _TILE
-        n = min(_TILE, n_vectors - v0)
+        v0 = tile * tile_vectors
+        n = min(tile_vectors, n_vectors - v0)
         flat = x.reshape(-1)[: n * d]
         to_f32(words[v0 * d : (v0 + n) * d], code, flat)
         for i in range(n * d):
@@ -736,17 +741,23 @@ def _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi):
 
 
 @njit(cache=True, nogil=True)
+def _n_tiles(n_values, d):
+    """Tiles of _TILE_VALUES // d vectors that n_values values of vectors of d fill."""
+    return -(-(n_values // d) // (_TILE_VALUES // d))
+
+
+@njit(cache=True, nogil=True)
 def encode_serial(words, code, d, select, k, out, offsets, hi, lo):
     """Encode every vector of `words` into `out` (offsets relative to out[0])."""
-    n_tiles = (words.size // d + _TILE - 1) // _TILE
+    n_tiles = _n_tiles(words.size, d)
     _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, 0, n_tiles)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def encode_parallel(words, code, d, select, k, out, offsets, hi, lo):
     """encode_serial split across threads."""
-    n_tiles = (words.size // d + _TILE - 1) // _TILE
-    per_chunk = max(1, CHUNK_VALUES // (_TILE * d))
+    n_tiles = _n_tiles(words.size, d)
+    per_chunk = max(1, CHUNK_VALUES // _TILE_VALUES)
     for c in prange((n_tiles + per_chunk - 1) // per_chunk):
         t_lo, t_hi = c * per_chunk, min(n_tiles, (c + 1) * per_chunk)
         _encode_tiles(words, code, d, select, k, out, offsets, hi, lo, t_lo, t_hi)
@@ -755,15 +766,15 @@ def encode_parallel(words, code, d, select, k, out, offsets, hi, lo):
 @njit(cache=True, nogil=True)
 def decode_serial(body, code, d, select, out_words, offsets, hi, lo):
     """Decode every vector of a TurboQuant body into `out_words`."""
-    n_tiles = -(-(out_words.size // d) // (_DECODE_TILE_VALUES // d))
+    n_tiles = _n_tiles(out_words.size, d)
     _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, 0, n_tiles)
 
 
 @njit(parallel=True, nogil=True, cache=True)
 def decode_parallel(body, code, d, select, out_words, offsets, hi, lo):
     """decode_serial split across threads."""
-    n_tiles = -(-(out_words.size // d) // (_DECODE_TILE_VALUES // d))
-    per_chunk = max(1, CHUNK_VALUES // _DECODE_TILE_VALUES)
+    n_tiles = _n_tiles(out_words.size, d)
+    per_chunk = max(1, CHUNK_VALUES // _TILE_VALUES)
     for c in prange((n_tiles + per_chunk - 1) // per_chunk):
         t_lo, t_hi = c * per_chunk, min(n_tiles, (c + 1) * per_chunk)
         _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
