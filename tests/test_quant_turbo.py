@@ -11,10 +11,14 @@ from hypothesis.extra import numpy as hnp
 from tests.test_quant_codec import DTYPES, as_f64, round_trip, to_dtype
 from tierkv.quant import NonFiniteError, PayloadError, decode_into, get_codec, read_header
 from tierkv.quant.codebooks import lloyd_max, rotation
+from tierkv.quant.kernels import expands
 from tierkv.quant.payload import TURBO_MODES, header_bytes
 from tierkv.quant.turbo import (
     Layout,
+    _merge,
+    _merge_plan,
     _quantize,
+    _split,
     index_positions,
     named_codec,
     selection_groups,
@@ -328,3 +332,40 @@ def test_channel_map_takes_the_most_energy_ties_to_the_lower_channel(d: int) -> 
     np.put_along_axis(mask, top, True, axis=1)
     assert np.array_equal(channels, channels_from_mask(mask))
     assert np.array_equal(masks, np.packbits(mask, axis=1, bitorder="little"))
+
+
+def channel_plans(select: tuple[np.ndarray, int, int], hi_m: int, word_bytes: int) -> list:
+    """_merge_plan's plan for this CPU (runs of expand_merge / compress_split where it has them)
+    and the word-by-word plan every CPU can run."""
+    mod = select[2]
+    by_word = (select, np.zeros((mod, 0), np.uint64), np.zeros((mod, 0, 2), np.int64))
+    return [_merge_plan(select, hi_m, True, word_bytes), by_word]
+
+
+@pytest.mark.parametrize("d", [40, 64, 128, 200, 256])
+@pytest.mark.parametrize(("div", "mod"), [(1, 3), (5, 2)])
+def test_split_and_merge_order_the_channels_by_selection_group(d: int, div: int, mod: int) -> None:
+    """The encoder's _split (compress-stores, or word by word) gives each vector's channels in
+    its group's order, hi ones first; the decoder's _merge (expand-loads, or word by word) puts
+    them back, for 16- and 32-bit words; from a first vector part of the way through a run."""
+    rng = np.random.default_rng(d)
+    hi_m = d // 4
+    channels = channels_from_mask(np.stack([rng.permutation(d) < hi_m for _ in range(mod)]))
+    select = (channels.astype(np.int32), div, mod)
+    v0, n = 7, 50
+    groups = ((v0 + np.arange(n)) // div) % mod
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    for plan in channel_plans(select, hi_m, 4):
+        rows = np.empty_like(x)
+        _split(x, d, v0, n, plan, rows)
+        assert np.array_equal(rows, np.take_along_axis(x, channels[groups], axis=1))
+    for word in (np.uint16, np.uint32):
+        words = rng.integers(0, 1 << 16, (n, d)).astype(word)
+        expected = np.empty((v0 + n, d), word)
+        np.put_along_axis(expected[v0:], channels[groups], words, axis=1)
+        for plan in channel_plans(select, hi_m, np.dtype(word).itemsize):
+            out = np.zeros((v0 + n, d), word)
+            _merge(words.reshape(-1), d, v0, n, plan, out.reshape(-1))
+            assert np.array_equal(out[v0:], expected[v0:])
+    if expands(2) and d % 32 == 0:  # on an AVX-512 CPU the fast paths ran too
+        assert channel_plans(select, hi_m, 2)[0][1].shape[1] == d // 32
