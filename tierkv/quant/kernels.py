@@ -172,34 +172,58 @@ def expands(word_bytes):
     return EXPANDS[1] if word_bytes == 4 else False
 
 
+def _masked_memory(
+    context: Any,
+    builder: ir.IRBuilder,
+    array_type: types.Array,
+    mask_type: types.Integer,
+    mask: ir.Value,
+    operation: str,
+) -> tuple[ir.VectorType, ir.Value, ir.Function]:
+    """For LLVM's masked-memory intrinsic `operation` ("expandload" or "compressstore") on the
+    words of arrays of `array_type`: the vector type of EXPAND_LANES bits of them, the lane mask
+    made of the low bits of the integer `mask` (bit i for lane i), and the intrinsic."""
+    word = context.get_value_type(array_type.dtype)
+    width = 32 if isinstance(word, ir.FloatType) else word.width
+    lanes = EXPAND_LANES // width
+    vector, bits = ir.VectorType(word, lanes), ir.VectorType(ir.IntType(1), lanes)
+    wide = context.cast(builder, mask, mask_type, types.uint64)
+    taken = builder.bitcast(builder.trunc(wide, ir.IntType(lanes)), bits)
+    if operation == "expandload":  # (pointer, mask, pass-through) -> vector
+        kind = ir.FunctionType(vector, [word.as_pointer(), bits, vector])
+    else:  # (vector, pointer, mask)
+        kind = ir.FunctionType(ir.VoidType(), [vector, word.as_pointer(), bits])
+    letter = "f" if isinstance(word, ir.FloatType) else "i"
+    name = f"llvm.masked.{operation}.v{lanes}{letter}{width}"
+    return vector, taken, cgutils.get_or_insert_function(builder.module, kind, name)
+
+
+def _data(context: Any, builder: ir.IRBuilder, array_type: types.Array, array: ir.Value) -> Any:
+    """The pointer to the first element of a Numba array value."""
+    return context.make_array(array_type)(context, builder, array).data
+
+
 @intrinsic
 def expand_merge(typingctx, src, hi_at, lo_at, mask, dst, dst_at):
     """Merge two runs of src into the n = EXPAND_LANES / word bits words dst[dst_at : dst_at + n]:
     the words whose bit is set in `mask` (bit i for word i) take src[hi_at], src[hi_at + 1], ...
     in order, the others src[lo_at], src[lo_at + 1], ... (two masked expand-loads and a store; only
-    the words taken are read; C-contiguous uint16 or uint32 arrays of one dtype, any alignment,
-    the caller keeps every range in bounds)."""
+    the words taken are read; C-contiguous arrays of one dtype, any alignment, the caller keeps
+    every range in bounds)."""
     if src.layout != "C" or dst.layout != "C" or src.dtype != dst.dtype:
         return None
     sig = types.void(src, hi_at, lo_at, mask, dst, dst_at)
 
     def codegen(context, builder, signature, args):
-        word = context.get_value_type(signature.args[0].dtype)
-        lanes = EXPAND_LANES // word.width
-        vector, bits = ir.VectorType(word, lanes), ir.VectorType(ir.IntType(1), lanes)
-        expand = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(vector, [word.as_pointer(), bits, vector]),
-            f"llvm.masked.expandload.v{lanes}i{word.width}",
+        vector, taken, expand = _masked_memory(
+            context, builder, signature.args[0], signature.args[3], args[3], "expandload"
         )
-        mask = context.cast(builder, args[3], signature.args[3], types.uint64)
-        taken = builder.bitcast(builder.trunc(mask, ir.IntType(lanes)), bits)
-        src_data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        dst_data = context.make_array(signature.args[4])(context, builder, args[4]).data
+        src_data = _data(context, builder, signature.args[0], args[0])
         first = builder.gep(src_data, [args[1]])
         merged = builder.call(expand, [first, taken, ir.Constant(vector, None)])
         rest = builder.gep(src_data, [args[2]])
         merged = builder.call(expand, [rest, builder.not_(taken), merged])
+        dst_data = _data(context, builder, signature.args[4], args[4])
         at = builder.bitcast(builder.gep(dst_data, [args[5]]), vector.as_pointer())
         builder.store(merged, at, align=1)
         return context.get_dummy_value()
@@ -212,28 +236,20 @@ def compress_split(typingctx, src, src_at, mask, dst, hi_at, lo_at):
     """The inverse of expand_merge: of the n = EXPAND_LANES / word bits words src[src_at : src_at
     + n], those whose bit is set in `mask` go to dst[hi_at], dst[hi_at + 1], ... in order, the
     others to dst[lo_at], dst[lo_at + 1], ... (a load and two masked compress-stores; only the
-    words stored are written; C-contiguous arrays of one dtype of 32-bit words, any alignment,
-    the caller keeps every range in bounds)."""
+    words stored are written; C-contiguous arrays of one dtype, any alignment, the caller keeps
+    every range in bounds)."""
     if src.layout != "C" or dst.layout != "C" or src.dtype != dst.dtype:
         return None
     sig = types.void(src, src_at, mask, dst, hi_at, lo_at)
 
     def codegen(context, builder, signature, args):
-        word = context.get_value_type(signature.args[0].dtype)
-        lanes = EXPAND_LANES // 32
-        vector, bits = ir.VectorType(word, lanes), ir.VectorType(ir.IntType(1), lanes)
-        kind = "f32" if isinstance(word, ir.FloatType) else "i32"
-        compress = cgutils.get_or_insert_function(
-            builder.module,
-            ir.FunctionType(ir.VoidType(), [vector, word.as_pointer(), bits]),
-            f"llvm.masked.compressstore.v{lanes}{kind}",
+        vector, taken, compress = _masked_memory(
+            context, builder, signature.args[0], signature.args[2], args[2], "compressstore"
         )
-        mask = context.cast(builder, args[2], signature.args[2], types.uint64)
-        taken = builder.bitcast(builder.trunc(mask, ir.IntType(lanes)), bits)
-        src_data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        dst_data = context.make_array(signature.args[3])(context, builder, args[3]).data
+        src_data = _data(context, builder, signature.args[0], args[0])
         at = builder.bitcast(builder.gep(src_data, [args[1]]), vector.as_pointer())
         words = builder.load(at, align=1)
+        dst_data = _data(context, builder, signature.args[3], args[3])
         builder.call(compress, [words, builder.gep(dst_data, [args[4]]), taken])
         builder.call(compress, [words, builder.gep(dst_data, [args[5]]), builder.not_(taken)])
         return context.get_dummy_value()
