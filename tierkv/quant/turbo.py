@@ -332,7 +332,8 @@ def _encode_tile(vectors, offset, n, inst, scratch, out, at):
     index byte, index stride) in out.
 
     The rotated coordinates land in y[:m, :n], one column per vector, so quantizing and the
-    Walsh-Hadamard butterflies run across vectors."""
+    Walsh-Hadamard butterflies run across vectors. (Only format 2 is written: its rotations are
+    Hadamard blocks, never format 1's dense matrices.)"""
     m, bits, signs, matrix, _, _, boundaries = inst
     y, z, idx, inv_norms = scratch
     norm_at, norm_stride, index_at, index_stride = at
@@ -342,27 +343,21 @@ def _encode_tile(vectors, offset, n, inst, scratch, out, at):
         norm = np.sqrt(_dot(flat, t * d + offset, flat, t * d + offset, m))
         write_u16(out, norm_at + t * norm_stride, f32_to_half(norm))
         inv_norms[t] = np.float32(1.0) / norm if norm > 0 else np.float32(0.0)
-    if matrix.shape[0] < m:  # Hadamard blocks, mixed by matrix when there are several
-        q = max(1, matrix.shape[0])
-        p = m // q
-        scale = np.float32(1.0 / math.sqrt(p))
-        _transpose(vectors, offset, n, m, y)
-        columns, w = y.reshape(-1), y.shape[1]
-        for j in range(m):
-            f = signs[j] * scale
-            for t in range(n):
-                at = np.uint64(j * w + t)
-                columns[at] = columns[at] * inv_norms[t] * f
-        for a in range(q):
-            _fwht_columns(y[a * p : (a + 1) * p], p, n)
-        if q > 1:
-            _mix_columns(y, z, matrix, p)
-            y = z
-    else:  # a dense m x m matrix (payload format version 1)
-        for i in range(m):
-            for t in range(n):
-                dot = _dot(matrix.reshape(-1), i * m, flat, t * d + offset, m)
-                y[i, t] = dot * inv_norms[t]
+    q = max(1, matrix.shape[0])  # Hadamard blocks (payload format 2), mixed when several
+    p = m // q
+    scale = np.float32(1.0 / math.sqrt(p))
+    _transpose(vectors, offset, n, m, y)
+    columns, w = y.reshape(-1), y.shape[1]
+    for j in range(m):
+        f = signs[j] * scale
+        for t in range(n):
+            cell = np.uint64(j * w + t)
+            columns[cell] = columns[cell] * inv_norms[t] * f
+    for a in range(q):
+        _fwht_columns(y[a * p : (a + 1) * p], p, n)
+    if q > 1:
+        _mix_columns(y, z, matrix, p)
+        y = z
     _quantize(y, m, n, boundaries, idx)
     _pack(idx, m, n, bits, out, index_at, index_stride)
 
