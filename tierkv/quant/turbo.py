@@ -165,7 +165,8 @@ class Layout:
 @njit(cache=True, nogil=True, inline="always")
 def _radix4(y, r0, r1, r2, r3, n):
     """Two Walsh-Hadamard butterfly stages on the four runs of n lanes at y[r0:], y[r1:],
-    y[r2:], y[r3:] (r0 + r1, r0 - r1, the same for r2, r3, then across the pairs), in place."""
+    y[r2:], y[r3:] (run 0 + run 1, run 0 - run 1, the same for runs 2 and 3, then across the
+    pairs), in place."""
     for t in range(n):
         a0, a1 = np.uint64(r0 + t), np.uint64(r1 + t)
         a2, a3 = np.uint64(r2 + t), np.uint64(r3 + t)
@@ -185,8 +186,9 @@ def _fwht_columns(y, m, n):
 
     Two butterfly stages per pass over the tile (radix 4), then a last radix-2 stage when
     log2(m) is odd: half the passes of the textbook loop, twice as fast. (Rows are addressed
-    in the flat array with unsigned indices, here and in the encoder's other passes over a
-    tile: a view per row would cost two atomic reference counts, no wraparound checks.)"""
+    in the flat array, here and in the encoder's other passes over a tile: a view per row
+    would cost two atomic reference counts; and with unsigned indices, which Numba does not
+    check for wraparound.)"""
     flat, w = y.reshape(-1), y.shape[1]
     h = 1
     while 4 * h <= m:
@@ -465,10 +467,11 @@ def _rotate_back(y, d, n, off, z, inst):
         butterflies(y, off, d, n, m, table.shape[1])
         return y
     if q == m:
+        dense = matrix_t.reshape(-1)
         for t in range(n):
             at = t * d + off
             for i in range(m):
-                z[at + i] = _dot(matrix_t.reshape(-1), i * m, y, at, m)
+                z[at + i] = _dot(dense, i * m, y, at, m)
         return z
     _mix(y, d, n, off, z, matrix_t, p)
     for a in range(q):
