@@ -3,12 +3,11 @@
 `butterflies(y, start, step, count, size, first)` runs the butterfly stages of coordinate distance
 first, 2 * first, ..., size / 2 on each of y[start + i * step :][:size] (float32), i < count, in
 place (one call for the vectors of a tile: a call per vector would cost two atomic reference
-counts of y, as much as its butterflies). Each pair (a, b) becomes
-(a + b, a - b), stage by stage, exactly as the textbook loop does, so the result is bit for bit
-the same whichever way it runs: up to 256 values with `fwht` (a Numba intrinsic, written as LLVM
-vector IR, for the combinations of size and first it is built for, `fwht_fits`), the stages past
-256 values as loops over whole runs of values (which vectorize), and sizes under 16 values as a
-scalar loop.
+counts of y, as much as its butterflies). Each pair (a, b) becomes (a + b, a - b), stage by
+stage, exactly as the textbook loop does, so the result is bit for bit the same whichever way it
+runs: up to 256 values with `fwht` (a Numba intrinsic, written as LLVM vector IR, for the
+combinations of size and first it is built for, `fwht_fits`), the stages past 256 values as
+loops over whole runs of values (which vectorize), and sizes under 16 values as a scalar loop.
 
 The values are loaded once, into vectors of LANES floats: stages of distance LANES and up pair
 whole vectors; shorter ones pair lanes within a vector (a lane swap, an add, a subtract and a

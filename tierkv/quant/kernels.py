@@ -276,7 +276,7 @@ def transpose_block(typingctx, src, src_at, src_stride, dst, dst_at, dst_stride)
         index = ir.VectorType(ir.IntType(32), TRANSPOSE)
 
         def rows(i: int) -> list[ir.Value]:  # pointers to the block's rows in array args[i]
-            data = context.make_array(signature.args[i])(context, builder, args[i]).data
+            data = _data(context, builder, signature.args[i], args[i])
             stride = context.cast(builder, args[i + 2], signature.args[i + 2], types.intp)
             start = context.cast(builder, args[i + 1], signature.args[i + 1], types.intp)
             return [

@@ -520,11 +520,12 @@ def _sign_flips(inst, word_bits, flips):
 
 @njit(cache=True, nogil=True)
 def _merge_plan(select, hi_m, mixed, word_bytes):
-    """How _merge puts a mixed vector's words (hi instance, then lo) in channel order, per
-    selection group g of select = (channels, div, mod): with expand_merge when this CPU expands
-    words of word_bytes in single instructions and d is a whole number of its runs of `lanes`
-    words: masks[g, c] the bits of the hi channels of run c, starts[g, c] the positions of its
-    first hi and first lo word; otherwise (no runs) word by word to channels[g]."""
+    """How _merge puts a mixed vector's words (hi instance, then lo) in channel order, and _split
+    takes them out of it, per selection group g of select = (channels, div, mod): with
+    expand_merge / compress_split when this CPU has them for words of word_bytes and d is a
+    whole number of their runs of `lanes` words: masks[g, c] the bits of the hi channels of run
+    c, starts[g, c] the positions of its first hi and first lo word; otherwise (no runs) word by
+    word to channels[g]."""
     channels = select[0]
     n_groups, d = channels.shape
     lanes = EXPAND_LANES // (8 * word_bytes)
@@ -546,11 +547,22 @@ def _merge_plan(select, hi_m, mixed, word_bytes):
     return select, masks, starts
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _next_group(g, in_run, sel_div, sel_mod):
+    """The selection group and position in its run of sel_div vectors of the vector after one of
+    group g at position in_run (vector v's group is (v // sel_div) % sel_mod): counted, as a
+    division per vector would cost more than the channel order it picks."""
+    in_run += 1
+    if in_run < sel_div:
+        return g, in_run
+    return (g + 1 if g + 1 < sel_mod else 0), 0
+
+
 @njit(cache=True, nogil=True)
 def _merge(words, d, v0, n, plan, dst):
     """dst[(v0 + t) * d :][:d] = the d words of mixed vector t of a tile at words[t * d :] (its
-    hi instance's, then its lo one's) in the channel order of its selection group (vector v's is
-    (v // div) % mod, counted as t goes; see _merge_plan), t < n."""
+    hi instance's, then its lo one's) in the channel order of its selection group (see
+    _merge_plan and _next_group), t < n."""
     (channels, sel_div, sel_mod), masks, starts = plan
     runs = masks.shape[1]
     g, in_run = (v0 // sel_div) % sel_mod, v0 % sel_div
@@ -564,10 +576,7 @@ def _merge(words, d, v0, n, plan, dst):
         else:
             for j in range(d):
                 dst[np.uint64(to + channels[g, j])] = words[np.uint64(at + j)]
-        in_run += 1
-        if in_run == sel_div:
-            in_run = 0
-            g = g + 1 if g + 1 < sel_mod else 0
+        g, in_run = _next_group(g, in_run, sel_div, sel_mod)
 
 
 @njit(cache=True, nogil=True)
@@ -589,10 +598,7 @@ def _split(x, d, v0, n, plan, rows):
         else:
             for j in range(d):
                 dst[np.uint64(at + j)] = src[np.uint64(at + channels[g, j])]
-        in_run += 1
-        if in_run == sel_div:
-            in_run = 0
-            g = g + 1 if g + 1 < sel_mod else 0
+        g, in_run = _next_group(g, in_run, sel_div, sel_mod)
 
 
 @njit(cache=True, nogil=True)
