@@ -11,9 +11,10 @@ and a numpy copy of as many bytes as the restore moves. The load's speed against
 a second), which the drift of a shared machine between repeats disturbs less than the ratio of
 the two medians. With --json, one JSON object per length (tokens, cold_ms, prefix_hit_ms,
 restore_ms, load_ms, restored_bytes, promote_gbps, load_gbps, load_vs_promote, memcpy_gbps) is
-printed per line instead of the table.
+printed per line instead of the table; each also gives its block_size (vLLM CPU's default, 128,
+unless --block-size says otherwise: smaller blocks mean more per-block work for the same bytes).
 
-    .venv/bin/python benchmarks/bench_vllm_ttft.py --tokens 2048 30000 [--json]
+    .venv/bin/python benchmarks/bench_vllm_ttft.py --tokens 2048 30000 [--json] [--block-size 32]
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from tierkv.patches.vllm import kv_transfer_config
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tiny_models import MAX_POSITIONS, build_tiny_llama
 
-BLOCK = 32
+VLLM_CPU_BLOCK = 128
+"""vLLM CPU's block size when none is given (the engine's default, and this benchmark's)."""
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 2  # layers × (K, V) × heads × head dim × bf16
 
 
@@ -80,8 +82,8 @@ def memcpy_seconds(nbytes: int) -> float:
     return best
 
 
-def print_table(console: Console, codec: str, rows: list[dict[str, float]]) -> None:
-    table = Table(title=f"TTFT, tiny Llama on vLLM CPU, codec {codec}")
+def print_table(console: Console, codec: str, block: int, rows: list[dict[str, float]]) -> None:
+    table = Table(title=f"TTFT, tiny Llama on vLLM CPU, codec {codec}, {block}-token blocks")
     columns = ("tokens", "cold ms", "prefix hit ms", "vault restore ms", "of which load ms")
     columns += ("cold / restore", "restore / prefix hit", "restored MB", "load GB/s")
     columns += ("promote GB/s", "load / promote", "memcpy GB/s")
@@ -109,11 +111,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 30000])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=VLLM_CPU_BLOCK,
+        help="tokens per vLLM block (a multiple of 32; smaller blocks: more per-block work)",
+    )
     parser.add_argument("--codec", default="none", help="tierkv codec (none, int8, tq4, ...)")
     parser.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     args = parser.parse_args()
     if max(args.tokens) >= MAX_POSITIONS:
         parser.error(f"--tokens must stay under the tiny model's {MAX_POSITIONS} positions")
+    if args.block_size <= 0 or args.block_size % 32:
+        parser.error(f"--block-size {args.block_size}: vLLM CPU needs a multiple of 32")
+    block = args.block_size
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -138,7 +149,7 @@ def main() -> None:
             llm = LLM(
                 model=str(model),
                 dtype="bfloat16",
-                block_size=BLOCK,
+                block_size=block,
                 max_model_len=max_len,
                 enable_prefix_caching=True,
                 enforce_eager=True,
@@ -164,7 +175,7 @@ def main() -> None:
             def promote_seconds(tokens: list[int], blocks: int) -> float:
                 """A bare Promote of the blocks the restore loaded, on a warm connection, timed
                 like the load: once per repeat (the median across repeats is reported)."""
-                keys = chain_block_keys(tokens, BLOCK)[:blocks]
+                keys = chain_block_keys(tokens, block)[:blocks]
                 bare.promote(plan.namespaces[0], keys[:1], list(plan.parts))
                 started = time.perf_counter()
                 found = bare.promote(plan.namespaces[0], keys, list(plan.parts))
@@ -187,13 +198,14 @@ def main() -> None:
                     restore.append(ttft(tokens))
                     load.append(counters["load_seconds"] - load_before)
                     loaded = counters["loaded_blocks"] - loaded_before
-                    if loaded != (length - 1) // BLOCK:
+                    if loaded != (length - 1) // block:
                         console.print(f"[yellow]only {loaded} blocks were restored[/yellow]")
-                    promote.append(promote_seconds(tokens, (length - 1) // BLOCK))
-                moved = (length - 1) // BLOCK * BLOCK * KV_BYTES_PER_TOKEN
+                    promote.append(promote_seconds(tokens, (length - 1) // block))
+                moved = (length - 1) // block * block * KV_BYTES_PER_TOKEN
                 c, h, r, ld, p = (statistics.median(x) for x in (cold, hit, restore, load, promote))
                 row = {
                     "tokens": length,
+                    "block_size": block,
                     "cold_ms": round(c * 1e3, 2),
                     "prefix_hit_ms": round(h * 1e3, 2),
                     "restore_ms": round(r * 1e3, 2),
@@ -215,7 +227,7 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
             bare.close()
             if not args.json:
-                print_table(console, args.codec, rows)
+                print_table(console, args.codec, block, rows)
                 console.print(f"tier counters: {worker.tier.stats()}")
         finally:
             vault.kill()
