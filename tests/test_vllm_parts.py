@@ -194,18 +194,55 @@ def test_a_load_before_the_forward_pauses_the_garbage_collector(vault, monkeypat
             return load_group(load)
 
         monkeypatch.setattr(worker, "_load_group", watched)
-        sync_load = TierKVMetadata(loads=[LoadJob("req", [GroupLoad(0, [key], [2])], True)])
+
+        def sync_load() -> TierKVMetadata:
+            return TierKVMetadata(loads=[LoadJob("req", [GroupLoad(0, [key], [2])], True)])
+
         assert gc.isenabled()
-        worker.start_loads(sync_load)
+        worker.start_loads(sync_load())
         assert collecting == [False]
         assert gc.isenabled()
         assert torch.equal(caches["layer0"][2], caches["layer0"][1])
         gc.disable()
         try:
-            worker.start_loads(sync_load)
+            worker.start_loads(sync_load())
             assert not gc.isenabled()
         finally:
             gc.enable()
+    finally:
+        worker.shutdown()
+        tier.close()
+
+
+def test_a_steps_loads_start_once(vault):
+    """The connector starts a step's loads in handle_preemptions, before vLLM prepares the
+    step's inputs, and vLLM's start_load_kv later hands the same metadata again: the worker
+    loads each request once."""
+    import torch
+
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.worker import TierWorker
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+    from tierkv.vault.client import VaultClient
+
+    plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),))
+    caches = {"layer0": torch.randn(6, 2, 4, 2, 8).to(torch.bfloat16)}
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 20)
+    try:
+        worker.register_kv_caches(caches, num_blocks=6)
+        key = bytes([8]) * 16
+        worker.store_blocks(TierKVMetadata(stores=[StoreJob(0, 1, key)]))
+        assert tier.flush(10)
+        step = TierKVMetadata(loads=[LoadJob("req", [GroupLoad(0, [key], [2])], True)])
+        worker.start_loads(step)
+        worker.start_loads(step)
+        assert worker.stats.data["loads"] == 1
+        assert torch.equal(caches["layer0"][2], caches["layer0"][1])
+        worker.start_loads(TierKVMetadata(loads=step.loads))  # the next step's metadata
+        assert worker.stats.data["loads"] == 2
     finally:
         worker.shutdown()
         tier.close()

@@ -159,10 +159,18 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """First in vLLM's execute_model, before the step's inputs are prepared: copy out the
+        blocks to store, then start the step's loads. Starting them here rather than in
+        start_load_kv keeps a load before a forward clear of input preparation's parallel
+        torch operations, whose OpenMP threads spin for several milliseconds after each one
+        (on vLLM CPU, on the cores the load's receive needs)."""
         assert isinstance(kv_connector_metadata, TierKVMetadata)
         self._worker().store_blocks(kv_connector_metadata)
+        self._worker().start_loads(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Starts the step's loads when handle_preemptions has not (a model runner that skips
+        it); the worker starts a step's loads once."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, TierKVMetadata)
         self._worker().start_loads(meta)

@@ -11,12 +11,13 @@ state tensor for Mamba) are handed to the ColdTier, which encodes and sends them
 background and hands the staging back. Blocks that do not fit in the free staging are dropped
 and counted.
 
-Loads run on a background thread (or, when the scheduler asks for it because nothing else is
-running, before the step's forward). Per KV-cache group, in batches of up to half the staging,
-one ColdTier.load_blocks (Promote runs per vault) hands payloads to the data mover as they
-arrive: with the paged buffer on the CPU, lossless ones are received straight into their engine
-blocks (blocks-first layouts, vLLM CPU's) or written in at once from the receive buffers; the
-others are decoded into staging and one scatter per batch writes them (CPU or GPU, any layout).
+Loads start right after those copies, before vLLM prepares the step's inputs, on a background
+thread (or, when the scheduler asks for it because nothing else is running, right there, before
+the step's forward). Per KV-cache group, in batches of up to half the staging, one
+ColdTier.load_blocks (Promote runs per vault) hands payloads to the data mover as they arrive:
+with the paged buffer on the CPU, lossless ones are received straight into their engine blocks
+(blocks-first layouts, vLLM CPU's) or written in at once from the receive buffers; the others
+are decoded into staging and one scatter per batch writes them (CPU or GPU, any layout).
 Blocks that failed are reported through vLLM's load-error path, so vLLM recomputes them: a
 decoded one is left out, so its bytes never reach the paged buffer; a placed one holds whatever
 arrived until vLLM's recompute overwrites it, before anything reads it. A request is
@@ -120,6 +121,7 @@ class TierWorker:
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="tierkv-store")
         self._loading: dict[str, Future[_LoadResult]] = {}
         self._invalid_block_ids: set[int] = set()
+        self._loads_started_for: TierKVMetadata | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         devices = {cache.device for cache in kv_caches.values() if isinstance(cache, torch.Tensor)}
@@ -195,6 +197,11 @@ class TierWorker:
     # ---- loads -----------------------------------------------------------------------------
 
     def start_loads(self, meta: TierKVMetadata) -> None:
+        """Start the loads of a step's metadata, once: a second call with the same metadata
+        (vLLM's start_load_kv after handle_preemptions) does nothing."""
+        if meta is self._loads_started_for:
+            return
+        self._loads_started_for = meta
         for job in meta.loads:
             if job.sync:
                 self.stats.add("sync_loads")
