@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -162,16 +165,14 @@ def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
         tier.close()
 
 
-def test_a_load_before_the_forward_pauses_the_garbage_collector(vault, monkeypatch):
-    """A load on the engine thread (nothing else running) skips cyclic collections, which its
-    per-block objects would trigger by the dozen; the collector is on again afterwards, and one
-    that was off stays off."""
-    import gc
-
+@contextlib.contextmanager
+def one_stored_block(vault: Any, key: bytes) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """A TierWorker over a one-layer paged buffer of 6 blocks whose block 1 is stored under
+    `key` (acknowledged), and that buffer."""
     import torch
 
     from tierkv.connectors.vllm.groups import GroupPlan
-    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.scheduler import StoreJob, TierKVMetadata
     from tierkv.connectors.vllm.worker import TierWorker
     from tierkv.quant import get_codec
     from tierkv.tier import ColdTier
@@ -183,9 +184,26 @@ def test_a_load_before_the_forward_pauses_the_garbage_collector(vault, monkeypat
     worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 20)
     try:
         worker.register_kv_caches(caches, num_blocks=6)
-        key = bytes([7]) * 16
         worker.store_blocks(TierKVMetadata(stores=[StoreJob(0, 1, key)]))
         assert tier.flush(10)
+        yield worker, caches
+    finally:
+        worker.shutdown()
+        tier.close()
+
+
+def test_a_load_before_the_forward_pauses_the_garbage_collector(vault, monkeypatch):
+    """A load on the engine thread (nothing else running) skips cyclic collections, which its
+    per-block objects would trigger by the dozen; the collector is on again afterwards, and one
+    that was off stays off."""
+    import gc
+
+    import torch
+
+    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, TierKVMetadata
+
+    key = bytes([7]) * 16
+    with one_stored_block(vault, key) as (worker, caches):
         collecting: list[bool] = []
         load_group = worker._load_group
 
@@ -209,9 +227,6 @@ def test_a_load_before_the_forward_pauses_the_garbage_collector(vault, monkeypat
             assert not gc.isenabled()
         finally:
             gc.enable()
-    finally:
-        worker.shutdown()
-        tier.close()
 
 
 def test_a_steps_loads_start_once(vault):
@@ -220,22 +235,10 @@ def test_a_steps_loads_start_once(vault):
     loads each request once."""
     import torch
 
-    from tierkv.connectors.vllm.groups import GroupPlan
-    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
-    from tierkv.connectors.vllm.worker import TierWorker
-    from tierkv.quant import get_codec
-    from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
+    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, TierKVMetadata
 
-    plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),))
-    caches = {"layer0": torch.randn(6, 2, 4, 2, 8).to(torch.bfloat16)}
-    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
-    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 20)
-    try:
-        worker.register_kv_caches(caches, num_blocks=6)
-        key = bytes([8]) * 16
-        worker.store_blocks(TierKVMetadata(stores=[StoreJob(0, 1, key)]))
-        assert tier.flush(10)
+    key = bytes([8]) * 16
+    with one_stored_block(vault, key) as (worker, caches):
         step = TierKVMetadata(loads=[LoadJob("req", [GroupLoad(0, [key], [2])], True)])
         worker.start_loads(step)
         worker.start_loads(step)
@@ -243,9 +246,6 @@ def test_a_steps_loads_start_once(vault):
         assert torch.equal(caches["layer0"][2], caches["layer0"][1])
         worker.start_loads(TierKVMetadata(loads=step.loads))  # the next step's metadata
         assert worker.stats.data["loads"] == 2
-    finally:
-        worker.shutdown()
-        tier.close()
 
 
 def test_worker_drops_what_does_not_fit_the_staging_budget(vault):
