@@ -198,7 +198,8 @@ class TierWorker:
 
     def start_loads(self, meta: TierKVMetadata) -> None:
         """Start the loads of a step's metadata, once: a second call with the same metadata
-        (vLLM's start_load_kv after handle_preemptions) does nothing."""
+        (vLLM's start_load_kv after handle_preemptions) does nothing. The metadata is kept, so
+        no later step's metadata can be a new object at its address."""
         if meta is self._loads_started_for:
             return
         self._loads_started_for = meta
