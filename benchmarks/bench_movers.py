@@ -107,7 +107,8 @@ def store_all(
             handoff.submit(hand_over, staged, mover.codec_dtypes, send)
         per_step.append(time.perf_counter() - step_started)
     handoff.shutdown(wait=True)
-    assert tier.flush(timeout=600), "the vault did not acknowledge every block"
+    if not tier.flush(timeout=600):
+        raise AssertionError(f"the vault did not acknowledge every block: {tier.stats()}")
     return per_step, time.perf_counter() - started, waited
 
 
@@ -216,7 +217,11 @@ def main() -> None:
             codec = get_codec(codec_name, args.head_dim)
             namespace = codec_name.encode().ljust(16, b"-")
             keys = [index.to_bytes(16, "big") for index in range(num_blocks)]
-            tier = ColdTier(codec, {"kv": VaultClient(address)}, max_pending_encode_bytes=staging)
+            # The put queue holds every staged block: a lossless block stays in staging until its
+            # put is answered, and a queue smaller than the ring would drop the blocks a fast
+            # device hands over faster than the vault takes them (the benchmark wants them all).
+            client = VaultClient(address, max_pending_bytes=staging)
+            tier = ColdTier(codec, {"kv": client}, max_pending_encode_bytes=staging)
             try:
                 per_step, store_s, waited = store_all(tier, mover, namespace, keys, step_blocks)
                 promote_s, payload_bytes, host_decode_s, device_decode_s = promote_and_decode(

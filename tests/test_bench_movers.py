@@ -36,3 +36,16 @@ def test_device_benchmark_rejects_an_unknown_codec():
     command = [sys.executable, str(SCRIPT), "--tokens", "48", "--codec", "zip"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "zip" in result.stderr
+
+
+def test_device_benchmark_keeps_every_block_of_a_staging_ring_larger_than_the_put_queue():
+    """A lossless block stays in staging until its put is answered: with a ring larger than the
+    client's default put queue (256 MiB) a fast hand-over overflowed the queue, which dropped
+    blocks, and the run ended "the vault did not acknowledge every block" (seen on CUDA)."""
+    command = [sys.executable, "-c", NO_VLLM, str(SCRIPT), "--tokens", "32768", "--layers", "4"]
+    command += ["--codec", "none", "--decode", "host", "--staging", "512MiB", "--in-process"]
+    command += ["--device", "cpu", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert row["raw_bytes"] == 512 << 20 and row["exact"]
