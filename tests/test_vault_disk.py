@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 from tierkv.config import MIB
 from tierkv.vault.client import VaultClient
@@ -329,3 +331,53 @@ def test_a_put_whose_disk_write_fails_is_rejected_not_acknowledged(tmp_path: Pat
     finally:
         server.stop(grace=0)
         disk.close(timeout=30)
+
+
+def forged_record(
+    kind: int, namespace: bytes, block_key: bytes, data: bytes, magic: bytes
+) -> bytes:
+    """A whole record as a tenant could write it into a payload: a header of the given format
+    (`magic`) with an unkeyed xxh3 header checksum (all a tenant can compute), then `data`."""
+    checksum = block_checksum(namespace, block_key, 0, data) if data else 0
+    sizes = (len(namespace), len(block_key), 0, len(data), checksum)
+    fixed = struct.pack("<4sBxHHxxIQQ", magic, kind, *sizes)
+    body = fixed + namespace + block_key
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body)) + data
+
+
+@pytest.mark.parametrize("magic", [b"TKVR", b"TKV2"])
+def test_a_record_planted_in_a_payload_is_never_recovered(disk_dir: Path, magic: bytes) -> None:
+    """Tenant B's payload holds a whole record of A's namespace and a CLEAR of A's namespace;
+    after a cut inside B's record and a restart, A keeps its own blocks and gets none of B's."""
+    victim, attacker = b"A" * 16, b"B" * 16
+    disk = DiskTier(disk_dir, 64 * MIB)
+    mine = payload(1)
+    disk.write(victim, key(1), 0, mine, block_checksum(victim, key(1), 0, mine))
+    planted = forged_record(0, victim, key(2), b"forged by B" * 50, magic)
+    planted += forged_record(2, victim, b"", b"", magic)
+    carrier = b"x" * 100 + planted + b"y" * 100
+    disk.write(attacker, key(3), 0, carrier, block_checksum(attacker, key(3), 0, carrier))
+    disk.close(timeout=30)
+    [segment] = disk_dir.glob("*.seg")
+    data = segment.read_bytes()
+    os.truncate(segment, data.index(b"y" * 100) + 50)  # B's record cut after the planted ones
+    disk = DiskTier(disk_dir, 64 * MIB)
+    assert disk.read_many(victim, [(key(2), 0)]) == [None]
+    found = disk.read_many(victim, [(key(1), 0)])[0]
+    assert found is not None and bytes(found[0]) == mine
+    assert disk.recovery.blocks == 1
+    disk.close()
+
+
+def test_a_block_the_disk_can_never_hold_is_rejected_not_acknowledged(tmp_path: Path) -> None:
+    """A block larger than the disk tier's room was acknowledged, then left out of the disk
+    without a word (gone after a kill -9): the store refuses it, with the reason."""
+    disk = DiskTier(tmp_path / "disk", 16 * MIB, "always")
+    store = VaultStore(max_bytes=64 * MIB, disk=disk)
+    big = payload(1, 15 * MIB + MIB // 2)
+    reason = store.put(NS, key(1), 0, big, block_checksum(NS, key(1), 0, big))
+    assert reason is not None and "never fits the disk tier" in reason
+    assert store.lookup(NS, [key(1)], [0]) == 0
+    small = payload(2, MIB)
+    assert store.put(NS, key(2), 0, small, block_checksum(NS, key(2), 0, small)) is None
+    store.close(timeout=30)

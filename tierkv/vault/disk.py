@@ -2,10 +2,10 @@
 
 No gRPC and no RAM LRU here (store.py owns those). Each record in a segment is a header (magic,
 kind, namespace and key lengths, part, payload length, payload checksum; then namespace, key and
-an xxh3 checksum of all of that) followed by the payload. The payload checksum is
-`wire.block_checksum`, seeded with the block's address, so a damaged or misfiled payload is a
-miss when read, never served. Deletes and clears are records too (kinds DELETE, CLEAR), so a
-restart does not bring back what was removed.
+a MAC of all of that under the directory's record key) followed by the payload. The payload
+checksum is `wire.block_checksum`, seeded with the block's address, so a damaged or misfiled
+payload is a miss when read, never served. Deletes and clears are records too (kinds DELETE,
+CLEAR), so a restart does not bring back what was removed.
 
 Writes are queued (`write`, `spill`) and appended by one background thread with `pwritev`; a
 queued block is readable from memory until it lands. `mark` and `wait_written` tell a caller
@@ -14,6 +14,14 @@ on a crash of the process cannot lose it, only a crash of the machine can (fsync
 much). On start the index is rebuilt by reading headers only (payloads are seeked past); an
 invalid header is skipped up to the next valid one, and a torn tail (the last record cut short
 by a crash) is truncated and reported.
+
+Payloads are tenants' bytes, so a payload may hold what looks like a whole record, for another
+tenant's namespace or a CLEAR of it. Recovery must never take such bytes for a record: the
+header MAC is keyed BLAKE2b under `record.key`, 32 random bytes made when the directory is first
+used (mode 0600, never sent anywhere), so only the vault can write a header that verifies, and
+the scan resynchronises after damage only at such headers. Records of the first format (magic
+TKVR, unkeyed xxh3 header checksum) are still read where the chain of records from a segment's
+start reaches them, never as a place to resynchronise at.
 
 Past `max_bytes` the oldest segment is dropped, with a second chance (CLOCK over segments): the
 blocks of it read since they were written (`read_many`, or `touch` for reads the RAM tier
@@ -30,8 +38,10 @@ buffers that are returned. A lock file (`flock`) keeps a second vault off the sa
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import logging
 import os
+import secrets
 import shutil
 import struct
 import threading
@@ -71,7 +81,11 @@ KEEP_FRACTION = 0.5
 """Most bytes of read blocks copied forward when one segment is dropped, as a share of a segment;
 also the share of a segment the tier keeps free below its cap for those copies."""
 
-MAGIC = b"TKVR"
+MAGIC = b"TKV2"
+LEGACY_MAGIC = b"TKVR"
+"""The first format: its header checksum is unkeyed, so it is never resynchronised at."""
+RECORD_KEY_NAME = "record.key"
+RECORD_KEY_BYTES = 32
 KIND_BLOCK, KIND_DELETE, KIND_CLEAR = 0, 1, 2
 _FIXED = struct.Struct("<4sBxHHxxIQQ")  # magic kind - ns_len key_len -- part length checksum
 _HEADER_SUM = struct.Struct("<Q")
@@ -136,27 +150,38 @@ class _Op(NamedTuple):
     checksum: int
 
 
-def _header(op: _Op) -> bytes:
+def _header_mac(record_key: bytes, body: bytes) -> bytes:
+    return hashlib.blake2b(body, key=record_key, digest_size=_HEADER_SUM.size).digest()
+
+
+def _header(op: _Op, record_key: bytes) -> bytes:
     fixed = _FIXED.pack(
         MAGIC, op.kind, len(op.namespace), len(op.key), op.part, len(op.payload), op.checksum
     )
     body = fixed + op.namespace + op.key
-    return body + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(body))
+    return body + _header_mac(record_key, body)
 
 
-def _read_header(fd: int, pos: int) -> tuple[_Op, int, int] | None:
-    """(op without payload, header length, payload length) of a valid header at `pos`."""
+def _read_header(
+    fd: int, pos: int, record_key: bytes, legacy: bool = True
+) -> tuple[_Op, int, int] | None:
+    """(op without payload, header length, payload length) of a valid header at `pos`; with
+    `legacy`, a header of the first (unkeyed) format is valid too."""
     fixed = os.pread(fd, _FIXED.size, pos)
     if len(fixed) < _FIXED.size:
         return None
     magic, kind, ns_len, key_len, part, length, checksum = _FIXED.unpack(fixed)
-    if magic != MAGIC or kind > KIND_CLEAR:
+    if magic not in (MAGIC, LEGACY_MAGIC if legacy else MAGIC) or kind > KIND_CLEAR:
         return None
     rest = os.pread(fd, ns_len + key_len + _HEADER_SUM.size, pos + _FIXED.size)
     if len(rest) < ns_len + key_len + _HEADER_SUM.size:
         return None
     body = fixed + rest[: ns_len + key_len]
-    if _HEADER_SUM.unpack_from(rest, ns_len + key_len)[0] != xxhash.xxh3_64_intdigest(body):
+    found = rest[ns_len + key_len :]
+    if magic == MAGIC:
+        if not secrets.compare_digest(found, _header_mac(record_key, body)):
+            return None
+    elif _HEADER_SUM.unpack(found)[0] != xxhash.xxh3_64_intdigest(body):
         return None
     op = _Op(kind, rest[:ns_len], rest[ns_len : ns_len + key_len], part, b"", checksum)
     return op, len(body) + _HEADER_SUM.size, length
@@ -188,6 +213,7 @@ class DiskTier:
         self._write_behind = write_behind_bytes
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = self._take_lock()
+        self._record_key = _record_key(self.directory)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._index: dict[EntryKey, Location] = {}
@@ -233,6 +259,17 @@ class DiskTier:
             if (namespace, key, part) in self._queued or (namespace, key, part) in self._index:
                 return
         self.write(namespace, key, part, payload, checksum)
+
+    def record_fits(self, namespace: bytes, key: bytes, length: int) -> bool:
+        """Whether a block of `length` payload bytes at this address can ever be written (a
+        larger one is refused by the store, never acknowledged and then left out)."""
+        header = _FIXED.size + len(namespace) + len(key) + _HEADER_SUM.size
+        return header + length <= self._room
+
+    @property
+    def room(self) -> int:
+        """Bytes of segments new records may fill."""
+        return self._room
 
     def wait_for_room(self, timeout: float | None = WRITE_BEHIND_WAIT_S) -> bool:
         """Wait while more than the write-behind bound is queued; False on timeout."""
@@ -405,13 +442,13 @@ class DiskTier:
         damaged = []
         pos = 0
         while pos < size:
-            parsed = _read_header(fd, pos)
+            parsed = _read_header(fd, pos, self._record_key)
             if parsed is not None and pos + parsed[1] + parsed[2] <= size:
                 op, header_len, length = parsed
                 self._apply(op, Location(segment, pos, header_len, length, op.checksum))
                 pos += header_len + length
                 continue
-            resume = _next_header(fd, pos + 1, size)
+            resume = _next_header(fd, pos + 1, size, self._record_key)
             if resume is None:
                 os.ftruncate(fd, pos)
                 damaged.append(f"{name}: torn tail of {size - pos} bytes at {pos} truncated")
@@ -534,10 +571,15 @@ class DiskTier:
         iov: list[bytes | memoryview] = []
         start = offset = self._sizes[self._active]
         for op in batch:
-            header = _header(op)
+            header = _header(op, self._record_key)
             record_len = len(header) + len(op.payload)
-            if record_len > self._room:
-                continue  # never fits; the block stays in RAM only
+            if record_len > self._room:  # the store refuses such blocks (record_fits)
+                log.warning(
+                    "tierkv vault: a record of %d bytes never fits the disk tier (%d bytes)",
+                    record_len,
+                    self._room,
+                )
+                continue
             if self._needs_room(record_len, offset - start) or len(iov) + 2 > IOV_MAX:
                 self._write_iov(iov, start)
                 iov = []
@@ -638,7 +680,7 @@ class DiskTier:
         moved: list[tuple[_Op, Location, Location]] = []
         start = offset = self._sizes[self._active]
         for op, old in ops:
-            header = _header(op)
+            header = _header(op, self._record_key)
             if offset > 0 and offset + len(header) + len(op.payload) > self.segment_bytes:
                 self._write_iov(iov, start)
                 iov = []
@@ -725,13 +767,37 @@ def _read_run(fds: dict[int, int], run: list[tuple[Location, int]]) -> list[memo
     return result
 
 
-def _next_header(fd: int, pos: int, size: int) -> int | None:
-    """Offset of the next valid record header at or after `pos`, else None."""
+def _record_key(directory: Path) -> bytes:
+    """The directory's record key, made on first use (only this vault can write it)."""
+    path = directory / RECORD_KEY_NAME
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_bytes()
+        if len(key) != RECORD_KEY_BYTES:
+            raise ValueError(
+                f"{path} holds {len(key)} bytes, not a record key of {RECORD_KEY_BYTES}: "
+                "restore it from a backup, or remove the disk_dir's files to start empty"
+            ) from None
+        return key
+    key = secrets.token_bytes(RECORD_KEY_BYTES)
+    try:
+        os.write(fd, key)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _sync_dir(directory)
+    return key
+
+
+def _next_header(fd: int, pos: int, size: int, record_key: bytes) -> int | None:
+    """Offset of the next record header at or after `pos` that verifies under `record_key`
+    (never one of the first format, whose checksum anyone can compute), else None."""
     while pos < size:
         chunk = os.pread(fd, _SCAN_CHUNK + _FIXED.size, pos)
         at = chunk.find(MAGIC)
         while at != -1:
-            parsed = _read_header(fd, pos + at)
+            parsed = _read_header(fd, pos + at, record_key, legacy=False)
             if parsed is not None and pos + at + parsed[1] + parsed[2] <= size:
                 return pos + at
             at = chunk.find(MAGIC, at + 1)
