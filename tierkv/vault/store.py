@@ -159,6 +159,11 @@ class VaultStore:
         reason = None
         if self.max_bytes != UNLIMITED and size > self.max_bytes:
             reason = f"entry of {size} bytes exceeds the vault cap of {self.max_bytes} bytes"
+        elif self.disk and not self.disk.record_fits(namespace, key, len(payload)):
+            reason = (
+                f"block of {len(payload)} bytes never fits the disk tier "
+                f"({self.disk.room} bytes of records)"
+            )
         elif block_checksum(namespace, key, part, payload) != checksum:
             reason = "checksum mismatch: payload corrupted in transit or sent under another key"
         if reason is not None:
