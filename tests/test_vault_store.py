@@ -9,6 +9,7 @@ import threading
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierkv.config import MIB
 from tierkv.vault.store import LOCK_SLICE, VaultStore, entry_bytes
 from tierkv.vault.wire import HOLDING_GIL_BYTES, address_prefix, block_checksum, checksum_at
 
@@ -279,7 +280,7 @@ def test_a_tenant_within_its_fair_share_keeps_its_blocks_through_another_tenants
     assert store.lookup(victim, [key(i) for i in range(30, 80)], [0]) == 50
 
 
-def test_a_tenant_stored_entry_is_never_its_own_victim() -> None:
+def test_a_large_block_within_the_cap_evicts_the_tenant_holding_more() -> None:
     store = VaultStore(max_bytes=3 * cost(100), tenant_of=tenant_of)
     victim, newcomer = b"v/" + NS[2:], b"a/" + NS[2:]
     for i in range(2):
@@ -334,3 +335,18 @@ def test_tenant_accounting_stays_exact_through_puts_reads_and_deletes(
         usages = [store.usage(t) for t in (b"a/", b"b/", b"c/")]
         assert stats.bytes_used == sum(u[1] for u in usages)
         assert stats.entries == sum(u[0] for u in usages)
+
+
+def test_one_block_larger_than_a_fair_share_never_evicts_tenants_within_theirs() -> None:
+    """A tenant storing one block larger than its share (the block is its only one) was never
+    its own victim, so the tenants within their shares lost blocks to it."""
+    block = 64 * 1024
+    store = VaultStore(max_bytes=24 * MIB, tenant_of=tenant_of)  # three tenants: 8 MiB a share
+    keeper, other, big = b"k/" + NS[2:], b"o/" + NS[2:], b"b/" + NS[2:]
+    for i in range(100):  # 6.25 MiB each: within a share
+        assert put(store, i, block, ns=keeper) is None
+        assert put(store, i, block, ns=other) is None
+    assert put(store, 1000, 25 * MIB // 2, ns=big) is None  # 12.5 MiB: over the cap together
+    assert store.lookup(keeper, [key(i) for i in range(100)], [0]) == 100
+    assert store.lookup(other, [key(i) for i in range(100)], [0]) == 100
+    assert store.stats().bytes_used <= 24 * MIB

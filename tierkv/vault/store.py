@@ -346,7 +346,7 @@ class VaultStore:
             tenant.order[entry_key] = None
             tenant.bytes_used += size
         while self.max_bytes != UNLIMITED and self._bytes_used > self.max_bytes:
-            victim = self._victim(entry_key)
+            victim = self._victim()
             if self.disk:
                 self.disk.spill(*victim, *self._entries[victim])
             self._remove(victim)
@@ -354,14 +354,14 @@ class VaultStore:
             if victim[0] in self._namespaces:
                 self._namespaces[victim[0]].evictions += 1
 
-    def _victim(self, newest: EntryKey) -> EntryKey:
-        """The entry to evict next, never `newest` (just stored, and within the cap alone): the
-        least recently used of all, or with tenants that of the tenant holding the most bytes.
-        The caller holds the lock."""
+    def _victim(self) -> EntryKey:
+        """The entry to evict next: the least recently used of all, or with tenants that of the
+        tenant holding the most bytes, even when that is the entry just stored (one block larger
+        than the others' shares goes itself, never the blocks of tenants within theirs). The
+        caller holds the lock."""
         if self._tenant_of is None:
-            return next(iter(self._entries))
-        candidates = [t for t in self._tenants.values() if next(iter(t.order)) != newest]
-        return next(iter(max(candidates, key=lambda tenant: tenant.bytes_used).order))
+            return next(iter(self._entries))  # the entry just stored is within the cap alone
+        return next(iter(max(self._tenants.values(), key=lambda tenant: tenant.bytes_used).order))
 
     def _remove_keys(self, namespace: bytes, keys: Sequence[bytes]) -> set[EntryKey]:
         """Drop every part of `keys` from RAM; the entries that went. The caller holds the lock."""
