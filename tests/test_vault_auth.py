@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from tierkv.cli import app
 from tierkv.config import SecurityConfig
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import TOKEN_ENV, Tokens, call_metadata, proof, read_token_file
+from tierkv.vault.auth import TOKEN_ENV, Tokens, proof, proving_channel, read_token_file
 from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE, PROMOTE_REPLY, WELCOME
 from tierkv.vault.client import VaultClient, VaultRefused
 from tierkv.vault.server import serve
@@ -131,14 +131,14 @@ def test_without_the_right_token_nothing_comes_back_on_either_port(
         assert not vault_pb2.PromoteIndex.FromString(frames[1][1]).key_indices
     else:
         assert frames == []
-    # on gRPC without metadata: UNAUTHENTICATED for the service and for health alike
-    with grpc.insecure_channel(tenants_vault.address) as channel:
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    # on gRPC without a valid call proof: UNAUTHENTICATED for the service and for health alike
+    with grpc.insecure_channel(tenants_vault.address) as plain:
+        channel = proving_channel(plain, token)
         stub = vault_pb2_grpc.VaultStub(channel)
         request = vault_pb2.PromoteRequest(namespace=NS, keys=[key(0)], parts=[0])
         chunks = []
         try:
-            chunks = list(stub.Promote(request, timeout=5, metadata=metadata))
+            chunks = list(stub.Promote(request, timeout=5))
             assert token == BOB
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -146,7 +146,7 @@ def test_without_the_right_token_nothing_comes_back_on_either_port(
         if token != BOB:
             health = health_pb2_grpc.HealthStub(channel)
             with pytest.raises(grpc.RpcError) as failure:
-                health.Check(health_pb2.HealthCheckRequest(), timeout=5, metadata=metadata)
+                health.Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # alice lost nothing
     with VaultClient(tenants_vault.address, token=ALICE) as alice:
@@ -332,13 +332,13 @@ def test_a_tenants_corrupted_block_is_a_miss_never_laundered() -> None:
             rotting[100] ^= 0xFF  # bit rot in the vault's RAM after the checksum was verified
             assert alice.promote(NS, [key(1)], [0]) == {}
             assert alice.checksum_failures == 1
-        with grpc.insecure_channel(server.address) as channel:  # sent with a wrong checksum
-            put = channel.stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
+        with grpc.insecure_channel(server.address) as plain:  # sent with a wrong checksum
+            put = proving_channel(plain, ALICE).stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
             index = vault_pb2.PutIndex(
                 namespace=NS, keys=[key(2)], parts=[0], lengths=[3], checksums=[12345]
             )
             summary = vault_pb2.PutSummary.FromString(
-                put(iter([encode_bulk(index, [b"abc"])]), metadata=call_metadata(ALICE))
+                put(iter([encode_bulk(index, [b"abc"])]))
             )
             assert (summary.stored, summary.rejected) == (0, 1)
             assert "checksum" in summary.rejections[0].reason
