@@ -333,13 +333,13 @@ def test_a_tenants_corrupted_block_is_a_miss_never_laundered() -> None:
             assert alice.promote(NS, [key(1)], [0]) == {}
             assert alice.checksum_failures == 1
         with grpc.insecure_channel(server.address) as plain:  # sent with a wrong checksum
-            put = proving_channel(plain, ALICE).stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
+            put = proving_channel(plain, ALICE).stream_unary(
+                "/tierkv.v1.Vault/Put", request_serializer=lambda b: b
+            )
             index = vault_pb2.PutIndex(
                 namespace=NS, keys=[key(2)], parts=[0], lengths=[3], checksums=[12345]
             )
-            summary = vault_pb2.PutSummary.FromString(
-                put(iter([encode_bulk(index, [b"abc"])]))
-            )
+            summary = vault_pb2.PutSummary.FromString(put(iter([encode_bulk(index, [b"abc"])])))
             assert (summary.stored, summary.rejected) == (0, 1)
             assert "checksum" in summary.rejections[0].reason
     finally:
