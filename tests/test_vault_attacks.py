@@ -77,6 +77,7 @@ def peak_rss_bytes(pid: int) -> int:
 def vault(vault_factory: Callable[..., Any], tmp_path: Path) -> Any:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"victim {VICTIM}\nattacker {ATTACKER}\nnormal {NORMAL}\n")
+    tokens.chmod(0o600)
     config = f'{LOW_LIMITS}\n[security]\ntoken_file = "{tokens}"\n'
     handle = vault_factory(max_bytes="256MiB", subprocess=True, config=config, token=VICTIM)
     with VaultClient(handle.address, token=VICTIM) as client:

@@ -46,6 +46,7 @@ def key(i: int) -> bytes:
 def tenants_vault(vault_factory: Callable[..., Any], tmp_path: Path) -> Any:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# two tenants\nalice {ALICE}\nbob {BOB}\n")
+    tokens.chmod(0o600)
     config = f'[security]\ntoken_file = "{tokens}"\n'
     handle = vault_factory(subprocess=True, config=config, token=ALICE)
     with VaultClient(handle.address, token=ALICE) as alice:
@@ -199,6 +200,7 @@ def test_token_files_are_checked_line_by_line(tmp_path: Path) -> None:
 
     good = tmp_path / "good"
     good.write_text(f"{ALICE}\n")
+    good.chmod(0o600)
     assert read_token_file(good) == [("default", ALICE)]
     for text, message in [
         ("", "no token"),
@@ -208,6 +210,7 @@ def test_token_files_are_checked_line_by_line(tmp_path: Path) -> None:
     ]:
         bad = tmp_path / "bad"
         bad.write_text(text)
+        bad.chmod(0o600)
         with pytest.raises(ConfigError, match=message):
             read_token_file(bad)
 

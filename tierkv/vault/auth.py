@@ -60,7 +60,7 @@ MAX_REMEMBERED_NONCES = 1_000_000
 CALL_NONCE_BYTES = 16
 NONCE_BYTES = 32
 MIN_TOKEN_CHARS = 16
-_TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,45 @@ class TenantCounters:
             return self._counts.get(tenant.name, (0, 0, 0))
 
 
+def check_private_file(path: str | Path, setting: str) -> None:
+    """ConfigError when the secret file `path` (of `setting`) is open to group or others:
+    refused rather than warned about, since a warning does not stop a local user reading it."""
+    try:
+        mode = Path(path).stat().st_mode
+    except OSError:
+        return  # reading it reports what is wrong
+    if mode & 0o077:
+        raise ConfigError(
+            f"{setting} {path}: open to group or others (mode {mode & 0o777:04o}); "
+            f"run chmod 600 {path}"
+        )
+
+
+def refuse_ineffective_settings(security: SecurityConfig, *, vault: bool) -> None:
+    """ConfigError naming the first `[security]` setting that cannot take effect as written
+    (`vault`: for a vault, else for a client), instead of starting without it."""
+    if security.tls_cert and not security.tls_key:
+        raise ConfigError("security.tls_cert needs security.tls_key (the certificate's key)")
+    if security.tls_key and not security.tls_cert:
+        raise ConfigError("security.tls_key needs security.tls_cert (the key's certificate)")
+    if vault and security.client_ca and not security.tls_cert:
+        raise ConfigError(
+            "security.client_ca needs security.tls_cert and tls_key: without a certificate the "
+            "vault speaks no TLS, so no client certificate would be checked"
+        )
+    for setting, path in (
+        ("security.token_file", security.token_file),
+        ("security.tls_key", security.tls_key),
+        ("security.data_key_file", security.data_key_file),
+    ):
+        if path:
+            check_private_file(path, setting)
+
+
 def read_token_file(path: str | Path) -> list[tuple[str, str]]:
-    """(tenant, token) of each line of a token file; ConfigError naming the file and line."""
+    """(tenant, token) of each line of a token file; ConfigError naming the file and line (or
+    its mode, when others may read it)."""
+    check_private_file(path, "security.token_file")
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -137,7 +174,7 @@ def read_token_file(path: str | Path) -> list[tuple[str, str]]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        if len(fields) > 2 or (len(fields) == 2 and not _TENANT_RE.match(fields[0])):
+        if len(fields) > 2 or (len(fields) == 2 and not TENANT_RE.match(fields[0])):
             raise ConfigError(
                 f"{path}:{number}: expected TOKEN or TENANT TOKEN (tenant: letters, digits, _.-)"
             )
@@ -317,7 +354,7 @@ class CallProver(
         return _CallDetails(
             details.method,
             details.timeout,
-            metadata,
+            tuple(metadata),
             details.credentials,
             getattr(details, "wait_for_ready", None),
             getattr(details, "compression", None),
@@ -344,7 +381,7 @@ class CallProver(
 class _CallDetails(grpc.ClientCallDetails):
     method: str
     timeout: float | None
-    metadata: Sequence[tuple[str, str]] | None
+    metadata: tuple[tuple[str, str | bytes], ...] | None
     credentials: grpc.CallCredentials | None
     wait_for_ready: bool | None
     compression: grpc.Compression | None

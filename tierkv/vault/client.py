@@ -31,7 +31,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
 from tierkv.reliability import CircuitBreaker, PendingPut, PutPayload, PutQueue
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import channel_credentials, client_token, proving_channel, ssl_context
+from tierkv.vault.auth import (
+    channel_credentials,
+    client_token,
+    proving_channel,
+    refuse_ineffective_settings,
+    ssl_context,
+)
 from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError, Into
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
@@ -213,6 +219,7 @@ class VaultClient:
         """A client using the `[client]` and `[security]` sections of tierkv.toml (its token:
         $TIERKV_TOKEN, else security.token_file)."""
         security = security or SecurityConfig()
+        refuse_ineffective_settings(security, vault=False)
         return cls(
             address,
             deadline_s=client_cfg.deadline_ms / 1000,
