@@ -175,6 +175,15 @@ def test_status_shows_auth_required_and_whether_ours_was_accepted(
     [row] = json.loads(accepted.stdout)["vaults"]
     assert (row["auth"], row["tenant"], row["entries"]) == ("required, accepted", "alice", 4)
     assert ALICE not in accepted.output and ALICE not in refused.output
+    assert (row["tls"], row["sealed"]) == (False, False)
+    data_key = tmp_path / "data_key"
+    data_key.write_text("1 unused-by-status\n")
+    data_key.chmod(0o600)
+    config.write_text(f'[security]\ndata_key_file = "{data_key}"\n')
+    [row] = json.loads(runner.invoke(app, args).stdout)["vaults"]
+    assert (row["tls"], row["sealed"]) == (False, True)
+    table = runner.invoke(app, [*args[:-3], "--config", str(config)]).stdout
+    assert "required, accepted, sealed, tenant alice" in table
 
 
 def test_a_single_token_from_the_environment_keeps_namespaces_as_they_are(
