@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from tierkv.vault import auth
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import (
     PROOF_METADATA_KEY,
@@ -26,7 +27,7 @@ from tierkv.vault.auth import (
     call_proof,
     key_id,
 )
-from tierkv.vault.client import VaultClient
+from tierkv.vault.client import VaultClient, VaultRefused
 from tierkv.vault.server import serve
 
 TOKEN = "alice-token-0123456789abcdef"
@@ -133,6 +134,18 @@ def test_wrong_replayed_expired_and_misdirected_proofs_are_refused(
     assert _stats(address, tampered) == refused
     assert _stats(address, "v1.garbage") == refused
     assert _stats(address, call_proof(TOKEN, STATS)) == grpc.StatusCode.OK
+
+
+def test_a_client_whose_clock_is_off_is_told_why(
+    vault_and_relay: tuple[str, RecordingRelay], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address, _ = vault_and_relay
+    made = auth.call_proof
+    late = 2 * PROOF_WINDOW_S
+    monkeypatch.setattr(auth, "call_proof", lambda t, m, now=None: made(t, m, time.time() - late))
+    with VaultClient(address, token=TOKEN) as client, pytest.raises(VaultRefused) as refused:
+        client.stats()
+    assert "clocks differ" in str(refused.value) and TOKEN not in str(refused.value)
 
 
 def test_the_replay_window_is_bounded_and_forgets_expired_nonces() -> None:

@@ -605,7 +605,11 @@ class VaultClient:
             return method(request, timeout=self.deadline_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                given = "ours was refused" if self._token else "we have none ($TIERKV_TOKEN)"
+                given = (
+                    f"ours was refused ({exc.details()})"
+                    if self._token
+                    else "we have none ($TIERKV_TOKEN)"
+                )
                 raise VaultRefused(
                     f"vault at {self.address} requires a token and {given}"
                 ) from None
