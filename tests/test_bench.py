@@ -279,6 +279,7 @@ def test_an_external_vault_with_mutual_tls_and_a_token_uses_the_security_section
     )
     server = serve("127.0.0.1:0", 0, tokens=Tokens([("default", token)]), security=vault_side)
     (tmp_path / "tokens").write_text(f"{token}\n")
+    (tmp_path / "tokens").chmod(0o600)
     config = tmp_path / "tierkv.toml"
     config.write_text(
         f'[security]\ntoken_file = "{tmp_path / "tokens"}"\ntls_ca = "{certs.ca}"\n'

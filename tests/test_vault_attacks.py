@@ -16,7 +16,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from conftest import SLOW_BOX_MARGIN_S
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import call_metadata, proof
+from tierkv.vault.auth import proof, proving_channel
 from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE_REPLY, PUT, WELCOME
 from tierkv.vault.client import VaultClient
 from tierkv.vault.wire import block_checksum, encode_bulk
@@ -54,7 +54,6 @@ ATTACKER_NS = b"a" * 16
 VICTIM = "victim-token-0123456789abcdef"
 ATTACKER = "attacker-token-0123456789abcd"
 NORMAL = "normal-token-0123456789abcdef"
-ATTACKER_MD = call_metadata(ATTACKER)
 WORST_STALL: dict[str, float] = {}
 """Attack → the slowest normal call during it, in seconds (printed for the closing note)."""
 PEAK_RSS: dict[str, int] = {}
@@ -78,6 +77,7 @@ def peak_rss_bytes(pid: int) -> int:
 def vault(vault_factory: Callable[..., Any], tmp_path: Path) -> Any:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"victim {VICTIM}\nattacker {ATTACKER}\nnormal {NORMAL}\n")
+    tokens.chmod(0o600)
     config = f'{LOW_LIMITS}\n[security]\ntoken_file = "{tokens}"\n'
     handle = vault_factory(max_bytes="256MiB", subprocess=True, config=config, token=VICTIM)
     with VaultClient(handle.address, token=VICTIM) as client:
@@ -168,9 +168,18 @@ def test_idle_bulk_connections_neither_block_clients_nor_stay(vault: Any) -> Non
     vault_is_whole(vault, "256 idle bulk connections")
 
 
+@contextlib.contextmanager
+def _channel_of(
+    token: str, address: str, options: Sequence[tuple[str, Any]] = ()
+) -> Iterator[grpc.Channel]:
+    """A plain gRPC channel whose calls carry a proof of `token`."""
+    with grpc.insecure_channel(address, options=options) as channel:
+        yield proving_channel(channel, token)
+
+
 def _health_answers(channel: grpc.Channel) -> None:
     health = health_pb2_grpc.HealthStub(channel)
-    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S, metadata=ATTACKER_MD)
+    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=DEADLINE_S)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -193,9 +202,9 @@ def test_put_streams_nobody_finishes_are_limited_and_cancelled(vault: Any) -> No
         stop.wait(30)
         yield from ()
 
-    with grpc.insecure_channel(vault.address) as channel:
+    with _channel_of(ATTACKER, vault.address) as channel:
         put = channel.stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
-        puts = [put.future(never_ending(), metadata=ATTACKER_MD) for _ in range(32)]
+        puts = [put.future(never_ending()) for _ in range(32)]
         try:
             time.sleep(0.5)
             normal_client_works(vault.address, "32 Put streams never finished", 3)
@@ -216,9 +225,9 @@ def test_promote_streams_nobody_reads_are_limited_and_cancelled(vault: Any) -> N
     request = vault_pb2.PromoteRequest(
         namespace=ATTACKER_NS, keys=[key(i) for i in range(8)], parts=[0]
     )
-    with grpc.insecure_channel(vault.address) as channel:
+    with _channel_of(ATTACKER, vault.address) as channel:
         stub = vault_pb2_grpc.VaultStub(channel)
-        promotes = [stub.Promote(request, timeout=60, metadata=ATTACKER_MD) for _ in range(40)]
+        promotes = [stub.Promote(request, timeout=60) for _ in range(40)]
         time.sleep(0.5)
         normal_client_works(vault.address, "40 Promote streams never read", 8)
         _health_answers(channel)
@@ -237,32 +246,31 @@ def test_a_huge_promote_or_lookup_is_refused_at_once(vault: Any) -> None:
     keys = [os.urandom(16) for _ in range(10_000)]
     request = vault_pb2.PromoteRequest(namespace=ATTACKER_NS, keys=keys, parts=range(10_000))
     assert 150_000 < request.ByteSize() < 300_000  # one ~200 KB request
-    with grpc.insecure_channel(vault.address) as channel:
+    with _channel_of(ATTACKER, vault.address) as channel:
         stub = vault_pb2_grpc.VaultStub(channel)
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as failure:
-            list(stub.Promote(request, timeout=10, metadata=ATTACKER_MD))
+            list(stub.Promote(request, timeout=10))
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "max_blocks_per_request" in (failure.value.details() or "")
         lookup = vault_pb2.LookupRequest(namespace=ATTACKER_NS, keys=keys, parts=range(10_000))
         with pytest.raises(grpc.RpcError) as failure:
-            stub.Lookup(lookup, timeout=10, metadata=ATTACKER_MD)
+            stub.Lookup(lookup, timeout=10)
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert time.monotonic() - started < 5
         # Within the limit, a big request shares the store: 8 of them at once, while others run.
         big = vault_pb2.LookupRequest(namespace=VICTIM_NS, keys=keys[:6000], parts=range(10))
-        calls = [stub.Lookup.future(big, timeout=30, metadata=ATTACKER_MD) for _ in range(8)]
+        calls = [stub.Lookup.future(big, timeout=30) for _ in range(8)]
         normal_client_works(vault.address, "10,000 keys x 10,000 parts Promote/Lookup", 4)
         assert all(call.result().present == 0 for call in calls)
     vault_is_whole(vault, "10,000 keys x 10,000 parts Promote/Lookup")
 
 
 def test_an_empty_parts_lookup_finds_nothing(vault: Any) -> None:
-    with grpc.insecure_channel(vault.address) as channel:
+    with _channel_of(VICTIM, vault.address) as channel:
         stub = vault_pb2_grpc.VaultStub(channel)
         request = vault_pb2.LookupRequest(namespace=VICTIM_NS, keys=[key(0), key(99)])
-        victim = call_metadata(VICTIM)  # key(0) is stored, key(99) is not
-        assert stub.Lookup(request, timeout=5, metadata=victim).present == 0
+        assert stub.Lookup(request, timeout=5).present == 0  # key(0) is stored, key(99) is not
 
 
 def _bulk_frame(index: vault_pb2.PutIndex, data: bytes = b"") -> bytes:
@@ -339,14 +347,15 @@ def test_oversize_payloads_are_refused_before_they_are_received(vault: Any) -> N
     for thread in threads:
         thread.start()
     # Over gRPC: a message over limits.max_message_bytes.
-    with grpc.insecure_channel(vault.address, options=[("grpc.max_send_message_length", -1)]) as ch:
+    unlimited = [("grpc.max_send_message_length", -1)]
+    with _channel_of(ATTACKER, vault.address, unlimited) as ch:
         put = ch.stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
         payload = b"\0" * (40 * MIB)
         index = vault_pb2.PutIndex(
             namespace=ATTACKER_NS, keys=[key(1)], parts=[0], lengths=[len(payload)], checksums=[0]
         )
         with pytest.raises(grpc.RpcError) as failure:
-            put(iter([encode_bulk(index, [payload])]), timeout=20, metadata=ATTACKER_MD)
+            put(iter([encode_bulk(index, [payload])]), timeout=20)
         assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     normal_client_works(vault.address, "12 GiB header + 4 frames over the cap", 6)
     for thread in threads:
@@ -373,7 +382,8 @@ def test_grpc_put_messages_are_admitted_before_they_are_received(
         namespace=ATTACKER_NS, keys=[key(1)], parts=[0], lengths=[len(payload)], checksums=[0]
     )
     message = encode_bulk(index, [payload])
-    with grpc.insecure_channel(vault.address, options=[("grpc.max_send_message_length", -1)]) as ch:
+    unlimited = [("grpc.max_send_message_length", -1)]
+    with _channel_of(ATTACKER, vault.address, unlimited) as ch:
         put = ch.stream_unary(
             "/tierkv.v1.Vault/Put",
             request_serializer=lambda b: b,

@@ -26,7 +26,7 @@ from typer.testing import CliRunner
 from tierkv.cli import app
 from tierkv.config import SecurityConfig
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import TOKEN_ENV, Tokens, call_metadata, proof, read_token_file
+from tierkv.vault.auth import TOKEN_ENV, Tokens, proof, proving_channel, read_token_file
 from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE, PROMOTE_REPLY, WELCOME
 from tierkv.vault.client import VaultClient, VaultRefused
 from tierkv.vault.server import serve
@@ -46,6 +46,7 @@ def key(i: int) -> bytes:
 def tenants_vault(vault_factory: Callable[..., Any], tmp_path: Path) -> Any:
     tokens = tmp_path / "tokens"
     tokens.write_text(f"# two tenants\nalice {ALICE}\nbob {BOB}\n")
+    tokens.chmod(0o600)
     config = f'[security]\ntoken_file = "{tokens}"\n'
     handle = vault_factory(subprocess=True, config=config, token=ALICE)
     with VaultClient(handle.address, token=ALICE) as alice:
@@ -131,14 +132,14 @@ def test_without_the_right_token_nothing_comes_back_on_either_port(
         assert not vault_pb2.PromoteIndex.FromString(frames[1][1]).key_indices
     else:
         assert frames == []
-    # on gRPC without metadata: UNAUTHENTICATED for the service and for health alike
-    with grpc.insecure_channel(tenants_vault.address) as channel:
-        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    # on gRPC without a valid call proof: UNAUTHENTICATED for the service and for health alike
+    with grpc.insecure_channel(tenants_vault.address) as plain:
+        channel = proving_channel(plain, token)
         stub = vault_pb2_grpc.VaultStub(channel)
         request = vault_pb2.PromoteRequest(namespace=NS, keys=[key(0)], parts=[0])
         chunks = []
         try:
-            chunks = list(stub.Promote(request, timeout=5, metadata=metadata))
+            chunks = list(stub.Promote(request, timeout=5))
             assert token == BOB
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -146,7 +147,7 @@ def test_without_the_right_token_nothing_comes_back_on_either_port(
         if token != BOB:
             health = health_pb2_grpc.HealthStub(channel)
             with pytest.raises(grpc.RpcError) as failure:
-                health.Check(health_pb2.HealthCheckRequest(), timeout=5, metadata=metadata)
+                health.Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert failure.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # alice lost nothing
     with VaultClient(tenants_vault.address, token=ALICE) as alice:
@@ -174,6 +175,15 @@ def test_status_shows_auth_required_and_whether_ours_was_accepted(
     [row] = json.loads(accepted.stdout)["vaults"]
     assert (row["auth"], row["tenant"], row["entries"]) == ("required, accepted", "alice", 4)
     assert ALICE not in accepted.output and ALICE not in refused.output
+    assert (row["tls"], row["sealed"]) == (False, False)
+    data_key = tmp_path / "data_key"
+    data_key.write_text("1 unused-by-status\n")
+    data_key.chmod(0o600)
+    config.write_text(f'[security]\ndata_key_file = "{data_key}"\n')
+    [row] = json.loads(runner.invoke(app, args).stdout)["vaults"]
+    assert (row["tls"], row["sealed"]) == (False, True)
+    table = runner.invoke(app, [*args[:-3], "--config", str(config)]).stdout
+    assert "required, accepted, sealed, tenant alice" in table
 
 
 def test_a_single_token_from_the_environment_keeps_namespaces_as_they_are(
@@ -199,6 +209,7 @@ def test_token_files_are_checked_line_by_line(tmp_path: Path) -> None:
 
     good = tmp_path / "good"
     good.write_text(f"{ALICE}\n")
+    good.chmod(0o600)
     assert read_token_file(good) == [("default", ALICE)]
     for text, message in [
         ("", "no token"),
@@ -208,6 +219,7 @@ def test_token_files_are_checked_line_by_line(tmp_path: Path) -> None:
     ]:
         bad = tmp_path / "bad"
         bad.write_text(text)
+        bad.chmod(0o600)
         with pytest.raises(ConfigError, match=message):
             read_token_file(bad)
 
@@ -332,14 +344,14 @@ def test_a_tenants_corrupted_block_is_a_miss_never_laundered() -> None:
             rotting[100] ^= 0xFF  # bit rot in the vault's RAM after the checksum was verified
             assert alice.promote(NS, [key(1)], [0]) == {}
             assert alice.checksum_failures == 1
-        with grpc.insecure_channel(server.address) as channel:  # sent with a wrong checksum
-            put = channel.stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
+        with grpc.insecure_channel(server.address) as plain:  # sent with a wrong checksum
+            put = proving_channel(plain, ALICE).stream_unary(
+                "/tierkv.v1.Vault/Put", request_serializer=lambda b: b
+            )
             index = vault_pb2.PutIndex(
                 namespace=NS, keys=[key(2)], parts=[0], lengths=[3], checksums=[12345]
             )
-            summary = vault_pb2.PutSummary.FromString(
-                put(iter([encode_bulk(index, [b"abc"])]), metadata=call_metadata(ALICE))
-            )
+            summary = vault_pb2.PutSummary.FromString(put(iter([encode_bulk(index, [b"abc"])])))
             assert (summary.stored, summary.rejected) == (0, 1)
             assert "checksum" in summary.rejections[0].reason
     finally:

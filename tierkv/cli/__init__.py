@@ -38,6 +38,7 @@ def _root(
 from tierkv.cli import install  # noqa: E402, F401
 from tierkv.cli import vault  # noqa: E402, F401
 from tierkv.cli import status  # noqa: E402, F401
+from tierkv.cli import secrets  # noqa: E402, F401
 from tierkv.cli import bench  # noqa: E402, F401
 from tierkv.cli import serve  # noqa: E402, F401
 from tierkv.cli import eval  # noqa: E402, F401

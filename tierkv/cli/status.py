@@ -138,6 +138,7 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
         "auth": _auth(backend, nodes[0]),
         "insecure": nodes[0].insecure,  # --insecure beyond loopback: anyone may call
         "tls": nodes[0].tls,
+        "sealed": cfg.security.data_key_file is not None,  # we seal blocks with a data key
         "tenant": nodes[0].tenant,
         "ram": _tier_sum([s.ram for s in nodes]),
         "disk": _tier_sum([s.disk for s in nodes]),  # None: RAM only
@@ -213,6 +214,7 @@ def _cell(row: dict[str, Any], key: str) -> str:
         return str(row.get(key, "")) if key in ("name", "address", "auth") else ""
     if key == "auth":
         text = row["auth"] + (", TLS" if row["tls"] else "")
+        text += ", sealed" if row["sealed"] else ", unsealed"
         text += f", tenant {row['tenant']}" if row["tenant"] else ""
         return "[red]none: --insecure, open to the LAN[/red]" if row["insecure"] else text
     if key == "used":
@@ -280,8 +282,11 @@ def status(
     With --exo-path, also check that the tierkv hook is installed in that EXO checkout.
     """
     addresses = vault or []
+    from tierkv.vault.auth import refuse_ineffective_settings
+
     try:
         cfg = load_config(config)
+        refuse_ineffective_settings(cfg.security, vault=False)
         for address in addresses:
             try:
                 parse_cold_address(address)

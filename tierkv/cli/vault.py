@@ -130,14 +130,23 @@ def vault(
         host, _ = parse_address(listen, allow_port_zero=True)
     except ValueError as exc:
         raise fail("vault", f"{listen_origin}: {exc}", 2) from None
-    from tierkv.vault.auth import Tokens, configured_tokens, is_loopback
+    from tierkv.vault.auth import (
+        Tokens,
+        configured_tokens,
+        is_loopback,
+        refuse_ineffective_settings,
+    )
 
     try:
+        refuse_ineffective_settings(cfg.security, vault=True)
         entries = configured_tokens(cfg.security)
     except ConfigError as exc:
         raise fail("vault", str(exc), 2) from None
     tokens = Tokens(entries) if entries else None
     authenticated = tokens is not None or cfg.security.client_ca is not None
+    if insecure and authenticated:
+        given = "client_ca" if tokens is None else "tokens (security.token_file or $TIERKV_TOKEN)"
+        raise fail("vault", f"--insecure together with {given}: drop one of them", 2)
     open_to_lan = not is_loopback(host)
     if open_to_lan and not authenticated and not insecure:
         raise fail(

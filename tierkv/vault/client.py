@@ -31,7 +31,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
 from tierkv.reliability import CircuitBreaker, PendingPut, PutPayload, PutQueue
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import call_metadata, channel_credentials, client_token, ssl_context
+from tierkv.vault.auth import (
+    channel_credentials,
+    client_token,
+    proving_channel,
+    refuse_ineffective_settings,
+    ssl_context,
+)
 from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError, Into
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
@@ -161,14 +167,14 @@ class VaultClient:
         self.promote_deadline_s = promote_deadline_s
         self.max_pending_bytes = max_pending_bytes
         self._token = token
-        self._metadata = call_metadata(token)
         security = security or SecurityConfig()
         self._tls = ssl_context(security, server=False)
         credentials = channel_credentials(security)
         if credentials is None:
-            self._channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
+            channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
         else:
-            self._channel = grpc.secure_channel(address, credentials, options=CLIENT_OPTIONS)
+            channel = grpc.secure_channel(address, credentials, options=CLIENT_OPTIONS)
+        self._channel = proving_channel(channel, token)  # a fresh call proof on every call
         self._stub = vault_pb2_grpc.VaultStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         # The bulk methods bypass per-message protobuf copies (see wire.py).
@@ -213,6 +219,7 @@ class VaultClient:
         """A client using the `[client]` and `[security]` sections of tierkv.toml (its token:
         $TIERKV_TOKEN, else security.token_file)."""
         security = security or SecurityConfig()
+        refuse_ineffective_settings(security, vault=False)
         return cls(
             address,
             deadline_s=client_cfg.deadline_ms / 1000,
@@ -292,9 +299,7 @@ class VaultClient:
         transport = "bulk"
         if summaries is None:
             timeout = deadline - time.monotonic()
-            summaries = [
-                self._put_call(_put_batches(stream), timeout=timeout, metadata=self._metadata)
-            ]
+            summaries = [self._put_call(_put_batches(stream), timeout=timeout)]
             transport = "grpc"
         with self._lock:
             self.transport = transport
@@ -331,7 +336,7 @@ class VaultClient:
             return 0
         request = vault_pb2.LookupRequest(namespace=namespace, keys=keys, parts=parts)
         try:
-            reply = self._stub.Lookup(request, timeout=self.deadline_s, metadata=self._metadata)
+            reply = self._stub.Lookup(request, timeout=self.deadline_s)
         except grpc.RpcError:
             self._record_failure()
             return 0
@@ -435,9 +440,7 @@ class VaultClient:
     ) -> Iterator[tuple[vault_pb2.PromoteIndex, list[list[memoryview]]]]:
         """The gRPC Promote stream as (index, payloads) chunks, each payload one view; a
         stalled stream is cancelled."""
-        call = self._promote_call(
-            request, timeout=deadline - time.monotonic(), metadata=self._metadata
-        )
+        call = self._promote_call(request, timeout=deadline - time.monotonic())
         guard = _StallGuard(call, self.deadline_s)
         try:
             for index, data in call:
@@ -461,7 +464,7 @@ class VaultClient:
             if time.monotonic() < self._bulk_retry_at:
                 return None
         wait_s = min(self.deadline_s, deadline - time.monotonic())
-        port = self._bulk_port(vault_pb2.HelloRequest(), timeout=wait_s, metadata=self._metadata)
+        port = self._bulk_port(vault_pb2.HelloRequest(), timeout=wait_s)
         if port:
             try:
                 return self._connect_bulk(port, min(self.deadline_s, deadline - time.monotonic()))
@@ -599,10 +602,14 @@ class VaultClient:
 
     def _management_call(self, method: Callable[..., Any], request: object) -> Any:
         try:
-            return method(request, timeout=self.deadline_s, metadata=self._metadata)
+            return method(request, timeout=self.deadline_s)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                given = "ours was refused" if self._token else "we have none ($TIERKV_TOKEN)"
+                given = (
+                    f"ours was refused ({exc.details()})"
+                    if self._token
+                    else "we have none ($TIERKV_TOKEN)"
+                )
                 raise VaultRefused(
                     f"vault at {self.address} requires a token and {given}"
                 ) from None
@@ -618,7 +625,6 @@ class VaultClient:
                 request,
                 timeout=timeout or self.deadline_s,
                 wait_for_ready=True,
-                metadata=self._metadata,
             )
         except grpc.RpcError:
             return False

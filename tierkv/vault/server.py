@@ -40,6 +40,7 @@ from tierkv.vault.auth import (
     TenantCounters,
     Tokens,
     namespace_tenant,
+    refuse_ineffective_settings,
     server_credentials,
     ssl_context,
 )
@@ -504,14 +505,16 @@ def serve(
     LimitsConfig(). With `tokens` every call on both ports needs one of them (auth.py); with
     `security.tls_cert` both ports speak TLS (mutual with `security.client_ca`); `insecure` only
     tells clients (Stats) that the vault was started --insecure. Raises ConfigError for
-    unreadable TLS files. With `metrics_port` (0: any free port), Prometheus metrics are served
-    as /metrics, on the same host where metrics.metrics_host allows it, else on loopback.
+    unreadable TLS files and settings that cannot take effect (auth.refuse_ineffective_settings).
+    With `metrics_port` (0: any free port), Prometheus metrics are served as /metrics, on the
+    same host where metrics.metrics_host allows it, else on loopback.
     """
     if role not in VAULT_ROLES:
         raise ValueError(f"vault role must be one of {', '.join(VAULT_ROLES)}, got {role!r}")
     host, port = parse_address(listen, allow_port_zero=True)
     limits = limits or LimitsConfig()
     security = security or SecurityConfig()
+    refuse_ineffective_settings(security, vault=True)
     credentials = server_credentials(security)
     tls = ssl_context(security, server=True)
     access = Access(tokens, credentials is not None, insecure)

@@ -1,0 +1,152 @@
+"""Setting up security: `tierkv secrets init` provisions a LAN whose files start a real vault
+(TLS + tokens) that a client stores into and restores from, and every `[security]` setting that
+cannot take effect is refused with one line naming it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import pick_free_port
+from typer.testing import CliRunner
+
+from tierkv.cli import app
+from tierkv.config import ConfigError, load_config
+from tierkv.vault.auth import TOKEN_ENV
+from tierkv.vault.client import VaultClient, VaultUnavailable
+
+runner = CliRunner()
+
+
+def _private_files(directory: Path) -> list[Path]:
+    return [path for path in directory.rglob("*") if path.is_file()]
+
+
+def test_secrets_init_provisions_a_tls_vault_that_an_engine_restores_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    port = pick_free_port()
+    lan = tmp_path / "lan"
+    args = ["secrets", "init", str(lan), "--tenant", "alice", "--tenant", "bob"]
+    result = runner.invoke(app, [*args, "--tls", "127.0.0.1", "--port", str(port)])
+    assert result.exit_code == 0, result.output
+    files = _private_files(lan)
+    assert {path.relative_to(lan).as_posix() for path in files} >= {
+        "vault/tokens",
+        "vault/tierkv.toml",
+        "vault/vault.crt",
+        "vault/vault.key",
+        "alice/token",
+        "alice/data_key",
+        "alice/tierkv.toml",
+        "alice/ca.crt",
+        "ca/ca.key",
+    }
+    assert all(path.stat().st_mode & 0o777 == 0o600 for path in files)
+    key_id, key = (lan / "alice" / "data_key").read_text().split()
+    assert key_id == "1" and len(key) == 43  # 32 bytes, URL-safe base64 without padding
+    assert runner.invoke(app, [*args]).exit_code == 2  # never overwrites a provisioned LAN
+
+    command = [sys.executable, "-m", "tierkv", "vault", "--config", "tierkv.toml"]
+    vault = subprocess.Popen(
+        [*command, "--listen", f"127.0.0.1:{port}", "--max-bytes", "256MiB"],
+        cwd=lan / "vault",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        monkeypatch.chdir(lan / "alice")  # the engine's directory, as the recipe says
+        cfg = load_config(Path("tierkv.toml"))
+        assert cfg.security.data_key_file == "data_key"
+        address = cfg.cluster.kv_cold[0].address
+        with VaultClient.from_config(address, cfg.client, cfg.security) as engine:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    stats = engine.stats()
+                    break
+                except VaultUnavailable:
+                    assert vault.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.2)
+            assert (stats.tls, stats.auth_required, stats.tenant) == (True, True, "alice")
+            engine.put(b"ns", b"k" * 16, 0, b"alice's KV" * 1000)
+            assert engine.flush(timeout=10) and engine.stored_puts == 1
+            found = engine.promote(b"ns", [b"k" * 16], [0])
+            assert bytes(found[(0, 0)]) == b"alice's KV" * 1000 and engine.transport == "bulk"
+    finally:
+        vault.terminate()
+        output, _ = vault.communicate(timeout=30)
+    assert "auth: 2 tokens, 2 tenants, TLS" in output
+
+
+def test_secrets_init_refuses_a_bad_tenant_name(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["secrets", "init", str(tmp_path / "x"), "--tenant", "a/b"])
+    assert result.exit_code == 2 and "--tenant 'a/b'" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def _secret(path: Path, text: str, mode: int = 0o600) -> Path:
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+TOKEN = "a-token-0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("security", "args", "named"),
+    [
+        ('client_ca = "ca.crt"', [], "security.client_ca needs security.tls_cert"),
+        ('tls_cert = "vault.crt"', [], "security.tls_cert needs security.tls_key"),
+        ('tls_key = "vault.key"', [], "security.tls_key needs security.tls_cert"),
+        ('token_file = "open_tokens"', [], "security.token_file"),
+        ('token_file = "tokens"', ["--insecure"], "--insecure together with tokens"),
+    ],
+    ids=[
+        "client_ca-without-cert",
+        "cert-without-key",
+        "key-without-cert",
+        "open-token-file",
+        "insecure-with-tokens",
+    ],
+)
+def test_a_vault_refuses_settings_that_cannot_take_effect(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    security: str,
+    args: list[str],
+    named: str,
+) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    _secret(tmp_path / "tokens", f"{TOKEN}\n")
+    _secret(tmp_path / "open_tokens", f"{TOKEN}\n", 0o644)
+    (tmp_path / "tierkv.toml").write_text(f"[security]\n{security}\n")
+    listen = f"127.0.0.1:{pick_free_port()}"
+    result = runner.invoke(app, ["vault", "--config", "tierkv.toml", "--listen", listen, *args])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], result.output
+    assert "listening" not in result.output
+
+
+@pytest.mark.parametrize("setting", ["token_file", "data_key_file", "tls_key"])
+def test_an_engine_refuses_a_secret_file_others_can_read(tmp_path: Path, setting: str) -> None:
+    from tierkv.config import ClientConfig, SecurityConfig
+
+    secret = _secret(tmp_path / "secret", f"{TOKEN}\n", 0o640)
+    paths = {setting: str(secret)}
+    if setting == "tls_key":
+        paths["tls_cert"] = str(_secret(tmp_path / "cert", "unused"))
+    with pytest.raises(ConfigError, match=f"security.{setting} .*open to group or others"):
+        VaultClient.from_config("127.0.0.1:1", ClientConfig(), SecurityConfig(**paths))
+    secret.chmod(0o600)
+    if setting != "tls_key":  # then nothing to refuse (the client is never started here)
+        VaultClient.from_config("127.0.0.1:1", ClientConfig(), SecurityConfig(**paths)).close()

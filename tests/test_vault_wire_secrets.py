@@ -1,0 +1,158 @@
+"""No token crosses the wire: a relay recording every byte between a client and a real vault on
+both ports finds none, and gRPC call proofs that are wrong, replayed, expired or made for another
+method are refused with UNAUTHENTICATED.
+
+The relay listens on 127.0.0.2 (still loopback) with the vault's own port numbers, so the bulk
+port the vault announces in Hello leads through it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from tierkv.vault import auth
+from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+from tierkv.vault.auth import (
+    PROOF_METADATA_KEY,
+    PROOF_WINDOW_S,
+    ReplayGuard,
+    Tokens,
+    call_proof,
+    key_id,
+)
+from tierkv.vault.client import VaultClient, VaultRefused
+from tierkv.vault.server import serve
+
+TOKEN = "alice-token-0123456789abcdef"
+NS = b"wire-namespace"
+STATS = "/tierkv.v1.Vault/Stats"
+LOOKUP = "/tierkv.v1.Vault/Lookup"
+RELAY_HOST = "127.0.0.2"
+
+
+class RecordingRelay:
+    """Forwards RELAY_HOST:PORT to 127.0.0.1:PORT for each port, keeping every byte it carries."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.recorded: dict[int, bytearray] = {port: bytearray() for port in ports}
+        self._lock = threading.Lock()
+        self._sockets: list[socket.socket] = []
+        for port in ports:
+            listener = socket.create_server((RELAY_HOST, port))
+            self._sockets.append(listener)
+            threading.Thread(target=self._accept, args=(listener, port), daemon=True).start()
+
+    def _accept(self, listener: socket.socket, port: int) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", port))
+            self._sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink, port), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, port: int) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                with self._lock:
+                    self.recorded[port] += data
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (source, sink):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        for sock in self._sockets:
+            sock.close()
+
+
+@pytest.fixture
+def vault_and_relay() -> Iterator[tuple[str, RecordingRelay]]:
+    server = serve("127.0.0.1:0", 1 << 30, bulk_port=0, tokens=Tokens([("default", TOKEN)]))
+    relay = RecordingRelay([server.port, server.bulk_port])
+    yield f"{RELAY_HOST}:{server.port}", relay
+    relay.close()
+    server.stop(grace=None)
+
+
+def test_a_relay_recording_both_ports_finds_no_token(
+    vault_and_relay: tuple[str, RecordingRelay],
+) -> None:
+    address, relay = vault_and_relay
+    with VaultClient(address, token=TOKEN) as client:
+        for i in range(4):
+            client.put(NS, i.to_bytes(16, "little"), 0, b"KV %d" % i * 1000)
+        assert client.flush(timeout=10) and client.stored_puts == 4
+        found = client.promote(NS, [i.to_bytes(16, "little") for i in range(4)], [0])
+        assert len(found) == 4 and client.transport == "bulk"
+        assert client.stats().auth_required
+    assert all(len(data) > 1000 for data in relay.recorded.values())  # both ports went through
+    for data in relay.recorded.values():
+        assert TOKEN.encode() not in data
+    grpc_port = int(address.rsplit(":", 1)[1])
+    assert key_id(TOKEN).encode() in relay.recorded[grpc_port]  # the proofs named the token
+
+
+def _stats(address: str, proof: str | None) -> grpc.StatusCode:
+    metadata = ((PROOF_METADATA_KEY, proof),) if proof else ()
+    with grpc.insecure_channel(address) as channel:
+        try:
+            vault_pb2_grpc.VaultStub(channel).Stats(
+                vault_pb2.StatsRequest(), timeout=5, metadata=metadata
+            )
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def test_wrong_replayed_expired_and_misdirected_proofs_are_refused(
+    vault_and_relay: tuple[str, RecordingRelay],
+) -> None:
+    address, _ = vault_and_relay
+    refused = grpc.StatusCode.UNAUTHENTICATED
+    recorded = call_proof(TOKEN, STATS)
+    assert _stats(address, recorded) == grpc.StatusCode.OK
+    assert _stats(address, recorded) == refused  # replayed
+    assert _stats(address, None) == refused
+    assert _stats(address, call_proof("wrong-token-0123456789abcdef", STATS)) == refused
+    assert _stats(address, call_proof(TOKEN, LOOKUP)) == refused  # made for another method
+    for skew in (-2 * PROOF_WINDOW_S, 2 * PROOF_WINDOW_S):
+        assert _stats(address, call_proof(TOKEN, STATS, now=time.time() + skew)) == refused
+    tampered = recorded[:-1] + ("0" if recorded[-1] != "0" else "1")
+    assert _stats(address, tampered) == refused
+    assert _stats(address, "v1.garbage") == refused
+    assert _stats(address, call_proof(TOKEN, STATS)) == grpc.StatusCode.OK
+
+
+def test_a_client_whose_clock_is_off_is_told_why(
+    vault_and_relay: tuple[str, RecordingRelay], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address, _ = vault_and_relay
+    made = auth.call_proof
+    late = 2 * PROOF_WINDOW_S
+    monkeypatch.setattr(auth, "call_proof", lambda t, m, now=None: made(t, m, time.time() - late))
+    with VaultClient(address, token=TOKEN) as client, pytest.raises(VaultRefused) as refused:
+        client.stats()
+    assert "clocks differ" in str(refused.value) and TOKEN not in str(refused.value)
+
+
+def test_the_replay_window_is_bounded_and_forgets_expired_nonces() -> None:
+    guard = ReplayGuard(limit=2)
+    now = time.time()
+    assert guard.admit("a", now) is None and guard.admit("a", now) == "tierkv call proof replayed"
+    assert guard.admit("b", now) is None
+    assert "calls in" in (guard.admit("c", now) or "")  # full: refused, never unbounded
+    later = now + 2 * PROOF_WINDOW_S + 1  # "a" and "b" can no longer pass the time check
+    assert guard.admit("c", later) is None and guard.admit("d", later) is None
