@@ -18,8 +18,11 @@ from typing import Any
 import pytest
 from conftest import pick_free_port, start_subprocess_vault
 from test_vllm_connector import Engine
+from typer.testing import CliRunner
 
 from tierkv.bench_engines import long_prompt
+from tierkv.cli import app
+from tierkv.config import load_config
 from tierkv.vault.client import VaultClient
 
 pytest.importorskip("vllm")
@@ -108,6 +111,37 @@ def test_fresh_engine_process_generates_the_hit_of_the_engine_that_stored(
         assert fresh.stats()["loaded_blocks"] == (len(tokens) - 1) // BLOCK
     finally:
         fresh.close()
+
+
+def test_eval_verdict_is_what_codec_auto_stores_with(
+    real_model: Path, vault: tuple[Any, str], tokenize: Any, tmp_path: Path
+):
+    """`tierkv eval --write-config` on the real model (a gate every codec passes, so the verdict
+    is the smallest one), then an engine with `codec = "auto"` stores blocks that small."""
+    config = tmp_path / "tierkv.toml"
+    config.write_text(
+        f'[cluster]\nkv_cold = "{vault[1]}"\n[connector]\nstore = "on_finish"\n'
+        '[turbo_quant]\nenabled = true\ncodec = "auto"\n'
+    )
+    args = ["eval", "--model", str(real_model), "--codecs", "none,tq4", "--tokens", "256"]
+    args += ["--new-tokens", "4", "--passkey-lengths", "256", "--no-counting"]
+    args += ["--min-identical", "0", "--max-kl", "100", "--vault", vault[1]]
+    args += ["--kv-cache-bytes", "64MiB"]
+    out = CliRunner().invoke(app, [*args, "--json", "--write-config", str(config)])
+    assert out.exit_code == 0, out.output
+    assert "tierkv: eval: tq4: restore prompt" in out.stderr
+    assert list(load_config(config).codec_verdicts.values()) == ["tq4"]
+
+    auto = Engine(real_model, {"config_path": str(config)}, ENGINE)
+    try:
+        auto.generate(text(tokenize, seed=4))
+        auto.generate(text(tokenize, seed=5, length=8))  # one more step: the blocks go out
+        assert auto.call("flush")
+        tier = auto.stats()["tier"]
+        assert tier["queued_payload_bytes"] > 0
+        assert tier["queued_raw_bytes"] / tier["queued_payload_bytes"] > 3.0  # tq4, not none
+    finally:
+        auto.close()
 
 
 def test_dead_vault_generates_the_cold_run(engine: Engine, vault: tuple[Any, str], tokenize: Any):

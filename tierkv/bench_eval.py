@@ -335,7 +335,7 @@ def progress(message: str) -> None:
 
 def engine_start_error(exc: BaseException, kv_cache_bytes: int | None) -> str:
     """One line for an engine that did not start: its cause and the flag to change."""
-    cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:300]
+    cause = (str(exc).strip().splitlines() or [type(exc).__name__])[-1][:500]
     memory = "memory" in cause.lower() or "kv cache" in cause.lower()
     if memory:
         where = f"--kv-cache-bytes (now {kv_cache_bytes or 'vLLM’s choice'})"
