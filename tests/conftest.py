@@ -40,7 +40,8 @@
     What a time bound adds to a configured deadline ("never much past it"): enough for a
     2-core CI box busy with other work. Speed itself is measured by benchmarks, not tests.
 
-Engine tests that ran: the summary names how many tests of each engine marker (vllm, mlx) passed,
+Engine tests that ran: the summary names how many tests of each engine marker (vllm, mlx,
+real_model) passed,
 and with TIERKV_MARKER_COUNTS=path the same counts are written there as JSON, so CI can fail when
 an engine's tests were all skipped.
 """
@@ -235,7 +236,22 @@ def disk_dir(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Path]:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-ENGINE_MARKERS = ("vllm", "mlx")
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 HF folder (see tests/real_model.py): fetched and converted
+    once into the user's cache. Unavailable: a failure in CI (CI set), a skip with the reason
+    elsewhere."""
+    from real_model import RealModelUnavailable, real_model_dir
+
+    try:
+        return real_model_dir()
+    except (RealModelUnavailable, OSError) as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"the real model is unavailable in CI: {exc}")
+        pytest.skip(f"the real model is unavailable: {exc}")
+
+
+ENGINE_MARKERS = ("vllm", "mlx", "real_model")
 _passed_per_marker = dict.fromkeys(ENGINE_MARKERS, 0)
 
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny_models import build_tiny_llama, build_tiny_qwen3_next
+from tiny_models import build_tiny_llama, build_tiny_qwen3_next, build_tokenizer
 from typer.testing import CliRunner
 
 from tests.conftest import VaultHandle
@@ -20,7 +20,10 @@ from tierkv.bench_eval import (
     PromptEval,
     builtin_prompts,
     engine_report,
+    engine_start_error,
     first_difference,
+    passkey_ids,
+    task_prompts,
     topk_kl,
     write_verdict,
 )
@@ -101,6 +104,60 @@ def test_the_gate_picks_the_smallest_passing_codec_and_writes_it_with_its_figure
     assert report(("tq3", 4.3, [3, 3], 0.2)).verdict(0.95, 0.01) is None
 
 
+def test_the_gate_weighs_task_accuracy_and_none_must_match_the_hit() -> None:
+    def scored(codec: str, ratio: float, correct: list[bool], diff: int | None) -> CodecEval:
+        prompts = [PromptEval(100, 96, None, 0.0)]
+        prompts += [PromptEval(100, 96, diff, 0.0, task="passkey", correct=c) for c in correct]
+        return CodecEval(codec, 8, ratio, prompts)
+
+    found = EvalReport(
+        "m",
+        "f" * 32,
+        8,
+        20,
+        1.0,
+        [scored("none", 1.0, [True, True], None), scored("tq3", 4.3, [True, False], 2)],
+    )
+    assert found.codecs[1].accuracy("passkey") == 0.5
+    assert found.verdict(0.95, 0.01).codec == "tq3"  # type: ignore[union-attr]
+    assert found.verdict(0.95, 0.01, min_task_accuracy=0.75).codec == "none"  # type: ignore[union-attr]
+    assert found.self_test_failures() == 0
+    found.codecs[0].prompts[1].first_diff = 3  # none parted from vLLM's own hit on a task prompt
+    assert found.self_test_failures() == 1
+
+
+def test_passkey_prompt_has_its_length_its_key_inside_and_the_question_last(
+    tmp_path: Path,
+) -> None:
+    tokenizer = build_tokenizer(tmp_path / "tokenizer", vocab_size=2000)
+    for spec in task_prompts([300])[:3]:
+        ids, key = passkey_ids(tokenizer, spec)
+        assert len(ids) == 300
+        text = tokenizer.decode(ids)
+        assert f"The pass key is {key}." in text
+        assert text.endswith("What is the pass key? The pass key is")
+    depths = [text_before_key(tokenizer, spec) for spec in task_prompts([300])[:3]]
+    assert depths == sorted(depths) and depths[0] < 0.2 < 0.7 < depths[-1]
+    counting = task_prompts([])
+    assert len(counting) == 8 and all(p["task"] == "counting" for p in counting)
+    last = counting[0]["text"].splitlines()[-1].split(", ")
+    assert int(counting[0]["answer"]) == int(last[-2]) + 1
+
+
+def text_before_key(tokenizer: object, spec: dict) -> float:
+    ids, key = passkey_ids(tokenizer, spec)
+    text = tokenizer.decode(ids)  # type: ignore[attr-defined]
+    return text.index(key) / len(text)
+
+
+def test_an_engine_that_cannot_start_ends_with_one_line_naming_the_flag() -> None:
+    line = engine_start_error(
+        ValueError("long\ntraceback\nNo available memory for the cache blocks."), 1024
+    )
+    assert "\n" not in line and "No available memory for the cache blocks." in line
+    assert "--kv-cache-bytes (now 1024)" in line
+
+
 def test_codec_auto_uses_the_verdict_for_this_model_and_lossless_otherwise(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -128,7 +185,7 @@ def test_llama_eval_none_is_exact_and_a_destructive_codec_is_caught_by_the_gate(
     model = str(build_tiny_llama(tmp_path / "llama"))
     arguments = {
         "model": model,
-        "prompts": [list(prompt) for prompt in builtin_prompts(256)[:4]],
+        "prompts": builtin_prompts(256)[:4],
         "codecs": ["none", "k8v4", "zero"],
         "new_tokens": 16,
         "connector_config": {"cluster.kv_cold": vault.address},
@@ -145,7 +202,9 @@ def test_llama_eval_none_is_exact_and_a_destructive_codec_is_caught_by_the_gate(
     line = next(x for x in engine.stdout.splitlines() if x.startswith("RESULT "))
     found = engine_report(model, 16, 0.0, json.loads(line.removeprefix("RESULT ")))
     none, pair, zero = found.codecs
-    assert (none.identical, none.mean_kl) == (1.0, 0.0)
+    assert (none.identical, none.mean_kl) == (1.0, 0.0)  # against vLLM's own hit
+    assert found.self_test_failures() == 0
+    assert found.floor is not None and found.floor.restored_fraction > 0.3  # the hits hit
     assert none.restored_fraction > 0.3  # most of every prompt came from the vault
     assert 0.9 < none.stored_ratio <= 1.0
     assert pair.stored_ratio > 1.5 and pair.restored_fraction == none.restored_fraction
@@ -168,8 +227,10 @@ def test_cli_eval_on_the_hybrid_model_writes_its_verdict(tmp_path: Path) -> None
     config.write_text("[turbo_quant]\nkv_dim = 64\n")
     args = ["eval", "--model", str(model), "--codecs", "none,k8v4", "--tokens", "1200"]
     args += ["--new-tokens", "8", "--kv-cache-bytes", "1700000", "--config", str(config)]
+    args += ["--passkey-lengths", "", "--no-counting"]  # the tasks need a trained model
     out = CliRunner().invoke(app, [*args, "--json", "--write-config", str(config)])
     assert out.exit_code == 0, out.output
+    assert "tierkv: eval: k8v4: restore prompt 8/8" in out.stderr  # progress per codec, prompt
     found = json.loads(out.stdout)
     none = found["codecs"][0]
     assert (none["codec"], none["identical"], none["mean_kl"]) == ("none", 1.0, 0.0)

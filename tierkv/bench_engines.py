@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -237,6 +238,10 @@ def vllm_bench(
     return EngineBench(found["engine"], found["prompt_tokens"], runs)
 
 
+PROGRESS_PREFIX = "tierkv: "
+"""Lines of the engine process's stderr that start so are its progress, passed on to ours."""
+
+
 def in_engine_process(run: str, arguments: dict[str, Any]) -> Any:
     """`ENGINE_RUNS[run](**arguments)` in a fresh Python process; its JSON-able result.
 
@@ -247,9 +252,17 @@ def in_engine_process(run: str, arguments: dict[str, Any]) -> Any:
         request, result = Path(work, "request.json"), Path(work, "result.json")
         request.write_text(json.dumps(arguments))
         command = [sys.executable, "-m", "tierkv.bench_engines", run, str(request), str(result)]
-        engine = subprocess.run(command, capture_output=True, text=True, check=False)
-        if engine.returncode != 0:
-            raise RuntimeError(f"the vLLM engine process failed:\n{engine.stderr[-4000:]}")
+        engine = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        assert engine.stderr is not None
+        tail: deque[str] = deque(maxlen=200)
+        for line in engine.stderr:  # its progress ("tierkv: ...") is passed on as it comes
+            if line.startswith(PROGRESS_PREFIX):
+                print(line, end="", file=sys.stderr, flush=True)
+            tail.append(line)
+        if engine.wait() != 0:
+            raise RuntimeError(f"the vLLM engine process failed:\n{''.join(tail)[-4000:]}")
         return json.loads(result.read_text())
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -70,6 +70,23 @@ def eval_command(
             metavar="NATS", help="Gate: mean KL divergence (nats) over shared positions.", min=0
         ),
     ] = DEFAULT_MAX_KL,
+    passkey_lengths: Annotated[
+        str,
+        typer.Option(
+            metavar="TOKENS",
+            help="Passkey prompts of these lengths (capped at the model's context); '' for none.",
+        ),
+    ] = "1024,2048,4096,8192",
+    counting: Annotated[bool, typer.Option(help="Score the few-shot counting task.")] = True,
+    min_task_accuracy: Annotated[
+        float,
+        typer.Option(
+            metavar="SHARE",
+            help="Gate: share of each task's prompts answered right after a restore.",
+            min=0,
+            max=1,
+        ),
+    ] = 0.0,
     write_config: Annotated[
         Path | None,
         typer.Option(
@@ -103,7 +120,13 @@ def eval_command(
     differs, the KL divergence of the next-token distributions and the bytes saved.
     """
     from tierkv.bench import vault_addresses  # the codecs (Numba): not for `tierkv --help`
-    from tierkv.bench_eval import builtin_prompts, vllm_eval, write_verdict
+    from tierkv.bench_eval import (
+        EngineFailed,
+        builtin_prompts,
+        task_prompts,
+        vllm_eval,
+        write_verdict,
+    )
 
     try:
         cfg = load_config(config)
@@ -126,28 +149,39 @@ def eval_command(
                 2,
             )
     prompt_set = _read_prompts(prompts, tokens) if prompts else builtin_prompts(tokens)
+    lengths = _passkey_lengths(passkey_lengths, model, new_tokens)
+    scored = task_prompts(lengths)
+    prompt_set += scored if counting else [p for p in scored if p["task"] != "counting"]
     kv_bytes = _size_option("--kv-cache-bytes", kv_cache_bytes)
-    with (
-        vault_addresses(vault or []) as addresses,
-        console.status(f"vLLM: {len(prompt_set)} prompts x {len(names)} codecs"),
-    ):
+    with vault_addresses(vault or []) as addresses:
         settings: dict[str, object] = {"cluster.kv_cold": addresses, "cluster.ssm_cold": addresses}
-        report = vllm_eval(
-            model,
-            prompt_set,
-            names,
-            new_tokens=new_tokens,
-            connector_config=settings,
-            kv_dim=cfg.turbo_quant.kv_dim,
-            kv_cache_bytes=kv_bytes,
-        )
-    verdict = report.verdict(min_identical, max_kl)
+        try:
+            report = vllm_eval(
+                model,
+                prompt_set,
+                names,
+                new_tokens=new_tokens,
+                connector_config=settings,
+                kv_dim=cfg.turbo_quant.kv_dim,
+                kv_cache_bytes=kv_bytes,
+            )
+        except EngineFailed as exc:
+            raise fail("eval", str(exc), 1) from None
+    verdict = report.verdict(min_identical, max_kl, min_task_accuracy)
     if as_json:
         found = report.as_json()
         found["verdict"] = verdict.codec if verdict else None
         print(json.dumps(found, indent=2))
     else:
-        Console().print(eval_table(report, min_identical, max_kl))
+        Console().print(eval_table(report, min_identical, max_kl, min_task_accuracy))
+    failures = report.self_test_failures()
+    if failures:
+        raise fail(
+            "eval",
+            f"self-test failed: codec none differed from vLLM's own prefix-cache hit on "
+            f"{failures} prompts (the restore or the harness is broken)",
+            1,
+        )
     if write_config is None:
         return
     if verdict is None:
@@ -169,7 +203,26 @@ def _pair(name: str) -> tuple[str, str] | None:
         return None
 
 
-def _read_prompts(path: Path, tokens: int) -> list[tuple[str, int]]:
+def _passkey_lengths(option: str, model: str, new_tokens: int) -> list[int]:
+    """--passkey-lengths as token counts, each capped to fit the model's context."""
+    from tierkv.bench_eval import TASK_NEW_TOKENS
+    from tierkv.patches.vllm import read_hf_config
+
+    try:
+        lengths = [int(part) for part in option.split(",") if part.strip()]
+    except ValueError:
+        message = f"--passkey-lengths {option!r}: expected token counts like 1024,4096"
+        raise fail("eval", message, 2) from None
+    if any(length < 64 for length in lengths):
+        raise fail("eval", f"--passkey-lengths {option!r}: each length must be >= 64", 2)
+    context = (read_hf_config(model) or {}).get("max_position_embeddings")
+    if isinstance(context, int):
+        room = context - max(new_tokens, TASK_NEW_TOKENS) - 16
+        lengths = [min(length, room) for length in lengths]
+    return list(dict.fromkeys(lengths))
+
+
+def _read_prompts(path: Path, tokens: int) -> list[dict[str, Any]]:
     """The prompts of a JSONL file: each line a JSON string or an object with "prompt"."""
     found = []
     try:
@@ -190,51 +243,73 @@ def _read_prompts(path: Path, tokens: int) -> list[tuple[str, int]]:
                 f'--prompts {path}:{number}: expected a JSON string or {{"prompt": "..."}}',
                 2,
             )
-        found.append((text, tokens))
+        found.append({"text": text, "keep": tokens})
     if not found:
         raise fail("eval", f"--prompts {path}: no prompts in it", 2)
     return found
 
 
-def eval_table(report: EvalReport, min_identical: float, max_kl: float) -> Table:
-    """One row per codec, the gate's verdict in the caption."""
+def eval_table(
+    report: EvalReport, min_identical: float, max_kl: float, min_task_accuracy: float = 0.0
+) -> Table:
+    """One row per codec and the engine's own floor first; the gate's verdict in the caption."""
     from tierkv.bench_eval import ARTICLE_TOKENS
 
-    verdict = report.verdict(min_identical, max_kl)
-    prompts = len(report.codecs[0].prompts) if report.codecs else 0
+    verdict = report.verdict(min_identical, max_kl, min_task_accuracy)
+    rows = [report.floor, *report.codecs] if report.floor else report.codecs
+    texts = len(rows[0].texts) if rows else 0
+    tasks = rows[0].tasks() if rows else []
     table = Table(
         title=(
-            f"tierkv eval: {Path(report.model).name}, {prompts} prompts x {report.new_tokens} "
+            f"tierkv eval: {Path(report.model).name}, {texts} prompts x {report.new_tokens} "
             f"greedy tokens ({report.seconds:.0f} s)"
         ),
         caption=(
-            f"restored run vs cold run. KL: mean over the positions before the first difference "
-            f"(and at it), from the top-{report.top_k} log-probabilities, the rest of the "
-            f"vocabulary folded into one bucket. Gate: >= {min_identical:.0%} identical and KL "
-            f"<= {max_kl:g}: {verdict.codec if verdict else 'nothing passes'}"
+            "restored run vs vLLM's own prefix-cache hit of the same prompt (vs hit) and vs the "
+            "cold run; the 'vLLM hit' row is the engine's own hit vs cold, no tierkv (the floor). "
+            f"KL: mean over the positions before the first difference (and at it), from the "
+            f"top-{report.top_k} log-probabilities, the rest of the vocabulary folded into one "
+            "bucket. Accuracy: restored (cold). "
+            f"Gate: >= {min_identical:.0%} identical to the hit, KL <= {max_kl:g}, every task "
+            f">= {min_task_accuracy:.0%}: {verdict.codec if verdict else 'nothing passes'}"
         ),
     )
-    columns = (
+    columns = [
         "codec",
-        "identical",
+        "identical vs hit",
         f"first {ARTICLE_TOKENS} identical",
         "first diff",
-        "mean KL",
+        "KL vs hit",
+        "identical vs cold",
+        "KL vs cold",
+        *tasks,
         "restored",
         "ratio",
         "gate",
-    )
+    ]
     for column in columns:
         table.add_column(column, justify="left" if column == "codec" else "right")
-    for c in report.codecs:
+    for c in rows:
+        accuracy = [
+            f"{c.accuracy(task) or 0:.0%} ({c.accuracy(task, cold=True) or 0:.0%})"
+            for task in tasks
+        ]
+        floor = c is report.floor
         table.add_row(
             c.codec,
-            f"{c.identical:.0%}",
-            f"{c.article_identical}/{len(c.prompts)}",
+            "-" if floor else f"{c.identical:.0%}",
+            f"{c.article_identical}/{len(c.texts)}",
             f"{c.mean_first_diff:.1f}",
-            f"{c.mean_kl:.2g}",
+            "-" if floor else f"{c.mean_kl:.2g}",
+            f"{c.cold_identical:.0%}",
+            f"{c.mean_cold_kl:.2g}",
+            *accuracy,
             f"{c.restored_fraction:.0%}",
-            f"{c.stored_ratio:.2f}x",
-            "pass" if c.passes(min_identical, max_kl) else "[red]fail",
+            "-" if floor else f"{c.stored_ratio:.2f}x",
+            "-"
+            if floor
+            else "pass"
+            if c.passes(min_identical, max_kl, min_task_accuracy)
+            else "[red]fail",
         )
     return table
