@@ -495,14 +495,7 @@ class ColdTier:
             self._stats.queued_payload_bytes += payload_bytes(payload)
 
     def _sealed(self, sealer: Sealer, address: bytes, payload: PutPayload) -> PutPayload:
-        """`payload` sealed for `address`: its header in the clear (authenticated), its body
-        encrypted."""
-        if isinstance(payload, tuple):  # a lossless block's header and its memory
-            head, body = payload
-        else:
-            body = parse_header(payload)[1]
-            head = payload[: len(payload) - len(body)]
-        sealed = sealer.seal(address, bytes(head), memoryview(body))
+        sealed = sealed_payload(sealer, address, payload)
         with self._lock:
             self._stats.sealed_blocks += 1
         return sealed
@@ -633,6 +626,17 @@ class ColdTier:
         with self._lock:
             self._stats.loaded_payload_bytes += restored
         return failed
+
+
+def sealed_payload(sealer: Sealer, address: bytes, payload: PutPayload) -> PutPayload:
+    """`payload` (a codec's, or a lossless block's header and memory) sealed for `address`: its
+    header in the clear (authenticated), its body encrypted."""
+    if isinstance(payload, tuple):  # a lossless block's header and its memory
+        head, body = payload
+    else:
+        body = parse_header(payload)[1]
+        head = payload[: len(payload) - len(body)]
+    return sealer.seal(address, bytes(head), memoryview(body))
 
 
 class SwitchInterval:
