@@ -161,13 +161,15 @@ def start_subprocess_vault(
     work_dir: Path,
     args: Sequence[str] = (),
     config_text: str = "",
+    host: str = LOOPBACK,
 ) -> tuple[subprocess.Popen[bytes], Path]:
-    """`tierkv vault` on 127.0.0.1:port with the given config; its output goes to a log file."""
+    """`tierkv vault` on host:port (127.0.0.1, or another loopback address) with the given
+    config; its output goes to a log file."""
     config = work_dir / f"vault-{port}.toml"
     config.write_text(config_text)
     log_path = work_dir / f"vault-{port}.log"
     command = [sys.executable, "-m", "tierkv", "vault", "--config", str(config)]
-    command += ["--listen", f"{LOOPBACK}:{port}", "--max-bytes", max_bytes, "--role", role]
+    command += ["--listen", f"{host}:{port}", "--max-bytes", max_bytes, "--role", role]
     command += args
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -293,3 +293,31 @@ def test_an_external_vault_with_mutual_tls_and_a_token_uses_the_security_section
         assert server.store.stats().hits > 0  # served over TLS, with our token
     finally:
         server.stop()
+
+
+def test_every_codec_runs_sealed_beside_unsealed(all_codecs: list[dict[str, object]]) -> None:
+    for obj in all_codecs:
+        assert obj["sealed_with"] == "a key made for the run"
+        for speed in ("seal_gbps", "open_gbps", "sealed_store_gbps", "sealed_promote_gbps"):
+            assert obj[speed] > 0
+        parts = ("lookup_s", "sealed_promote_s", "open_s", "sealed_decode_s")
+        assert obj["sealed_restore_s"] == pytest.approx(sum(obj[part] for part in parts))
+        assert obj["sealed_vs_unsealed_restore"] == pytest.approx(
+            obj["restore_s"] / obj["sealed_restore_s"]
+        )
+
+
+def test_the_configured_data_key_seals_and_a_bad_one_is_one_line(tmp_path: Path) -> None:
+    from tierkv.seal import new_data_key_line
+
+    keys = tmp_path / "data.keys"
+    keys.write_text(new_data_key_line(1) + new_data_key_line(4))
+    config = tmp_path / "tierkv.toml"
+    config.write_text(f'[security]\ndata_key_file = "{keys}"\n')
+    args = ["bench", "--tokens", "256", "--codec", "none", "--json", "--config", str(config)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["sealed_with"] == "data_key_file key 4"
+    keys.write_text("1 c2hvcnQ\n")
+    line = _one_error_line(CliRunner().invoke(app, args), 2)
+    assert str(keys) in line and "5 bytes" in line

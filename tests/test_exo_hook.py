@@ -41,6 +41,8 @@ from tierkv.connectors.exo import boot, hook
 from tierkv.keys import weights_fingerprint
 from tierkv.quant import read_header
 from tierkv.quant.kernels import Threaded
+from tierkv.seal import MAGIC as SEAL_MAGIC
+from tierkv.seal import new_data_key_line
 
 pytestmark = pytest.mark.mlx
 
@@ -176,6 +178,44 @@ def test_eviction_spills_and_the_next_request_restores_only_the_missing_suffix(
     assert restored.prefilled == 24
     assert cold.prefilled == 120
     assert restored.tokens == cold.tokens
+
+
+def test_sealed_blocks_restore_the_same_tokens_in_a_fresh_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
+) -> None:
+    """With a data key, the blocks EXO spills reach the vault sealed, and a runtime started
+    afresh (a new tier, a new sealer) restores them: the same greedy tokens as without tierkv."""
+    keys = tmp_path / "data.keys"
+    keys.write_text(new_data_key_line(1))
+    keys.chmod(0o600)
+    sealed = f'[security]\ndata_key_file = "{keys}"\n'
+    exo = start_exo(
+        tmp_path, monkeypatch, vault.address, extra_config=sealed, exo_source=exo_source
+    )
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    model = tiny_llama(dtype=mx.bfloat16)
+    prompt = random_tokens(100, seed=31)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+    evict_everything(exo, monkeypatch, prefix_cache)
+    assert runtime.flush(10)
+    entries = list(vault.store._entries.values())
+    assert len(entries) == 24 and all(bytes(payload[:4]) == SEAL_MAGIC for payload, _ in entries)
+    hook.shutdown()
+
+    exo = start_exo(
+        tmp_path, monkeypatch, vault.address, extra_config=sealed, exo_source=exo_source
+    )
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    longer = mx.concatenate([prompt, random_tokens(20, seed=32)])
+    restored = exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=6)
+    cold = exo.generate.mlx_generate(model, longer, None, max_tokens=6)
+    assert restored.prefilled == 24 and restored.tokens == cold.tokens
+    stats = runtime.tier.stats() if runtime.tier else {}
+    assert stats["loaded_blocks"] > 0 and stats["open_failures"] == 0
 
 
 def test_prompts_with_images_are_neither_spilled_nor_restored(

@@ -8,6 +8,10 @@ Every restore scenario is: a prompt runs cold; filler prompts push its blocks ou
 KV cache (they are stored on the way out); the prompt runs again and must be restored from the
 vault with the same greedy tokens. The tiny models are sensitive enough that a wrong restored
 block changes those tokens (a garbage-KV control run checks this for both models).
+
+The shared Llama engine, and the fresh process that restores what it stored, seal their blocks
+(`security.data_key_file`): every scenario on it runs end to end with sealed blocks, and the
+engines of the other tests store theirs unsealed.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from tiny_models import (
 
 from tierkv.keys import chain_block_keys
 from tierkv.patches.vllm import kv_transfer_config
+from tierkv.seal import MAGIC as SEAL_MAGIC
+from tierkv.seal import new_data_key_line
 from tierkv.vault.client import VaultClient
 from tierkv.vault.server import VaultServer, serve
 from tierkv.vault.wire import block_checksum
@@ -308,9 +314,17 @@ def kv_vault() -> Iterator[VaultServer]:
 
 
 @pytest.fixture(scope="module")
-def llama_engine(models: dict[str, Path], kv_vault: VaultServer) -> Iterator[Engine]:
-    extra = {"cluster.kv_cold": kv_vault.address}
-    engine = Engine(models["llama"], extra, {**LLAMA_ENGINE, **LORA_ENGINE})
+def sealed_extra(kv_vault: VaultServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The connector settings of the engines that seal: the vault and a tenant's data key."""
+    keys = tmp_path_factory.mktemp("keys") / "data.keys"
+    keys.write_text(new_data_key_line(1))
+    keys.chmod(0o600)
+    return {"cluster.kv_cold": kv_vault.address, "security.data_key_file": str(keys)}
+
+
+@pytest.fixture(scope="module")
+def llama_engine(models: dict[str, Path], sealed_extra: dict[str, str]) -> Iterator[Engine]:
+    engine = Engine(models["llama"], sealed_extra, {**LLAMA_ENGINE, **LORA_ENGINE})
     yield engine
     engine.close()
 
@@ -348,7 +362,7 @@ def test_evicted_prefix_is_restored_from_the_vault(llama_engine: Engine, kv_vaul
     after = llama_engine.stats()
     restored = after["loaded_blocks"] - before.get("loaded_blocks", 0)
     assert restored == (len(tokens) - 1) // LLAMA_BLOCK  # every full block but vLLM's last token
-    assert after["load_failed_blocks"] == 0
+    assert after["load_failed_blocks"] == 0 and after["open_failed_blocks"] == 0
     assert after.get("sync_loads", 0) == before.get("sync_loads", 0)  # it loaded in the background
     assert after["stored_blocks"] > 0 and after["lookup_hits"] >= 1
     assert vault_hits(kv_vault) - hits_before == restored  # one payload per block, all layers
@@ -467,15 +481,25 @@ def test_lora_adapters_keep_restores_apart(llama_engine: Engine, adapters: list[
 
 
 def test_fresh_engine_process_restores_what_another_stored(
-    models: dict[str, Path], llama_engine: Engine, kv_vault: VaultServer
+    models: dict[str, Path], llama_engine: Engine, kv_vault: VaultServer, sealed_extra: dict
 ):
-    """2: a new engine process restores a prefix only the first engine ever computed."""
+    """2: a new engine process restores a prefix only the first engine ever computed; both
+    seal with the same data key, and the vault holds only sealed payloads."""
     tokens = prompt(4, 300)
     cold = llama_engine.store_and_evict(tokens, llama_fillers(4))
-    fresh = Engine(models["llama"], {"cluster.kv_cold": kv_vault.address}, LLAMA_ENGINE)
+    keys = set(chain_block_keys(tokens, LLAMA_BLOCK))
+    stored = [
+        payload
+        for (_, key, _), (payload, _) in list(kv_vault.store._entries.items())
+        if key in keys
+    ]
+    assert stored and all(bytes(payload[:4]) == SEAL_MAGIC for payload in stored)
+    fresh = Engine(models["llama"], sealed_extra, LLAMA_ENGINE)
     try:
         assert fresh.generate(tokens) == cold
-        assert fresh.stats()["loaded_blocks"] == (len(tokens) - 1) // LLAMA_BLOCK
+        stats = fresh.stats()
+        assert stats["loaded_blocks"] == (len(tokens) - 1) // LLAMA_BLOCK
+        assert stats["open_failed_blocks"] == 0
     finally:
         fresh.close()
 

@@ -6,6 +6,11 @@ it embeds a vault in-process on a free loopback port and stops it at the end; wi
 or redis:// URLs) blocks are spread over them as tierkv.toml would. With `workers` > 1 the stored
 prefix is also promoted by that many concurrent worker processes (`concurrent_promote`), each
 with its own connections, and their GB/s are reported per worker and in aggregate.
+
+Every codec then runs sealed beside unsealed in the same run (tierkv/seal.py): the payloads are
+sealed (timed on one thread, as AES-GCM of `cryptography` holds the GIL), put, promoted, opened
+and decoded again, under the newest key of `[security] data_key_file`, or a key made for the run
+when none is configured.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ from tierkv.quant import Codec, decode_into, fidelity, get_codec
 from tierkv.quant import warmup as warmup_codecs
 from tierkv.quant.lossless import LosslessCodec
 from tierkv.reliability import PutPayload, payload_bytes
-from tierkv.tier import FIRST_PROMOTE_RUN_KEYS, PROMOTE_RUN_BYTES
+from tierkv.seal import KEY_BYTES, Sealer, block_address
+from tierkv.tier import FIRST_PROMOTE_RUN_KEYS, PROMOTE_RUN_BYTES, sealed_payload
 from tierkv.vault.server import serve as serve_vault
 
 PHASES = ("generate", "encode", "put", "lookup", "promote", "decode")
@@ -115,6 +121,23 @@ class BenchResult:
     """Each concurrent worker's promote of the whole prefix (workers > 1 only)."""
     aggregate_promote_gbps: float = 0.0
     """Bytes all workers promoted ÷ the time from the first start to the last finish."""
+    sealed_with: str = ""
+    """The data key the sealed run used: "data_key_file key N" or "a key made for the run"."""
+    seal_s: float = 0.0
+    seal_gbps: float = 0.0
+    """Payload bytes sealed per second, on one thread."""
+    sealed_store_s: float = 0.0
+    sealed_store_gbps: float = 0.0
+    sealed_promote_s: float = 0.0
+    sealed_promote_gbps: float = 0.0
+    open_s: float = 0.0
+    open_gbps: float = 0.0
+    """Payload bytes opened per second, on one thread."""
+    sealed_decode_s: float = 0.0
+    sealed_restore_s: float = 0.0
+    """lookup + sealed promote + open + decode."""
+    sealed_vs_unsealed_restore: float = 0.0
+    """restore_s ÷ sealed_restore_s (1.0: sealing costs nothing)."""
 
     def as_json(self) -> dict[str, object]:
         """The fields as JSON values: a non-finite figure (the SNR of a lossless codec) is null."""
@@ -338,6 +361,7 @@ def run_bench(
         )
     coded = [get_codec(name, group_size=shape.head_dim) for name in codecs]
     results = []
+    sealer, sealed_with = bench_sealer(security)
     security = security if vaults else None
     with vault_addresses(vaults) as addresses:
         # Every payload is already in memory: let the put queue hold them all, so none is dropped.
@@ -368,10 +392,105 @@ def run_bench(
                     on_phase,
                     promote_workers=(addresses, client_cfg, security, workers),
                 )
+                _bench_sealed(backend, codec, kv, shape, block_tokens, sealer, result, on_phase)
+                result.sealed_with = sealed_with
                 results.append(result)
         finally:
             backend.close()
     return results
+
+
+def bench_sealer(security: SecurityConfig | None) -> tuple[Sealer, str]:
+    """(the sealer of the sealed run, which key it seals with): the configured data keys', else
+    one of a key made for the run (ConfigError: the configured file holds no valid keys)."""
+    if security is not None and security.data_key_file:
+        sealer = Sealer.from_file(security.data_key_file)
+        return sealer, f"data_key_file key {sealer.key_id}"
+    return Sealer({1: os.urandom(KEY_BYTES)}, 1), "a key made for the run"
+
+
+def _bench_sealed(
+    client: Backend,
+    codec: Codec,
+    kv: SyntheticKV,
+    shape: ModelShape,
+    block_tokens: int,
+    sealer: Sealer,
+    result: BenchResult,
+    on_phase: Callable[[str, str, int, int], None],
+) -> None:
+    """The codec's blocks again, sealed: seal, put, lookup-free promote, open, decode, into
+    `result`'s sealed fields (the lookup is the unsealed run's). RuntimeError when a sealed block
+    is lost or does not restore bit for bit as the unsealed run did."""
+    run_id = uuid.uuid4().hex
+    kv_ns = namespace_fingerprint({"bench": run_id, "codec": codec.name, "kind": "sealed kv"})
+    state_ns = namespace_fingerprint({"bench": run_id, "codec": codec.name, "kind": "sealed st"})
+    n_blocks = len(kv.blocks)
+    keys = chain_block_keys(np.arange(n_blocks * block_tokens) % 50_000, block_tokens)
+    state_parts = list(range(shape.state_layers))
+    lossless = get_codec("none", group_size=shape.head_dim)
+    forms = {(kv_ns, keys[b], 0): stored_form(codec, block) for b, block in enumerate(kv.blocks)}
+    for part, state in enumerate(kv.states):
+        forms[(state_ns, keys[-1], part)] = stored_form(lossless, state)
+    on_phase(codec.name, "seal", 0, 1)
+    start = time.perf_counter()
+    sealed = {
+        (namespace, key, part): sealed_payload(sealer, block_address(namespace, key, part), form)
+        for (namespace, key, part), form in forms.items()
+    }
+    result.seal_s = time.perf_counter() - start
+    result.seal_gbps = sum(map(payload_bytes, forms.values())) / result.seal_s / 1e9
+    del forms
+    sealed_bytes = sum(map(payload_bytes, sealed.values()))
+    on_phase(codec.name, "sealed put", 0, 1)
+    start = time.perf_counter()
+    for (namespace, key, part), payload in sealed.items():
+        client.put(namespace, key, part, payload)
+    if not client.flush(timeout=600):
+        raise RuntimeError(f"the vault at {client.address} did not acknowledge every sealed block")
+    result.sealed_store_s = time.perf_counter() - start
+    result.sealed_store_gbps = sealed_bytes / result.sealed_store_s / 1e9
+    del sealed
+    on_phase(codec.name, "sealed promote", 0, 1)
+    start = time.perf_counter()
+    fetched = client.promote(kv_ns, keys, [0])
+    fetched_states = client.promote(state_ns, keys[-1:], state_parts) if state_parts else {}
+    result.sealed_promote_s = time.perf_counter() - start
+    result.sealed_promote_gbps = sealed_bytes / result.sealed_promote_s / 1e9
+    if len(fetched) != n_blocks or len(fetched_states) != len(state_parts):
+        raise RuntimeError("the vault returned fewer sealed blocks than it holds")
+    on_phase(codec.name, "open", 0, 1)
+    arrived = [(kv_ns, keys[b], 0, fetched[(b, 0)]) for b in range(n_blocks)]
+    arrived += [(state_ns, keys[-1], part, fetched_states[(0, part)]) for part in state_parts]
+    # Opened into memory already touched, as the tier opens into its pooled receive buffers.
+    sizes = [sealer.opened_bytes(payload) for *_, payload in arrived]
+    room = np.empty(sum(sizes), dtype=np.uint8)
+    room.fill(0)  # (np.zeros would leave the pages untouched)
+    ends = np.cumsum(sizes).tolist()
+    opened = [room.data[end - size : end] for size, end in zip(sizes, ends, strict=True)]
+    start = time.perf_counter()
+    for (namespace, key, part, payload), out in zip(arrived, opened, strict=True):
+        sealer.open_into(block_address(namespace, key, part), payload, out)
+    result.open_s = time.perf_counter() - start
+    result.open_gbps = sum(map(len, opened)) / result.open_s / 1e9
+    del fetched, fetched_states, arrived
+    restored = [np.zeros_like(block) for block in kv.blocks]
+    restored_states = [np.zeros_like(state) for state in kv.states]
+    on_phase(codec.name, "sealed decode", 0, 1)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(DECODE_THREADS) as pool:
+        list(pool.map(decode_into, opened, [*restored, *restored_states]))
+    result.sealed_decode_s = time.perf_counter() - start
+    client.clear(kv_ns)
+    client.clear(state_ns)
+    if codec.name == "none" and not all(map(np.array_equal, kv.blocks, restored)):
+        raise RuntimeError("sealed lossless blocks did not round-trip bit-exact")
+    if not all(map(np.array_equal, kv.states, restored_states)):
+        raise RuntimeError("sealed linear-attention state did not round-trip bit-exact")
+    result.sealed_restore_s = (
+        result.lookup_s + result.sealed_promote_s + result.open_s + result.sealed_decode_s
+    )
+    result.sealed_vs_unsealed_restore = result.restore_s / result.sealed_restore_s
 
 
 def _bench_codec(

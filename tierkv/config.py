@@ -261,7 +261,9 @@ class SecurityConfig:
     A vault uses token_file (its tokens, tenants), tls_cert/tls_key (its certificate) and
     client_ca (require client certificates signed by it); a client uses token_file (its token,
     unless $TIERKV_TOKEN is set), tls_ca (verify the vault's certificate: TLS on) and
-    tls_cert/tls_key (its own certificate, for a vault with client_ca).
+    tls_cert/tls_key (its own certificate, for a vault with client_ca). An engine with
+    data_key_file seals every block it stores under its tenant's data keys (tierkv/seal.py);
+    vaults never see that file.
     """
 
     token_file: str | None = None

@@ -17,7 +17,6 @@ Certificates are ECDSA P-256 from the `cryptography` package.
 
 from __future__ import annotations
 
-import base64
 import datetime
 import ipaddress
 import os
@@ -30,8 +29,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from tierkv.seal import new_data_key_line
+
 TOKEN_BYTES = 32
-DATA_KEY_BYTES = 32
 CERT_DAYS = 825
 """How long provisioned certificates are valid (the longest most TLS clients accept)."""
 
@@ -49,12 +49,6 @@ def write_private(path: Path, data: bytes | str) -> Path:
 def new_token() -> str:
     """A random token (URL-safe, 43 characters)."""
     return secrets.token_urlsafe(TOKEN_BYTES)
-
-
-def new_data_key_line(key_id: int = 1) -> str:
-    """One line of a data key file: `KEY_ID KEY`."""
-    key = base64.urlsafe_b64encode(os.urandom(DATA_KEY_BYTES)).rstrip(b"=").decode()
-    return f"{key_id} {key}\n"
 
 
 def _name(common_name: str) -> x509.Name:
@@ -135,7 +129,7 @@ def init_secrets(
     for tenant, token in tokens.items():
         tenant_dir = directory / tenant
         written.append(write_private(tenant_dir / "token", f"{token}\n"))
-        written.append(write_private(tenant_dir / "data_key", new_data_key_line()))
+        written.append(write_private(tenant_dir / "data_key", new_data_key_line(1)))
         engine_toml = (
             f'{engine_cluster}[security]\ntoken_file = "token"\ndata_key_file = "data_key"\n'
         )

@@ -15,6 +15,10 @@ and, whenever the engine lets go of a block:
 3. `store(namespace, key, part, block, dtype, vault)` -> returns at once; encoding and sending
    happen on background threads. A lossless block is not copied: its payload is a header and
    the block's own memory, sent as they are, and the tier owns the block until it is sent.
+With a sealer (`[security] data_key_file`), every payload is sealed (tierkv/seal.py: encrypted
+and bound to its namespace, key and part) before its backend sees it, and opened before the
+consumer sees it; one that does not open is a miss, counted as `open_failures`. Sealed payloads
+are received into the client's buffers and opened from there (never `into` the engine's).
 Blocks for the "kv" vault use the configured codec. State for the "ssm" vault is always stored
 lossless: the engine feeds it forward through every later token, so a quantization error there
 would compound instead of staying in one block.
@@ -23,8 +27,10 @@ would compound instead of staying in one block.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+import operator
 import sys
 import threading
 import time
@@ -49,7 +55,10 @@ from tierkv.quant import (
 )
 from tierkv.quant import warmup as warmup_codecs
 from tierkv.quant.lossless import LosslessCodec
+from tierkv.quant.payload import parse_header
 from tierkv.reliability import PutPayload, payload_bytes
+from tierkv.seal import OVERHEAD_BYTES, Sealer, SealError, block_address
+from tierkv.vault.bulk import RECEIVE_BUFFERS
 from tierkv.vault.wire import batched_by_size
 
 log = logging.getLogger(__name__)
@@ -103,6 +112,10 @@ class TierStats:
     loaded_blocks: int = 0
     loaded_payload_bytes: int = 0
     load_failures: int = 0
+    sealed_blocks: int = 0
+    open_failures: int = 0
+    """Blocks that arrived but did not open under the data keys (changed, moved, another
+    tenant's, not sealed): misses, recomputed."""
 
 
 class ColdTier:
@@ -117,8 +130,11 @@ class ColdTier:
         encode_threads: int = 2,
         max_pending_encode_bytes: int = DEFAULT_MAX_PENDING_ENCODE_BYTES,
         load_deadline_s: float = 30.0,
+        sealer: Sealer | None = None,
     ) -> None:
         self.codec = codec
+        self.sealer = sealer
+        """Seals what is stored and opens what is loaded (None: payloads as they are)."""
         self.load_deadline_s = load_deadline_s
         """No further Promote run of a load starts after this many seconds (see `load`)."""
         self._lossless = get_codec("none", group_size=codec.group_size)
@@ -144,7 +160,9 @@ class ColdTier:
 
     @classmethod
     def from_config(cls, cfg: TierKVConfig, warm_dtypes: Sequence[str] = DTYPES) -> ColdTier:
-        """A tier with the configured codec and a backend for each configured vault role.
+        """A tier with the configured codec, a backend for each configured vault role, and a
+        sealer of `[security] data_key_file`'s keys when it is set (ConfigError naming the file
+        when it holds no valid keys).
 
         The kernels of that codec and of the lossless one are compiled (or loaded from Numba's
         cache) for `warm_dtypes` first, so no request pays for it; `warmup_s` says how long that
@@ -157,11 +175,13 @@ class ColdTier:
             if found
         }
         codec = get_codec(cfg.turbo_quant.codec_name, group_size=cfg.turbo_quant.kv_dim)
+        key_file = cfg.security.data_key_file
         tier = cls(
             codec,
             vaults,
             min_cosine=cfg.turbo_quant.min_cosine,
             load_deadline_s=cfg.client.promote_deadline_ms / 1000,
+            sealer=Sealer.from_file(key_file) if key_file else None,
         )
         if warm_dtypes:
             tier.warm_up(warm_dtypes)
@@ -308,6 +328,9 @@ class ColdTier:
         into: Into | None,
     ) -> set[int]:
         sizes: Sizes = {}  # see _measured
+        if self.sealer is not None:
+            consume = functools.partial(self._open_then, self.sealer, namespace, keys, consume)
+            into = None
         if into is not None:
             into = _measured(into, sizes)
         consumed: list[tuple[Future[set[int] | None], list[list[Block]]]] = []
@@ -443,17 +466,20 @@ class ColdTier:
     ) -> None:
         release = None  # what the put calls once it is done with `block`
         try:
-            if isinstance(codec, LosslessCodec):  # sent from the block's own memory
+            if isinstance(codec, LosslessCodec):
                 payload: PutPayload = codec.encode_pieces(block, dtype)
-                release, on_done = on_done, None
+                if self.sealer is None:  # sent from the block's own memory
+                    release, on_done = on_done, None
             else:
                 payload = encode_block(codec, block, dtype, self.min_cosine, kv_split)
+            if self.sealer is not None:  # the sealed copy is sent: `block` is free after this
+                payload = self._sealed(self.sealer, block_address(namespace, key, part), payload)
         except NonFiniteError:
             with self._lock:
                 self._stats.skipped_nonfinite += 1
             return
         except Exception:
-            log.exception("tierkv: encoding a block failed; it is not stored")
+            log.exception("tierkv: encoding or sealing a block failed; it is not stored")
             with self._lock:
                 self._stats.encode_errors += 1
             return
@@ -467,6 +493,51 @@ class ColdTier:
             self._stats.queued_blocks += 1
             self._stats.queued_raw_bytes += block.nbytes
             self._stats.queued_payload_bytes += payload_bytes(payload)
+
+    def _sealed(self, sealer: Sealer, address: bytes, payload: PutPayload) -> PutPayload:
+        sealed = sealed_payload(sealer, address, payload)
+        with self._lock:
+            self._stats.sealed_blocks += 1
+        return sealed
+
+    def _open_then(
+        self,
+        sealer: Sealer,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        consume: Consume,
+        blocks: list[Block],
+    ) -> set[int]:
+        """`consume` of a sealed load: each payload opened for its address, back to back in
+        pooled buffers (as payloads received into one buffer lie, which the consumers' batched
+        paths use); the ones that do not open are counted and fail."""
+        failed: set[int] = set()
+        opened: list[Block] = []
+        sized = [(block, max(0, len(block[2]) - OVERHEAD_BYTES)) for block in blocks]
+        room = RECEIVE_BUFFERS.buffer_bytes
+        for batch in batched_by_size(sized, operator.itemgetter(1), room):
+            total = sum(size for _, size in batch)
+            pooled = total <= room  # else memory of its own, not zero-filled
+            buffer = (RECEIVE_BUFFERS.take() if pooled else np.empty(total, np.uint8)).data[:total]
+            at = 0
+            for (index, part, payload), size in batch:
+                out = buffer[at : at + size]
+                at += size
+                try:
+                    sealer.open_into(block_address(namespace, keys[index], part), payload, out)
+                except SealError as exc:
+                    log.warning(
+                        "tierkv: block %d part %d does not open (%s); recomputing it",
+                        index,
+                        part,
+                        exc,
+                    )
+                    failed.add(index)
+                    with self._lock:
+                        self._stats.open_failures += 1
+                    continue
+                opened.append((index, part, out.toreadonly()))
+        return failed | (consume(opened) if opened else set())
 
     def _promote_runs(
         self,
@@ -555,6 +626,17 @@ class ColdTier:
         with self._lock:
             self._stats.loaded_payload_bytes += restored
         return failed
+
+
+def sealed_payload(sealer: Sealer, address: bytes, payload: PutPayload) -> PutPayload:
+    """`payload` (a codec's, or a lossless block's header and memory) sealed for `address`: its
+    header in the clear (authenticated), its body encrypted."""
+    if isinstance(payload, tuple):  # a lossless block's header and its memory
+        head, body = payload
+    else:
+        body = parse_header(payload)[1]
+        head = payload[: len(payload) - len(body)]
+    return sealer.seal(address, bytes(head), memoryview(body))
 
 
 class SwitchInterval:

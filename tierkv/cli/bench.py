@@ -253,7 +253,9 @@ def results_table(results: list[BenchResult]) -> Group:
         "encode, decode: GB/s of raw bytes; put, promote: GB/s of stored bytes; "
         "restore = lookup + promote + decode on loopback, GbE s = lookup, then the stored bytes at "
         "that line rate with decode pipelined behind them run by run as ColdTier.load does; "
-        "fidelity of the worst block"
+        "fidelity of the worst block; sealed: the same blocks sealed (AES-256-GCM, "
+        f"{first.sealed_with}), seal and open on one thread, sealed s = lookup + promote + open "
+        "+ decode of them, kept sealed = restore s ÷ sealed s"
     )
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     rows: list[tuple[str, Callable[[BenchResult], str]]] = [
@@ -265,6 +267,10 @@ def results_table(results: list[BenchResult]) -> Group:
         ("promote GB/s", lambda r: f"{r.promote_gbps:.2f}"),
         ("decode GB/s", lambda r: f"{r.decode_gbps:.2f}"),
         ("restore s", lambda r: f"{r.restore_s:.2f}"),
+        ("seal GB/s", lambda r: f"{r.seal_gbps:.2f}"),
+        ("open GB/s", lambda r: f"{r.open_gbps:.2f}"),
+        ("sealed s", lambda r: f"{r.sealed_restore_s:.2f}"),
+        ("kept sealed", lambda r: f"{r.sealed_vs_unsealed_restore:.2f}×"),
         ("SNR dB", lambda r: _figure(r.snr_db, ".1f")),
         ("cosine", lambda r: f"{r.cosine:.4f}"),
         *(

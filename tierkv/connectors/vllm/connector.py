@@ -202,6 +202,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             tier = self.tier.stats()
             lost = tier["dropped_blocks"] + tier["dropped_backpressure"]
             self.worker_side.stats.data["store_dropped_blocks"] = lost  # cumulative, like all
+            self.worker_side.stats.data["open_failed_blocks"] = tier["open_failures"]
         side = self.worker_side or self.scheduler_side
         return side.stats.take_interval() if side is not None else None
 

@@ -33,6 +33,7 @@ COUNTERS = (
     "stored_bytes",
     "staging_dropped_blocks",  # not copied out: the step's staging budget was spent
     "store_dropped_blocks",  # copied out, then lost: encode budget, put queue or a dead vault
+    "open_failed_blocks",  # sealed blocks that did not open (changed, moved, another key): misses
 )
 
 
