@@ -260,18 +260,14 @@ def test_status_shows_whether_the_hook_is_installed(tmp_path: Path, vault: Vault
 REAL_EXO_SRC = os.environ.get("TIERKV_EXO_SRC")
 
 
-@pytest.mark.skipif(not REAL_EXO_SRC, reason="TIERKV_EXO_SRC (an EXO checkout) is not set")
-def test_the_hook_fits_the_prefix_cache_of_a_real_exo_checkout() -> None:
-    """What the hook relies on, read from a real EXO's cache.py (EXO itself needs Python 3.13
-    and its Rust bindings, so it is parsed, not imported): a supported release, the hooked
-    methods, the parallel `prompts` / `caches` lists that eviction pops and adds append to, the
-    distributed group, and from v1.0.70 on the media regions that keep image prompts out."""
+def assert_the_hook_fits(source: str, filename: str) -> None:
+    """What the hook relies on, read from a real EXO's cache.py (parsed, not imported): a
+    supported release, the hooked methods, the parallel `prompts` / `caches` lists that eviction
+    pops and adds append to, the distributed group, and from v1.0.70 on the media regions that
+    keep image prompts out."""
     from tierkv.connectors.exo.hook import HOOKED_METHODS
 
-    assert REAL_EXO_SRC is not None
-    cache_py = Path(REAL_EXO_SRC) / CACHE_PY
-    source = cache_py.read_text(encoding="utf-8")
-    version = detect_version(source, str(cache_py))
+    version = detect_version(source, filename)
     (cls,) = [n for n in ast.parse(source).body if getattr(n, "name", "") == "KVPrefixCache"]
     assert isinstance(cls, ast.ClassDef)
     methods = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
@@ -287,6 +283,46 @@ def test_the_hook_fits_the_prefix_cache_of_a_real_exo_checkout() -> None:
     if version == "v1.0.70 or newer":
         assert "self._media_regions" in code["__init__"]
         assert "media_regions" in [arg.arg for arg in methods["get_kv_cache"].args.args]
+
+
+@pytest.mark.skipif(not REAL_EXO_SRC, reason="TIERKV_EXO_SRC (an EXO checkout) is not set")
+def test_the_hook_fits_the_prefix_cache_of_a_real_exo_checkout() -> None:
+    """EXO itself needs Python 3.13 and its Rust bindings, so its cache.py is parsed."""
+    assert REAL_EXO_SRC is not None
+    cache_py = Path(REAL_EXO_SRC) / CACHE_PY
+    assert_the_hook_fits(cache_py.read_text(encoding="utf-8"), str(cache_py))
+
+
+def git_revisions(checkout: Path) -> dict[str, str]:
+    """EXO's newest release tag and its main branch in a git checkout, by name -> revision."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    tags = git("tag", "--list", "v[0-9]*.[0-9]*.[0-9]*", "--sort=-v:refname").splitlines()
+    main = next((ref for ref in ("main", "origin/main") if git("rev-parse", "--verify", ref)), "")
+    return {name: rev for name, rev in (("newest tag", tags[0] if tags else ""), ("main", main))}
+
+
+@pytest.mark.skipif(not REAL_EXO_SRC, reason="TIERKV_EXO_SRC (an EXO checkout) is not set")
+@pytest.mark.parametrize("which", ["newest tag", "main"])
+def test_the_hook_fits_exos_newest_tag_and_main(which: str) -> None:
+    """With TIERKV_EXO_SRC a git checkout, the same check on the cache.py of its newest release
+    tag and of main, whatever is checked out."""
+    assert REAL_EXO_SRC is not None
+    if not (Path(REAL_EXO_SRC) / ".git").exists():
+        pytest.skip(f"TIERKV_EXO_SRC={REAL_EXO_SRC} is not a git checkout")
+    revision = git_revisions(Path(REAL_EXO_SRC))[which]
+    assert revision, f"no {which} in the EXO checkout {REAL_EXO_SRC}"
+    source = subprocess.run(
+        ["git", "-C", REAL_EXO_SRC, "show", f"{revision}:{CACHE_PY.as_posix()}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    print(f"EXO {which}: {revision}")
+    assert_the_hook_fits(source, f"{revision}:{CACHE_PY}")
 
 
 class _Installed:

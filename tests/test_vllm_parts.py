@@ -487,3 +487,83 @@ def test_a_pair_codec_gets_keys_and_values_apart_in_every_layout(
         get_codec("k8v4", 16).encode(words, "bf16", split), expected.view(torch.int16).numpy()
     )
     assert torch.equal(restored, expected)
+
+
+def test_worker_follows_sleep_mode(vault):
+    """vLLM 0.33's sleep mode calls unregister_kv_caches before it unmaps the paged buffers and
+    restore_kv_caches after wake-up (vLLM CPU 0.32 has no sleep mode, so the worker is driven
+    directly): a background load started before is complete when unregister returns; while
+    unregistered a store is dropped and a load fails (recomputed); both calls are idempotent,
+    and after restore blocks go out and come back again."""
+    import torch
+
+    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
+
+    key = bytes([5]) * 16
+    with one_stored_block(vault, key) as (worker, caches):
+        cache = caches["layer0"]
+        worker.start_loads(TierKVMetadata(loads=[LoadJob("before", [GroupLoad(0, [key], [2])])]))
+        worker.unregister_kv_caches()
+        assert torch.equal(cache[2], cache[1])  # written before the buffers go away
+        worker.unregister_kv_caches()
+        assert worker.finished_loads() == ({"before"}, set())  # still reported after sleep
+
+        other = bytes([6]) * 16
+        worker.store_blocks(TierKVMetadata(stores=[StoreJob(0, 4, other)]))
+        assert worker.stats.data["staging_dropped_blocks"] == 1
+        asleep = TierKVMetadata(loads=[LoadJob("asleep", [GroupLoad(0, [key], [3])], True)])
+        worker.start_loads(asleep)
+        assert worker.take_invalid_block_ids() == {3}
+
+        worker.restore_kv_caches()
+        worker.restore_kv_caches()
+        cache.zero_()  # wake-up maps the buffers back, their contents gone
+        awake = TierKVMetadata(loads=[LoadJob("awake", [GroupLoad(0, [key], [3])], True)])
+        worker.start_loads(awake)
+        assert worker.take_invalid_block_ids() == set()
+        assert cache[3].any()
+        worker.store_blocks(TierKVMetadata(stores=[StoreJob(0, 3, other)]))
+        assert worker.stats.data["stored_blocks"] == 2
+
+
+def test_a_cache_reset_drops_the_stores_not_yet_sent(vault):
+    """vLLM resets the prefix cache (and the connector's) before sleep mode discards the paged
+    buffers; stores queued before the reset (a finished request's blocks) must not reach the
+    workers after wake-up, when those blocks hold whatever the remapped memory holds."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import TierScheduler
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+    from tierkv.vault.client import VaultClient
+
+    plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),))
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    scheduler = TierScheduler(
+        tier, [plan], store_mode="on_finish", eviction_watermark_blocks=8, num_engine_blocks=8
+    )
+    pool = BlockPool(8, enable_caching=True, hash_block_size=4)
+    scheduler.bind_block_pool(pool)
+    try:
+        for reset in (False, True):
+            tokens = list(range(10 * reset, 10 * reset + 9))
+            hashes = [BlockHash(bytes([reset, 1])), BlockHash(bytes([reset, 2]))]
+            request = fake_request(
+                tokens, request_id=f"r{reset}", num_tokens=9, block_hashes=hashes
+            )
+            deadline = time.monotonic() + 10
+            while scheduler.get_num_new_matched_tokens(request, 0)[0] is None:
+                assert time.monotonic() < deadline
+            blocks = pool.get_new_blocks(2)
+            pool.cache_full_blocks(request, blocks, 0, 2, 4, 0)  # type: ignore[arg-type]
+            scheduler.request_finished(request, ([block.block_id for block in blocks],))
+            pool.free_blocks(blocks)
+            if reset:
+                assert pool.reset_prefix_cache()
+                scheduler.forget_stored()
+            assert len(scheduler.build_connector_meta().stores) == (0 if reset else 2)
+    finally:
+        scheduler.shutdown()
+        tier.close()

@@ -16,17 +16,26 @@ these stand-ins, each for the reason given:
 - `exo.worker.engines.mlx.vision` (EXO >= v1.0.70): pulls in mlx-vlm and transformers; cache.py
   imports it for type checking only, the tests for `MediaRegion` (the same three fields);
 - `exo.download.download_utils`: EXO's downloader; the fixture's `build_model_path` finds the
-  test's weight files.
+  test's weight files;
+- `mlx_lm.models.deepseek_v4` (EXO main, after v1.0.71), only where the installed mlx-lm has
+  none: EXO main takes it from an mlx-lm fork; cache.py needs two of its class names.
+
+The finder also gives `exo` the distribution metadata an install of the checkout has (its name
+and version from pyproject.toml): EXO main's `exo/__init__.py` reads `version("exo")`.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from os import PathLike
 from pathlib import Path
 from types import ModuleType
+
+import tomlkit
 
 from fake_exo.tree import FIXTURE_SRC
 
@@ -37,6 +46,24 @@ STAND_INS = (
     "exo.download.download_utils",
 )
 EMPTY_PACKAGES = ("exo.utils",)
+MLX_LM_STAND_INS = {"mlx_lm.models.deepseek_v4": Path(__file__).parent / "deepseek_v4.py"}
+
+
+class _CheckoutDistribution(importlib.metadata.Distribution):
+    """The `exo` distribution of a checkout: the METADATA an install of it would have."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        project = tomlkit.parse((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+        self.metadata_text = (
+            f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n"
+        )
+
+    def read_text(self, filename: str) -> str | None:
+        return self.metadata_text if filename == "METADATA" else None
+
+    def locate_file(self, path: str | PathLike[str]) -> Path:
+        return self.root / "src" / path
 
 
 class _EmptyPackage(importlib.abc.Loader):
@@ -53,6 +80,7 @@ class RealExoFinder(importlib.abc.MetaPathFinder):
     """Finds `exo` in the checkout at `root`, and the stand-ins in the fixture package."""
 
     def __init__(self, root: Path) -> None:
+        self.root = root
         self.src = root / "src"
         if not (self.src / "exo/worker/engines/mlx/cache.py").is_file():
             raise FileNotFoundError(f"TIERKV_EXO_SRC={root} holds no src/exo/.../mlx/cache.py")
@@ -63,6 +91,10 @@ class RealExoFinder(importlib.abc.MetaPathFinder):
         path: Sequence[str] | None,
         target: ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
+        if fullname in MLX_LM_STAND_INS:
+            if importlib.machinery.PathFinder.find_spec(fullname, path) is not None:
+                return None  # the installed mlx-lm has it
+            return importlib.util.spec_from_file_location(fullname, MLX_LM_STAND_INS[fullname])
         relative = fullname.replace(".", "/")
         if fullname in STAND_INS:
             return importlib.util.spec_from_file_location(fullname, FIXTURE_SRC / f"{relative}.py")
@@ -74,3 +106,10 @@ class RealExoFinder(importlib.abc.MetaPathFinder):
         if fullname == "exo":
             return importlib.machinery.PathFinder.find_spec(fullname, [str(self.src)])
         return None  # the rest of exo.*: found in the checkout through exo's own __path__
+
+    def find_distributions(
+        self, context: importlib.metadata.DistributionFinder.Context | None = None
+    ) -> Iterator[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        if name is None or name.replace("-", "_").lower() == "exo":
+            yield _CheckoutDistribution(self.root)

@@ -30,7 +30,7 @@ from tierkv.connectors.vllm.worker import TierWorker
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -157,6 +157,17 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             largest,
             seconds,
         )
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        """vLLM 0.33+: the worker follows sleep mode (unregister_kv_caches, restore_kv_caches)."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        self._worker().unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        self._worker().restore_kv_caches()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """First in vLLM's execute_model, before the step's inputs are prepared: copy out the

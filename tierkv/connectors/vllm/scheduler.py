@@ -375,8 +375,11 @@ class TierScheduler:
         self._lookup_thread.shutdown(wait=True, cancel_futures=True)
 
     def forget_stored(self) -> None:
-        """Forget which keys were sent (after the vaults or the engine cache were reset)."""
+        """Forget which keys were sent, and drop the stores not yet handed to the workers (after
+        the vaults or the engine cache were reset: vLLM resets it before sleep mode discards the
+        paged buffers, whose blocks would then be stored as whatever they hold after wake-up)."""
         self._stored.clear()
+        self._stores.clear()
 
 
 def request_keys(request: Request, block_size: int) -> list[bytes] | None:

@@ -24,6 +24,10 @@ arrived until vLLM's recompute overwrites it, before anything reads it. A reques
 reported finished only once its copies have completed. On CUDA with a lossy codec, the
 compressed payloads are decoded on the device (tierkv.quant.torch_ops), so only compressed
 bytes cross PCIe.
+
+Sleep mode (vLLM 0.33+) unmaps the paged buffers: before it, the worker waits for its loads and
+store copies and drops its views; after wake-up it takes them again. In between, a store is
+dropped and a load fails (recomputed).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -116,6 +121,9 @@ class TierWorker:
         self.device_decode = device_decode
         self.stats = TierKVStats()
         self._movers: dict[int, BlockMover] = {}
+        """Empty while the KV caches are unregistered (vLLM's sleep mode)."""
+        self._kv_caches: tuple[dict[str, torch.Tensor], int] | None = None
+        self._rings: tuple[StagingRing, StagingRing] | None = None
         self._kv_splits: dict[int, tuple[int, int] | None] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="tierkv-store")
@@ -126,8 +134,21 @@ class TierWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
         devices = {cache.device for cache in kv_caches.values() if isinstance(cache, torch.Tensor)}
         pin = any(device.type == "cuda" for device in devices)
-        store_ring = StagingRing(self.staging_bytes, pin=pin)
-        load_ring = StagingRing(self.staging_bytes, pin=pin)
+        self._rings = (
+            StagingRing(self.staging_bytes, pin=pin),
+            StagingRing(self.staging_bytes, pin=pin),
+        )
+        self._kv_caches = (kv_caches, num_blocks)
+        self._take_views()
+        if self.device_decode is None:  # torch_ops decodes single-codec payloads, not K/V pairs
+            codec = self.tier.codec.name
+            self.device_decode = pin and codec != "none" and kv_pair_codecs(codec) is None
+
+    def _take_views(self) -> None:
+        """One BlockMover per group over views of the registered paged buffers."""
+        assert self._kv_caches is not None and self._rings is not None
+        kv_caches, num_blocks = self._kv_caches
+        store_ring, load_ring = self._rings
         parts = {
             group_id: block_parts(plan, kv_caches, num_blocks)
             for group_id, plan in self.plans.items()
@@ -138,9 +159,19 @@ class TierWorker:
         self._kv_splits = {
             group_id: kv_split(self.plans[group_id], found[0]) for group_id, found in parts.items()
         }
-        if self.device_decode is None:  # torch_ops decodes single-codec payloads, not K/V pairs
-            codec = self.tier.codec.name
-            self.device_decode = pin and codec != "none" and kv_pair_codecs(codec) is None
+
+    def unregister_kv_caches(self) -> None:
+        """Before vLLM's sleep mode unmaps the paged buffers: wait until no load writes into
+        them and no store's copy reads them any more, then drop the views. Idempotent."""
+        futures.wait(list(self._loading.values()))
+        self._handoff.submit(lambda: None).result()  # handoffs wait for their device copies
+        self._movers = {}
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: take the views again (the buffers are mapped back at the same
+        addresses, their contents gone). Idempotent."""
+        if self._kv_caches is not None and not self._movers:
+            self._take_views()
 
     def largest_block_bytes(self) -> int:
         """Bytes of the largest array a block part is stored as (all its layers, stacked)."""
@@ -160,6 +191,13 @@ class TierWorker:
         by_group: dict[int, list[StoreJob]] = defaultdict(list)
         for job in meta.stores:
             by_group[job.group_id].append(job)
+        if by_group and not self._movers:
+            log.warning(
+                "tierkv: %d blocks not stored: the KV caches are unregistered (sleep mode)",
+                len(meta.stores),
+            )
+            self.stats.add("staging_dropped_blocks", len(meta.stores))
+            return
         for group_id, jobs in by_group.items():
             mover = self._movers[group_id]
             fit = mover.fitting(len(jobs), mover.store_ring)
@@ -234,7 +272,9 @@ class TierWorker:
     def _load_group(self, load: GroupLoad) -> tuple[set[int], int]:
         """Restore one group's blocks in batches of up to half the staging; the indices (into
         load.keys) that failed, and the bytes restored. Returns once every copy has completed."""
-        mover = self._movers[load.group_id]
+        mover = self._movers.get(load.group_id)
+        if mover is None:
+            raise RuntimeError("the KV caches are unregistered (vLLM sleep mode)")
         plan = self.plans[load.group_id]
         namespace = plan.namespaces[self.tp_rank]
 
