@@ -33,6 +33,7 @@ COUNTERS = (
     "stored_bytes",
     "staging_dropped_blocks",  # not copied out: the step's staging budget was spent
     "store_dropped_blocks",  # copied out, then lost: encode budget, put queue or a dead vault
+    "cold_tier_off",  # 1: the model has a KV-cache group kind tierkv does not store
 )
 
 
