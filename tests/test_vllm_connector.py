@@ -134,6 +134,38 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
     llm.llm_engine.engine_core.shutdown()
 
 
+def _engine_main_with_unsupported_group(
+    conn: Connection, model: str, extra: dict[str, Any], engine: dict
+) -> None:
+    """`_engine_main` with the connector shown a sliding-window group where the model has full
+    attention (a group kind tierkv does not store); vLLM itself keeps the real one."""
+    import dataclasses
+
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    import tierkv.connectors.vllm.connector as connector_module
+
+    plan_groups = connector_module.plan_groups
+
+    def plan_with_a_window(vllm_config: Any, kv_cache_config: Any, codec_name: str) -> Any:
+        group = kv_cache_config.kv_cache_groups[0]
+        spec = group.kv_cache_spec
+        window = SlidingWindowSpec(
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            dtype=torch.bfloat16,
+            sliding_window=4 * spec.block_size,
+        )
+        groups = [dataclasses.replace(group, kv_cache_spec=window)]
+        shown = dataclasses.replace(kv_cache_config, kv_cache_groups=groups)
+        return plan_groups(vllm_config, shown, codec_name)
+
+    connector_module.plan_groups = plan_with_a_window
+    _engine_main(conn, model, extra, engine)
+
+
 def _flush_worker(_: Any) -> bool:
     """On a worker (through collective_rpc): wait until its stored blocks are acknowledged."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -240,13 +272,15 @@ def _scramble_loaded_blocks(worker_side: Any) -> None:
 class Engine:
     """A vLLM engine in a spawned process."""
 
-    def __init__(self, model: Path, extra: dict[str, Any], engine: dict) -> None:
+    def __init__(
+        self, model: Path, extra: dict[str, Any], engine: dict, main: Any = _engine_main
+    ) -> None:
         context = get_context("spawn")
         self.conn, child = context.Pipe()
         # A daemon process may not start children, and with tensor parallelism vLLM starts
         # one per rank; close() ends the engine either way.
         self.process = context.Process(
-            target=_engine_main,
+            target=main,
             args=(child, str(model), extra, engine),
             daemon=engine.get("tensor_parallel_size", 1) == 1,
         )
@@ -650,6 +684,25 @@ def test_hybrid_model_restores_through_both_vaults(models: dict[str, Path]):
         engine.close()
         kv.stop(grace=0.5)
         ssm.stop(grace=0.5)
+
+
+def test_unsupported_group_kind_serves_without_the_cold_tier(models: dict[str, Path]):
+    """The engine starts and serves as without tierkv: a prompt evicted from vLLM's cache is
+    recomputed to the same tokens, nothing is stored or looked up, and the counter says why."""
+    kv = serve("127.0.0.1:0", 0, role="kv_cold")
+    extra = {"cluster.kv_cold": kv.address}
+    engine = Engine(models["llama"], extra, LLAMA_ENGINE, _engine_main_with_unsupported_group)
+    try:
+        tokens = prompt(13, 300)
+        cold = engine.store_and_evict(tokens, llama_fillers(13))
+        assert len(cold) == MAX_TOKENS and engine.generate(tokens) == cold
+        stats = engine.stats()
+        assert stats["cold_tier_off"] == 1, stats
+        assert stats["lookups"] == stats["stored_blocks"] == stats["loaded_blocks"] == 0, stats
+        assert kv.store.stats().entries == 0
+    finally:
+        engine.close()
+        kv.stop(grace=0.5)
 
 
 def loaded_per_rank(before: dict[str, Any], after: dict[str, Any]) -> list[int]:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -280,7 +282,9 @@ def fake_vllm_config(
 
     hf_config = SimpleNamespace(to_dict=lambda: {"num_hidden_layers": layers})
     return SimpleNamespace(
-        model_config=SimpleNamespace(model=model, revision=None, hf_config=hf_config),
+        model_config=SimpleNamespace(
+            model=model, revision=None, hf_config=hf_config, dtype="bfloat16"
+        ),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype="auto", enable_prefix_caching=True),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=256),
@@ -349,17 +353,54 @@ def test_namespace_changes_when_weights_are_replaced_in_place(tmp_path):
     assert namespace() != before
 
 
-def test_groups_tierkv_cannot_store_are_refused_by_name():
+def unsupported_attention(block_size: int = 32):
+    """A group kind tierkv has no plan for, as a future vLLM spec would be (a fake at the edge)."""
+    import torch
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    @dataclass(frozen=True, kw_only=True)
+    class FutureAttentionSpec(AttentionSpec):
+        pass
+
+    return FutureAttentionSpec(
+        block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16
+    )
+
+
+def test_groups_tierkv_cannot_store_are_named():
     import torch
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    from tierkv.connectors.vllm.groups import plan_groups
+    from tierkv.connectors.vllm.groups import UnsupportedGroupError, plan_groups
 
     window = SlidingWindowSpec(
         block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
     )
-    with pytest.raises(ValueError, match=r"group 1 \(SlidingWindowSpec"):
-        plan_groups(fake_vllm_config(), kv_cache_config(attention(), window), "none")
+    for spec in (window, unsupported_attention()):
+        with pytest.raises(UnsupportedGroupError, match=r"group 1 \(") as refused:
+            plan_groups(fake_vllm_config(), kv_cache_config(attention(), spec), "none")
+        assert (refused.value.group_id, refused.value.kind) == (1, type(spec).__name__)
+
+
+def test_connector_fails_open_on_a_group_kind_it_cannot_store(caplog):
+    """The engine starts without the cold tier (no vault needed), asks it for nothing and says
+    so once in its log and in its counters."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from tierkv.connectors.vllm.connector import TierKVConnector
+
+    cache = kv_cache_config(attention(), unsupported_attention())
+    with caplog.at_level(logging.WARNING, logger="vllm.tierkv"):
+        scheduler = TierKVConnector(fake_vllm_config(), KVConnectorRole.SCHEDULER, cache)
+    try:
+        (line,) = [r.getMessage() for r in caplog.records if r.name.startswith("vllm.tierkv")]
+        assert "cold tier off" in line and "FutureAttentionSpec" in line and "org/model" in line
+        request = SimpleNamespace(request_id="r0", block_hashes=[], num_tokens=64)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)  # type: ignore[arg-type]
+        stats = scheduler.get_kv_connector_stats()
+        assert stats is not None and stats.data["cold_tier_off"] == 1
+    finally:
+        scheduler.shutdown()
 
 
 def test_connector_refuses_settings_that_could_lose_a_request():

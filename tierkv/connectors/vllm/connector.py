@@ -23,7 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.config import TierKVConfig, config_from_mapping, load_config, resolve_auto_codec
-from tierkv.connectors.vllm.groups import model_fingerprint, plan_groups
+from tierkv.connectors.vllm.groups import UnsupportedGroupError, model_fingerprint, plan_groups
 from tierkv.connectors.vllm.scheduler import TierKVMetadata, TierScheduler
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import TierWorker
@@ -90,7 +90,21 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             connector_config(transfer.kv_connector_extra_config),
             lambda: model_fingerprint(model.model, model.revision),
         )
-        plans = plan_groups(vllm_config, kv_cache_config, cfg.turbo_quant.codec_name)
+        try:
+            plans = plan_groups(vllm_config, kv_cache_config, cfg.turbo_quant.codec_name)
+            self.unsupported_kind: str | None = None
+        except UnsupportedGroupError as unsupported:
+            # Off for the whole model, not only that group: vLLM applies one external hit to
+            # every group, and a group tierkv cannot restore could never share it.
+            plans, self.unsupported_kind = [], unsupported.kind
+            if role == KVConnectorRole.SCHEDULER:  # one line per engine, not one per worker
+                log.warning(
+                    "tierkv: cold tier off for %s: KV-cache group %d is %s, which tierkv "
+                    "does not store; the engine serves without tierkv",
+                    model.model,
+                    unsupported.group_id,
+                    unsupported.kind,
+                )
         addresses = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
         for plan in plans:
             if not addresses[plan.vault]:
@@ -122,6 +136,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 eviction_watermark_blocks=EVICTION_WATERMARK_FACTOR * per_step,
                 num_engine_blocks=kv_cache_config.num_blocks,
             )
+            if self.unsupported_kind is not None:
+                self.scheduler_side.stats.add("cold_tier_off")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -146,6 +162,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._worker()
         worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        if not worker.plans:
+            return  # nothing to store (the cold tier is off for this model): no kernels needed
         largest = worker.largest_block_bytes()
         state = any(plan.is_state for plan in worker.plans.values())
         seconds = self.tier.warm_up((self._kv_dtype,), largest, state=state)

@@ -26,6 +26,18 @@ NAMESPACE_FORMAT = 2
 """Bumped whenever the bytes tierkv stores for a vLLM block change meaning."""
 
 
+class UnsupportedGroupError(ValueError):
+    """A KV-cache group of a kind tierkv cannot store (the connector then runs without the tier)."""
+
+    def __init__(self, group_id: int, kind: str) -> None:
+        super().__init__(
+            f"tierkv cannot store KV-cache group {group_id} ({kind}); "
+            "supported: full attention and Mamba / linear-attention state"
+        )
+        self.group_id = group_id
+        self.kind = kind
+
+
 @dataclass(frozen=True)
 class GroupPlan:
     """How one KV-cache group's blocks are stored."""
@@ -63,7 +75,8 @@ class GroupPlan:
 def plan_groups(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, codec_name: str
 ) -> list[GroupPlan]:
-    """One plan per prefix-cacheable group; raises ValueError for a group tierkv cannot store."""
+    """One plan per prefix-cacheable group; raises UnsupportedGroupError for a group of a kind
+    tierkv cannot store, ValueError for groups of different block sizes."""
     from vllm import __version__ as vllm_version
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import (
@@ -107,10 +120,7 @@ def plan_groups(
             vault, states = "kv", ()
             kv_widths = (spec.head_size, spec.head_size_v)
         else:
-            raise ValueError(
-                f"tierkv cannot store KV-cache group {group_id} ({type(spec).__name__}); "
-                "supported: full attention and Mamba / linear-attention state"
-            )
+            raise UnsupportedGroupError(group_id, type(spec).__name__)
         fields = {
             **base,
             "group": group_id,

@@ -34,6 +34,7 @@ COUNTERS = (
     "staging_dropped_blocks",  # not copied out: the step's staging budget was spent
     "store_dropped_blocks",  # copied out, then lost: encode budget, put queue or a dead vault
     "open_failed_blocks",  # sealed blocks that did not open (changed, moved, another key): misses
+    "cold_tier_off",  # 1: the model has a KV-cache group kind tierkv does not store
 )
 
 
