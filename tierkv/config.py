@@ -269,6 +269,7 @@ class SecurityConfig:
     tls_key: str | None = None
     client_ca: str | None = None
     tls_ca: str | None = None
+    data_key_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -529,6 +530,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "tls_key": _path,
             "client_ca": _path,
             "tls_ca": _path,
+            "data_key_file": _path,
         },
     ),
     "limits": (
