@@ -156,7 +156,7 @@ def test_status_names_an_unknown_host_on_stderr(tmp_path: Path) -> None:
     result = tierkv("status", "--vault", "nohost.invalid:1", "--config", str(config))
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        f"vault 1: cannot resolve host nohost.invalid: {_resolver_error('nohost.invalid')}"
+        f"vault 1: down, cannot resolve host nohost.invalid: {_resolver_error('nohost.invalid')}"
     ]
     assert "down" in result.stdout
 

@@ -158,12 +158,13 @@ def test_status_reads_the_configured_vaults(
         up.server.bulk_port,
         True,
     )
-    assert not rows["ssm_cold"]["up"] and "did not answer" in rows["ssm_cold"]["error"]
+    assert rows["ssm_cold"]["verdict"] == "down" and not rows["ssm_cold"]["reachable"]
+    assert "nothing listens at" in rows["ssm_cold"]["reason"]
 
 
 def test_status_tells_a_vault_without_bulk_path(vault_factory: Callable[..., Any]) -> None:
     grpc_only = vault_factory(bulk=False)
-    result = runner.invoke(app, ["status", "--vault", grpc_only.address])
+    result = runner.invoke(app, ["status", "--vault", grpc_only.address, "--wide"])
     assert result.exit_code == 0, result.output
     assert "none (gRPC)" in result.stdout
 
@@ -173,7 +174,7 @@ def test_unreachable_bulk_port_is_shown_and_clients_fall_back_to_grpc(
 ) -> None:
     vault = vault_factory()
     vault.server._bulk.stop()  # a firewall in front of the bulk port: Hello still names it
-    result = runner.invoke(app, ["status", "--vault", vault.address])
+    result = runner.invoke(app, ["status", "--vault", vault.address, "--wide"])
     assert result.exit_code == 0, result.output
     assert f"{vault.server.bulk_port} unreachable (gRPC, slower)" in result.stdout
     namespace, key = b"n" * 16, b"k" * 16

@@ -250,7 +250,7 @@ def test_status_shows_whether_the_hook_is_installed(tmp_path: Path, vault: Vault
 
     code, row = status()
     assert (code, row["up"]) == (1, False)
-    assert "not installed" in str(row["error"])
+    assert "not installed" in str(row["reason"])
     assert invoke("--exo-path", str(root), "--no-runtime")[0] == 0
     code, row = status()
     assert (code, row["up"]) == (0, True)

@@ -43,7 +43,7 @@ def test_status_lists_each_vault_with_its_share(
         assert sum(shares) == 1.0 and all(0.4 < share < 0.6 for share in shares)
         assert rows["ssm_cold"]["role"] == "redis standalone"
         assert rows["ssm_cold"]["bulk_port"] is None
-        table = CliRunner().invoke(app, ["status", "--config", str(config)])
+        table = CliRunner().invoke(app, ["status", "--config", str(config), "--wide"])
         assert "n/a (redis)" in table.stdout and "hunter2" not in table.stdout
         bad = CliRunner().invoke(app, ["status", "--vault", "memcached://a:1"])
         assert bad.exit_code == 2 and "--vault: unknown scheme" in bad.output

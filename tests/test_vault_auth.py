@@ -168,7 +168,8 @@ def test_status_shows_auth_required_and_whether_ours_was_accepted(
     refused = runner.invoke(app, args)
     assert refused.exit_code == 1
     [row] = json.loads(refused.stdout)["vaults"]
-    assert row["auth"] == "required, refused" and "requires a token" in row["error"]
+    assert row["auth"] == "required, refused" and "requires a token" in row["reason"]
+    assert (row["verdict"], row["reachable"]) == ("refused", True)
     monkeypatch.setenv(TOKEN_ENV, ALICE)
     accepted = runner.invoke(app, args)
     assert accepted.exit_code == 0, accepted.output
@@ -281,7 +282,8 @@ def test_status_shows_an_insecure_vault() -> None:
     try:
         result = runner.invoke(app, ["status", "--vault", server.address])
         assert result.exit_code == 0
-        assert "--insecure, open to the LAN" in result.stdout
+        assert "degraded" in result.stdout
+        assert "started --insecure: open to the LAN without a token" in result.stderr
     finally:
         server.stop(grace=0)
 

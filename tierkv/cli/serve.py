@@ -124,11 +124,12 @@ def serve(
             1,
         )
     for name, endpoint in ((n, e) for n, found in vaults.items() for e in found):
-        row = check_vault(name, endpoint.address, cfg)
+        row = check_vault(name, endpoint.address, cfg, role=name)
         if not row["up"]:
             outcome = "vLLM would start anyway" if dry_run else "serving anyway"
             console.print(
-                f"[yellow]warning[/yellow]: vault {name} ({endpoint}) is down: {row['error']}; "
+                f"[yellow]warning[/yellow]: vault {name} ({endpoint}) is {row['verdict']}: "
+                f"{row['reason']}; "
                 f"{outcome}, its blocks are misses until it is back",
                 highlight=False,
                 soft_wrap=True,

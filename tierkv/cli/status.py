@@ -1,28 +1,43 @@
-"""`tierkv status`: is each vault up, how fast it answers, and what it holds — table or JSON.
+"""`tierkv status`: one row per vault with a verdict, its tiers and the totals — table or JSON.
 
-A vault is a tierkv vault or a Valkey / Redis backend (a cluster is one entry, its nodes summed);
-where a role spreads blocks over several, each one's share of the role's entries and bytes shows.
+A vault is a tierkv vault or a Valkey / Redis backend (a cluster is one entry, its nodes summed).
+Each row gets a verdict:
 
-Exit code 0 when every checked component is up, 1 when one is down, 2 on a configuration error.
-A check is a function returning rows (dicts) plus whether everything it checked is healthy; the
-command runs the vault check and prints one table (or one JSON key) per check.
+- up: answers, serves the role it is configured for;
+- full: up, but its last tier (disk if it has one, else RAM) is at FULL_SHARE of its cap or more,
+  so every new block evicts an old one;
+- degraded: up, but slower or less safe than it should be (bulk port unreachable, damaged disk
+  blocks, open to the LAN with --insecure);
+- refused: answers, but refuses our token (or we have none);
+- wrong role: answers, but serves another role than the one tierkv.toml's [cluster] names;
+- down: does not answer (the reason in plain words).
+
+Exit code 0 when every row is up, full or degraded; 1 when one is down, refused or of the wrong
+role (and when a checked EXO hook is missing); 2 on a configuration error. The default table fits
+80 columns (addresses are never cut); `--wide` shows every figure; `--watch` refreshes in place.
 """
 
 from __future__ import annotations
 
 import json
 import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
+from rich import box
+from rich.console import Console, Group
+from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from tierkv.cli import app
 from tierkv.cli.errors import fail
 from tierkv.config import (
+    VAULT_ROLES,
     ConfigError,
     TierKVConfig,
     format_size,
@@ -37,22 +52,45 @@ from tierkv.patches.exo import hook_state
 if TYPE_CHECKING:  # gRPC and the backends are imported when a check runs, not for --help
     from tierkv.vault.client import TierStats, VaultStats
 
-VAULT_COLUMNS = {
+FULL_SHARE = 0.95
+"""A tier holding this share of its cap or more is full: each new block evicts an old one."""
+WORKING = ("up", "full", "degraded")
+"""Verdicts of a vault that serves us (exit code 0)."""
+VERDICT_STYLES = {
+    "up": "green",
+    "full": "yellow",
+    "degraded": "yellow",
+    "refused": "red",
+    "wrong role": "red",
+    "down": "red",
+}
+
+COLUMNS = {  # the default table: fits 80 columns with 127.0.0.1 addresses
     "address": "address",
-    "up": "up",
-    "rtt_ms": "rtt ms",
-    "bulk": "bulk port",
+    "verdict": "state",
+    "ram": "RAM",
+    "disk": "disk",
+    "hit_rate": "hits",
+    "link": "link",
+}
+WIDE_COLUMNS = {
+    "address": "address",
+    "verdict": "state",
     "role": "role",
-    "auth": "auth",
+    "rtt_ms": "rtt ms",
+    "ram": "RAM used / cap",
+    "disk": "disk used / cap",
     "entries": "entries",
-    "used": "used / cap",
+    "hit_rate": "hits",
     "share": "share (entries / bytes)",
-    "hits": "hits",
-    "misses": "misses",
     "evictions": "evictions",
-    "ram": "RAM tier",
-    "disk": "disk tier",
+    "rejected": "rejected",
+    "bulk": "bulk port",
+    "auth": "auth",
+    "link": "link",
     "uptime": "uptime",
+    "version": "version",
+    "reason": "reason",
 }
 
 
@@ -64,11 +102,12 @@ class CheckResult:
     columns: dict[str, str]  # row key → label (each row dict also has "name" and "up")
     rows: list[dict[str, Any]]
     healthy: bool
+    totals: dict[str, Any] | None = None
 
 
 def vault_targets(cfg: TierKVConfig, addresses: list[str]) -> list[tuple[str, str, str]]:
     """(group, name, address) to check: the given ones (one group), else the configured vaults
-    (one group per role), else the local one."""
+    (one group per role, the group naming the role they must serve), else the local one."""
     if addresses:
         return [("given", f"vault {i + 1}", address) for i, address in enumerate(addresses)]
     targets = [
@@ -85,23 +124,47 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
 
 
-def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
-    """One vault's status row (machine-readable values; `up` False with `error` when down).
+def unreachable(address: str, timeout_s: float) -> str | None:
+    """Why nothing answers TCP at vault `address`, in plain words; None when something does."""
+    host, port = parse_address(address)
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot resolve host {host}: {exc.strerror}"
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return f"nothing listens at {address} (connection refused: vault not running?)"
+    except TimeoutError:
+        return f"no answer from {address} in {timeout_s * 1000:.0f} ms (host off, or a firewall)"
+    except OSError as exc:
+        return f"cannot reach {address}: {exc.strerror or exc}"
+    return None
 
-    A Redis Cluster's nodes are summed into its row; `bulk_port` is None for Valkey / Redis.
+
+def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) -> dict[str, Any]:
+    """One vault's status row: machine-readable values, `verdict` and, unless up, `reason`.
+
+    `role` is the role it must serve (None: any). `up` is True when it serves us (up, full or
+    degraded); `reachable` when it answered at all. A Redis Cluster's nodes are summed into its
+    row; `bulk_port` is None for Valkey / Redis.
     """
     from tierkv.backends import open_one
     from tierkv.backends.base import VaultUnavailable
     from tierkv.backends.vault import VaultBackend
     from tierkv.vault.client import VaultRefused
 
-    if not is_redis_url(address):
-        host, port = parse_address(address)
-        try:
-            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            error = f"cannot resolve host {host}: {exc.strerror}"
-            return {"name": name, "address": address, "up": False, "error": error}
+    row: dict[str, Any] = {
+        "name": name,
+        "address": redact(address),
+        # the client's link to it is encrypted / the blocks we write are sealed with a data key
+        "tls": address.startswith("rediss://")
+        or (not is_redis_url(address) and cfg.security.tls_ca is not None),
+        "sealed": cfg.security.data_key_file is not None,
+    }
+    deadline_s = cfg.client.deadline_ms / 1000
+    if not is_redis_url(address) and (why := unreachable(address, deadline_s)):
+        return {**row, "up": False, "reachable": False, "verdict": "down", "reason": why}
     backend = open_one(address, cfg.client, cfg.security)
     bulk_port: int | None = None
     bulk_reachable = False
@@ -110,39 +173,80 @@ def check_vault(name: str, address: str, cfg: TierKVConfig) -> dict[str, Any]:
         nodes = backend.stats()
         if isinstance(backend, VaultBackend):
             bulk_port, bulk_reachable = backend.client.bulk_path()
-    except VaultRefused as exc:  # up, but not for us: unusable all the same
-        row = {"name": name, "address": redact(address), "up": False, "error": str(exc)}
-        return {**row, "auth": "required, refused"}
+    except VaultRefused:  # up, but not for us: unusable all the same
+        given = "ours was refused" if _has_token(cfg) else "we have none ($TIERKV_TOKEN)"
+        reason = f"answers, but requires a token and {given}"
+        row |= {"up": False, "reachable": True, "verdict": "refused", "reason": reason}
+        return row | {"auth": "required, refused"}
     except VaultUnavailable as exc:
-        return {"name": name, "address": redact(address), "up": False, "error": str(exc)}
+        reason = (
+            str(exc)
+            if is_redis_url(address)
+            else (
+                f"answers TCP at {address}, but not as a tierkv vault in {deadline_s * 1000:.0f} ms"
+                " (another service on that port, a TLS mismatch, or overloaded)"
+            )
+        )
+        return {**row, "up": False, "reachable": not is_redis_url(address), "verdict": "down",
+                "reason": reason}  # fmt: skip
     finally:
         backend.close()
-    return {
-        "name": name,
-        "address": redact(address),
+    ram, disk = _tier_sum([s.ram for s in nodes]), _tier_sum([s.disk for s in nodes])
+    row |= {
         "up": True,
+        "reachable": True,
         "rtt_ms": round(max(s.rtt_s for s in nodes) * 1000, 2),
         "bulk_port": bulk_port,  # 0: none, payloads travel over gRPC; None: Valkey / Redis
         "bulk_reachable": bulk_reachable,  # False: a firewall? payloads fall back to gRPC
         "role": nodes[0].role,
         "nodes": len(nodes),
-        "entries": sum(s.entries for s in nodes),
+        "entries": sum(s.entries for s in nodes),  # the RAM tier's (see ram / disk for each)
         "bytes_used": sum(s.bytes_used for s in nodes),
         "max_bytes": sum(s.max_bytes for s in nodes),
-        "hits": sum(s.hits for s in nodes),
+        "hits": sum(s.hits for s in nodes),  # of both tiers
         "misses": sum(s.misses for s in nodes),
-        "evictions": sum(s.evictions for s in nodes),
+        "evictions": sum(s.evictions for s in nodes),  # out of RAM (to disk, where it has one)
         "rejected": sum(s.rejected for s in nodes),
         "uptime_s": round(min(s.uptime_s for s in nodes), 1),
         "version": nodes[0].version,
         "auth": _auth(backend, nodes[0]),
         "insecure": nodes[0].insecure,  # --insecure beyond loopback: anyone may call
-        "tls": nodes[0].tls,
-        "sealed": cfg.security.data_key_file is not None,  # we seal blocks with a data key
         "tenant": nodes[0].tenant,
-        "ram": _tier_sum([s.ram for s in nodes]),
-        "disk": _tier_sum([s.disk for s in nodes]),  # None: RAM only
+        "ram": ram,
+        "disk": disk,  # None: RAM only
     }
+    return row | _verdict(row, role)
+
+
+def _has_token(cfg: TierKVConfig) -> bool:
+    import os
+
+    from tierkv.vault.auth import TOKEN_ENV
+
+    return bool(os.environ.get(TOKEN_ENV)) or cfg.security.token_file is not None
+
+
+def _verdict(row: dict[str, Any], role: str | None) -> dict[str, Any]:
+    """`verdict` and `reason` of a vault that answered (its row's figures)."""
+    if role is not None and row["role"] != role and not is_redis_url(row["address"]):
+        reason = f"serves {row['role']}, but tierkv.toml's [cluster] names it as {role}"
+        return {"up": False, "verdict": "wrong role", "reason": reason}
+    problems = []
+    if row["bulk_port"] and not row["bulk_reachable"]:
+        problems.append(f"bulk port {row['bulk_port']} unreachable: payloads go over gRPC, slower")
+    if row["disk"] and row["disk"]["corrupt"]:
+        problems.append(f"{row['disk']['corrupt']} disk blocks failed their checksum")
+    if row["insecure"]:
+        problems.append("started --insecure: open to the LAN without a token")
+    if problems:
+        return {"verdict": "degraded", "reason": "; ".join(problems)}
+    last_name, last = ("disk", row["disk"]) if row["disk"] else ("RAM", row["ram"])
+    last = last or row  # Valkey / Redis: no tiers, the row's own figures
+    used, cap = last["bytes_used"], last["max_bytes"]
+    if cap and used >= FULL_SHARE * cap:
+        reason = f"{last_name} tier at {used / cap:.0%} of its cap: new blocks evict old ones"
+        return {"verdict": "full", "reason": reason}
+    return {"verdict": "up"}
 
 
 def _auth(backend: object, stats: VaultStats) -> str:
@@ -155,29 +259,70 @@ def _auth(backend: object, stats: VaultStats) -> str:
 
 
 def check_vaults(cfg: TierKVConfig, addresses: list[str]) -> CheckResult:
+    """Every vault checked at once (a down one costs a deadline, not one each), one row each."""
     targets = vault_targets(cfg, addresses)
-    rows = [check_vault(name, address, cfg) for _, name, address in targets]
+    with ThreadPoolExecutor(max_workers=min(32, len(targets))) as pool:
+        rows = list(
+            pool.map(
+                lambda target: check_vault(
+                    target[1], target[2], cfg, target[0] if target[0] in VAULT_ROLES else None
+                ),
+                targets,
+            )
+        )
     for group in {group for group, _, _ in targets}:
         members = [row for (g, _, _), row in zip(targets, rows, strict=True) if g == group]
         add_shares([row for row in members if row["up"]])
-    return CheckResult("vaults", VAULT_COLUMNS, rows, all(row["up"] for row in rows))
+    healthy = all(row["verdict"] in WORKING for row in rows)
+    return CheckResult("vaults", COLUMNS, rows, healthy, totals(rows))
 
 
 def add_shares(rows: list[dict[str, Any]]) -> None:
-    """Each row's fraction of the group's entries and bytes (`entry_share`, `byte_share`)."""
-    entries = sum(row["entries"] for row in rows)
-    used = sum(row["bytes_used"] for row in rows)
+    """Each row's fraction of the group's entries and bytes (`entry_share`, `byte_share`), both
+    tiers counted."""
+    entries = sum(_held(row, "entries") for row in rows)
+    used = sum(_held(row, "bytes_used") for row in rows)
     for row in rows:
-        row["entry_share"] = row["entries"] / entries if entries else 0.0
-        row["byte_share"] = row["bytes_used"] / used if used else 0.0
+        row["entry_share"] = _held(row, "entries") / entries if entries else 0.0
+        row["byte_share"] = _held(row, "bytes_used") / used if used else 0.0
+
+
+def _held(row: dict[str, Any], name: str) -> int:
+    """A row's `name` ("entries", "bytes_used", "max_bytes") over its RAM and disk tiers."""
+    ram = row["ram"][name] if row.get("ram") else row.get(name, 0)
+    return int(ram + (row["disk"][name] if row.get("disk") else 0))
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Across the vaults that serve us: counts by verdict, RAM and disk held / capped, hits."""
+    serving = [row for row in rows if row["up"]]
+    found: dict[str, Any] = {
+        "vaults": len(rows),
+        "verdicts": {v: sum(row["verdict"] == v for row in rows) for v in VERDICT_STYLES},
+        "entries": sum(_held(row, "entries") for row in serving),
+        "hits": sum(row["hits"] for row in serving),
+        "misses": sum(row["misses"] for row in serving),
+    }
+    for tier in ("ram", "disk"):
+        present = [row[tier] for row in serving if row.get(tier)]
+        if tier == "ram":  # Valkey / Redis rows have no tiers: their bytes count as RAM
+            present += [
+                {"bytes_used": row["bytes_used"], "max_bytes": row["max_bytes"]}
+                for row in serving
+                if not row.get("ram")
+            ]
+        found[f"{tier}_bytes_used"] = sum(t["bytes_used"] for t in present)
+        found[f"{tier}_max_bytes"] = sum(t["max_bytes"] for t in present)
+    return found
 
 
 def check_exo_hook(exo_path: Path) -> CheckResult:
     """Whether the tierkv hook is installed in the EXO checkout at `exo_path`."""
     state = hook_state(exo_path)
     row = {"name": "EXO hook", "address": str(exo_path), "up": state.installed}
-    row["detail" if state.installed else "error"] = state.detail
-    columns = {"address": "EXO checkout", "up": "up", "detail": "detail"}
+    row["verdict"] = "up" if state.installed else "down"
+    row["detail" if state.installed else "reason"] = state.detail
+    columns = {"address": "EXO checkout", "verdict": "state", "detail": "detail"}
     return CheckResult("exo", columns, [row], state.installed)
 
 
@@ -191,40 +336,65 @@ def _tier_sum(tiers: list[TierStats | None]) -> dict[str, Any] | None:
     return {name: sum(getattr(tier, name) for tier in present) for name in TierStats._fields}
 
 
-def _used(used: int, cap: int) -> str:
-    return f"{format_size(used)} / {'unlimited' if cap == 0 else format_size(cap)}"
+def short_size(size: int) -> str:
+    """A binary size in at most 4 characters: 512B, 1.5K, 64M, 1.2T."""
+    value = float(size)
+    for unit in ("B", "K", "M", "G", "T"):
+        if value < 1024 or unit == "T":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{size}B"
+    return f"{value:.1f}{unit}" if value < 9.95 else f"{value:.0f}{unit}"
 
 
-def _tier(tier: dict[str, Any]) -> str:
-    """One tier's figures in a cell: entries, used / cap, hits, reads/s (and second chances and
-    damaged blocks, where a disk tier has them)."""
-    text = (
-        f"{tier['entries']} entries, {_used(tier['bytes_used'], tier['max_bytes'])}, "
-        f"{tier['hits']} hits, {tier['reads_per_s']:.1f} reads/s"
+def _used(used: int, cap: int, *, wide: bool) -> str:
+    if wide:
+        return f"{format_size(used)} / {'unlimited' if cap == 0 else format_size(cap)}"
+    return f"{short_size(used)}/{'∞' if cap == 0 else short_size(cap)}"
+
+
+def _hit_rate(hits: int, misses: int) -> str:
+    return f"{hits / (hits + misses):.0%}" if hits + misses else "-"
+
+
+def _link(row: dict[str, Any]) -> str:
+    """TLS on the link, blocks sealed with our data key: "tls+seal", "tls", "seal" or "-"."""
+    return (
+        "+".join(name for name, on in (("tls", row["tls"]), ("seal", row["sealed"])) if on) or "-"
     )
-    text += f", {tier['kept']} kept" if tier["kept"] else ""
-    return text + (f", [red]{tier['corrupt']} corrupt[/red]" if tier["corrupt"] else "")
 
 
-def _cell(row: dict[str, Any], key: str) -> str:
+def _cell(row: dict[str, Any], key: str, wide: bool) -> str:
     """The table text of one value of a row."""
-    if key == "up":
-        return "[green]up[/green]" if row["up"] else "[red]down[/red]"
-    if not row["up"]:
-        return str(row.get(key, "")) if key in ("name", "address", "auth") else ""
+    if key == "verdict":
+        style = VERDICT_STYLES[row["verdict"]]
+        return f"[{style}]{row['verdict']}[/{style}]"
+    if key == "address":
+        return str(row["address"])
+    if key == "reason":
+        return str(row.get("reason", ""))
+    if key == "link" and "tls" in row:
+        return _link(row)
+    if not row["up"] or "ram" not in row:
+        return str(row[key]) if key == "role" and key in row else ""
     if key == "auth":
-        text = row["auth"] + (", TLS" if row["tls"] else "")
-        text += ", sealed" if row["sealed"] else ", unsealed"
-        text += f", tenant {row['tenant']}" if row["tenant"] else ""
+        text = row["auth"] + (f", tenant {row['tenant']}" if row["tenant"] else "")
         return "[red]none: --insecure, open to the LAN[/red]" if row["insecure"] else text
-    if key == "used":
-        return _used(row["bytes_used"], row["max_bytes"])
+    if key == "hit_rate":
+        return _hit_rate(row["hits"], row["misses"])
+    if key == "entries":
+        return str(_held(row, "entries"))
     if key == "share":
         return f"{row['entry_share']:.0%} / {row['byte_share']:.0%}"
     if key == "uptime":
         return _duration(row["uptime_s"])
-    if key in ("ram", "disk"):
-        return _tier(row[key]) if row[key] else "none"
+    if key == "ram":
+        tier = row["ram"] or row
+        return _used(tier["bytes_used"], tier["max_bytes"], wide=wide)
+    if key == "disk":
+        disk = row["disk"]
+        return _used(disk["bytes_used"], disk["max_bytes"], wide=wide) if disk else "-"
     if key == "bulk":
         if row["bulk_port"] is None:
             return "n/a (redis)"
@@ -236,22 +406,66 @@ def _cell(row: dict[str, Any], key: str) -> str:
     return str(row.get(key, ""))
 
 
-def render(results: list[CheckResult], console: Console, errors: Console) -> None:
-    """One table per check, one column per checked thing (fits narrow terminals); what is wrong
-    with each, one line each, on `errors`."""
-    for result in results:
-        table = Table(title=result.title)
-        table.add_column("")
-        for row in result.rows:
-            table.add_column(row["name"])
-        for key, label in result.columns.items():
-            table.add_row(label, *(_cell(row, key) for row in result.rows))
-        console.print(table)
-        for row in result.rows:
-            if row.get("error"):
-                errors.print(
-                    f"[red]{row['name']}[/red]: {row['error']}", highlight=False, soft_wrap=True
-                )
+def _totals_cells(result: CheckResult, wide: bool) -> dict[str, str]:
+    found = result.totals
+    assert found is not None
+    serving = sum(found["verdicts"][v] for v in WORKING)
+    return {
+        "address": f"{serving} of {found['vaults']} serving",
+        "ram": _used(found["ram_bytes_used"], found["ram_max_bytes"], wide=wide),
+        "disk": _used(found["disk_bytes_used"], found["disk_max_bytes"], wide=wide)
+        if found["disk_max_bytes"]
+        else "-",
+        "entries": str(found["entries"]),
+        "hit_rate": _hit_rate(found["hits"], found["misses"]),
+    }
+
+
+def table(result: CheckResult, wide: bool) -> Table:
+    """One row per checked thing; addresses are never cut (other cells wrap first)."""
+    columns = WIDE_COLUMNS if wide and result.title == "vaults" else result.columns
+    grid = Table(title=result.title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
+    grid.add_column("name", no_wrap=True)
+    for key, label in columns.items():
+        grid.add_column(label, no_wrap=key in ("address", "verdict"), overflow="fold")
+    for row in result.rows:
+        grid.add_row(row["name"], *(_cell(row, key, wide) for key in columns))
+    if result.totals is not None and len(result.rows) > 1:
+        cells = _totals_cells(result, wide)
+        grid.add_section()
+        grid.add_row("total", *(cells.get(key, "") for key in columns), style="bold")
+    return grid
+
+
+def reasons(results: list[CheckResult]) -> list[Text]:
+    """One line per row that is not plainly up: "NAME: VERDICT, why"."""
+    return [
+        Text.assemble(
+            (row["name"], VERDICT_STYLES[row["verdict"]]), f": {row['verdict']}, {row['reason']}"
+        )
+        for result in results
+        for row in result.rows
+        if row.get("reason")
+    ]
+
+
+def render(results: list[CheckResult], wide: bool) -> Group:
+    """The tables, one per check."""
+    return Group(*(table(result, wide) for result in results))
+
+
+def run_checks(cfg: TierKVConfig, addresses: list[str], exo_path: Path | None) -> list[CheckResult]:
+    results = [check_vaults(cfg, addresses)]
+    if exo_path is not None:
+        results.append(check_exo_hook(exo_path))
+    return results
+
+
+def as_json(results: list[CheckResult]) -> str:
+    found: dict[str, Any] = {result.title: result.rows for result in results}
+    found["totals"] = results[0].totals  # the vaults'
+
+    return json.dumps(found, indent=2)
 
 
 @app.command()
@@ -267,7 +481,18 @@ def status(
             show_default="the vaults of tierkv.toml's [cluster]",
         ),
     ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    json_output: Annotated[
+        bool, typer.Option("--json", help="Print JSON instead of tables.")
+    ] = False,
+    wide: Annotated[
+        bool, typer.Option("--wide", help="Every figure of each vault (a wider table).")
+    ] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", help="Check again every --interval, refreshing in place.")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option(metavar="SECONDS", help="Time between checks with --watch.", min=0.1)
+    ] = 2.0,
     exo_path: Annotated[
         Path | None,
         typer.Option(
@@ -277,9 +502,12 @@ def status(
         ),
     ] = None,
 ) -> None:
-    """Check each vault: reachable, round trip, role, entries, bytes used / cap, hits, uptime.
+    """One row per vault: verdict (up, full, degraded, refused, wrong role, down), RAM and disk
+    used / cap, hit rate, TLS and sealing; totals across them.
 
-    With --exo-path, also check that the tierkv hook is installed in that EXO checkout.
+    Exit code 0 when every vault serves us (up, full or degraded), 1 when one is down, refuses
+    our token or serves the wrong role, 2 on a configuration error. With --exo-path, also check
+    that the tierkv hook is installed in that EXO checkout.
     """
     addresses = vault or []
     from tierkv.vault.auth import refuse_ineffective_settings
@@ -294,11 +522,42 @@ def status(
                 raise ConfigError(f"--vault: {exc}") from None
     except ConfigError as exc:
         raise fail("status", str(exc), 2) from None
-    results = [check_vaults(cfg, addresses)]
-    if exo_path is not None:
-        results.append(check_exo_hook(exo_path))
-    if as_json:
-        typer.echo(json.dumps({result.title: result.rows for result in results}, indent=2))
+    if json_output and watch:
+        raise fail("status", "--watch refreshes a table: it cannot be combined with --json", 2)
+    results = run_checks(cfg, addresses, exo_path)
+    if json_output:
+        typer.echo(as_json(results))
+    elif watch:
+        results = _watch(cfg, addresses, exo_path, results, wide, interval)
     else:
-        render(results, Console(), Console(stderr=True))
+        console = Console()
+        tables = render(results, wide)
+        if wide:  # every figure whole, however long the lines get (as `kubectl -o wide`)
+            unbounded = console.options.update_width(10_000)
+            console.width = max(console.width, console.measure(tables, options=unbounded).maximum)
+        console.print(tables)
+        errors = Console(stderr=True, soft_wrap=True)
+        for line in reasons(results):
+            errors.print(line)
     raise typer.Exit(0 if all(result.healthy for result in results) else 1)
+
+
+def _watch(
+    cfg: TierKVConfig,
+    addresses: list[str],
+    exo_path: Path | None,
+    results: list[CheckResult],
+    wide: bool,
+    interval: float,
+) -> list[CheckResult]:
+    """Refresh the tables in place every `interval` s until Ctrl-C; the last results."""
+    with Live(Group(render(results, wide), *reasons(results)), auto_refresh=False) as live:
+        try:
+            while True:
+                time.sleep(interval)
+                results = run_checks(cfg, addresses, exo_path)
+                stamp = Text(time.strftime("checked %H:%M:%S (Ctrl-C stops)"), style="dim")
+                live.update(Group(render(results, wide), *reasons(results), stamp), refresh=True)
+        except KeyboardInterrupt:
+            pass
+    return results
