@@ -148,6 +148,8 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         """tenant → [hits, misses, rejected] on a vault of several tenants."""
         self.bulk_port = 0
         """Set by serve() once the bulk data path listens; 0 = none."""
+        self.max_frame_bytes = 0
+        """Payload bytes of the largest bulk PUT frame (set with bulk_port); 0 = no bulk path."""
         self.started = time.monotonic()
         self.metrics = VaultMetrics(store.stats)
 
@@ -336,7 +338,11 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     def Hello(
         self, request: vault_pb2.HelloRequest, context: grpc.ServicerContext
     ) -> vault_pb2.HelloReply:
-        return vault_pb2.HelloReply(bulk_port=self.bulk_port)
+        return vault_pb2.HelloReply(
+            bulk_port=self.bulk_port,
+            max_frame_bytes=self.max_frame_bytes,
+            max_message_bytes=self.limits.max_message_bytes,
+        )
 
     def Stats(
         self, request: vault_pb2.StatsRequest, context: grpc.ServicerContext
@@ -571,6 +577,7 @@ def serve(
                 f"cannot listen for bulk data on {where}: {exc.strerror or exc}"
             ) from None
         servicer.bulk_port = bulk.port
+        servicer.max_frame_bytes = bulk.max_frame_bytes
     metrics_address = ""
     if metrics_port is not None:
         mutual_tls = security.client_ca is not None
