@@ -204,12 +204,16 @@ def test_oversized_blocks_are_the_callers_error_and_leave_the_breaker_closed(
         assert client.rejected_puts == 3 and client.failed_puts == 0
         assert "exceeds" in client.last_rejections[0]
         assert bytes(client.promote(NS, [key(0)], [0])[(0, 0)]) == b"kept"
-        client.put(NS, key(9), 0, b"small")
-        assert client.flush(timeout=10)
-        assert bytes(client.promote(NS, [key(9)], [0])[(0, 0)]) == b"small"
+        assert_a_small_put_comes_back(client)
     finally:
         client.close()
         server.stop(grace=0)
+
+
+def assert_a_small_put_comes_back(client: VaultClient) -> None:
+    client.put(NS, key(9), 0, b"small")
+    assert client.flush(timeout=10)
+    assert bytes(client.promote(NS, [key(9)], [0])[(0, 0)]) == b"small"
 
 
 def test_a_vault_that_does_not_tell_its_largest_put_still_leaves_the_breaker_closed(
@@ -230,9 +234,7 @@ def test_a_vault_that_does_not_tell_its_largest_put_still_leaves_the_breaker_clo
             assert client.flush(timeout=10) is False  # lost, and flush says so
         assert client.breaker_state == "closed" and client.failed_calls == 0
         assert client.counters()["oversized_puts"] == 3
-        client.put(NS, key(9), 0, b"small")
-        assert client.flush(timeout=10)
-        assert bytes(client.promote(NS, [key(9)], [0])[(0, 0)]) == b"small"
+        assert_a_small_put_comes_back(client)
     finally:
         client.close()
         server.stop(grace=0)
