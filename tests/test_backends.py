@@ -185,7 +185,36 @@ def test_redis_round_trip_with_the_vault_checksums(redis_server: RedisServer) ->
         assert set(found) == {(0, 0), (0, 1), (1, 1)}
         assert backend.counters()["checksum_failures"] == 1
         [row] = backend.stats()
-        assert row.entries == len(keys) * len(PARTS) and row.role == "redis standalone"
+        # ... and the value that failed is removed, so a Lookup no longer counts it
+        assert row.entries == len(keys) * len(PARTS) - 1 and row.role == "redis standalone"
+        assert backend.lookup(NS, keys[:2], PARTS) == 1
+    finally:
+        backend.close()
+
+
+def test_a_damaged_redis_value_is_a_lookup_miss_as_it_is_a_promote_miss(
+    redis_server: RedisServer,
+) -> None:
+    """Regression: Lookup counted any value as present (EXISTS), so a damaged one was a Lookup
+    hit and then, every time, a Promote miss (a load planned, failed and recomputed)."""
+    backend = open_one(f"redis://{redis_server.address}", FAST)
+    keys = block_keys(4)
+    try:
+        put_all(backend, keys)
+        raw = redis_server.client()
+        raw.set(redis_key(NS, keys[1], 0), b"short")  # too short to hold its checksum
+        assert backend.lookup(NS, keys, PARTS) == 1
+        assert (1, 0) not in backend.promote(NS, keys, PARTS)
+        raw.setrange(redis_key(NS, keys[2], 1), 8, b"\xee")  # a payload byte changed
+        assert backend.lookup(NS, keys[2:], PARTS) == 2  # only a read of it can tell
+        assert set(backend.promote(NS, keys[2:], PARTS)) == {(0, 0), (1, 0), (1, 1)}
+        assert backend.lookup(NS, keys[2:], PARTS) == 0  # as the Promote found it
+        assert raw.exists(redis_key(NS, keys[2], 1)) == 0  # dropped, not read again
+        assert backend.counters()["checksum_failures"] == 2
+        backend.put(NS, keys[2], 1, payload(2, 1))  # stored again: whole once more
+        assert backend.flush(timeout=10)
+        assert backend.lookup(NS, keys[2:], PARTS) == 2
+        assert bytes(backend.promote(NS, keys[2:3], [1])[(0, 1)]) == payload(2, 1)
     finally:
         backend.close()
 

@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from conftest import SLOW_BOX_MARGIN_S, stop_process
 
+from tierkv.config import MIB, LimitsConfig
+from tierkv.vault._pb import vault_pb2
 from tierkv.vault.client import VaultClient
-from tierkv.vault.server import serve
+from tierkv.vault.server import VaultServicer, serve
 
 NS = b"n" * 16
 KIB = 1024
@@ -179,3 +181,60 @@ def test_many_tiny_puts_get_time_for_their_count_not_only_their_bytes(
 def test_client_rejects_a_malformed_address() -> None:
     with pytest.raises(ValueError, match="brackets"):
         VaultClient("::1:50051")
+
+
+@pytest.mark.parametrize("bulk_port", [0, None], ids=["bulk", "grpc"])
+def test_oversized_blocks_are_the_callers_error_and_leave_the_breaker_closed(
+    bulk_port: int | None,
+) -> None:
+    """Regression: a block larger than the vault takes (a bulk frame, a gRPC message) failed its
+    stream twice (bulk, then gRPC), so two such puts opened the breaker and the next good Promote
+    and small Put were misses. Now it is refused before it is sent, counted, breaker untouched."""
+    limits = LimitsConfig(max_message_bytes=MIB, max_inflight_bytes=MIB)
+    server = serve("127.0.0.1:0", 0, bulk_port=bulk_port, limits=limits)
+    client = VaultClient(server.address, breaker_failures=2, breaker_cooldown_s=3600)
+    try:
+        client.put(NS, key(0), 0, b"kept")
+        assert client.flush(timeout=10)
+        for i in range(1, 4):
+            client.put(NS, key(i), 0, bytes([i]) * (2 * MIB))
+            client.flush(timeout=10)
+        assert client.breaker_state == "closed" and client.failed_calls == 0
+        assert client.counters()["oversized_puts"] == 3
+        assert client.rejected_puts == 3 and client.failed_puts == 0
+        assert "exceeds" in client.last_rejections[0]
+        assert bytes(client.promote(NS, [key(0)], [0])[(0, 0)]) == b"kept"
+        assert_a_small_put_comes_back(client)
+    finally:
+        client.close()
+        server.stop(grace=0)
+
+
+def assert_a_small_put_comes_back(client: VaultClient) -> None:
+    client.put(NS, key(9), 0, b"small")
+    assert client.flush(timeout=10)
+    assert bytes(client.promote(NS, [key(9)], [0])[(0, 0)]) == b"small"
+
+
+def test_a_vault_that_does_not_tell_its_largest_put_still_leaves_the_breaker_closed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A vault that predates Hello's limits answers a too-large gRPC message RESOURCE_EXHAUSTED
+    "larger than max": the caller's error too, counted, not a failure of the vault."""
+
+    def older_hello(self: VaultServicer, request: Any, context: Any) -> vault_pb2.HelloReply:
+        return vault_pb2.HelloReply(bulk_port=self.bulk_port)
+
+    monkeypatch.setattr(VaultServicer, "Hello", older_hello)
+    server = serve("127.0.0.1:0", 0, bulk_port=None, limits=LimitsConfig(max_message_bytes=MIB))
+    client = VaultClient(server.address, breaker_failures=2, breaker_cooldown_s=3600)
+    try:
+        for i in range(3):
+            client.put(NS, key(i), 0, bytes([i]) * (2 * MIB))
+            assert client.flush(timeout=10) is False  # lost, and flush says so
+        assert client.breaker_state == "closed" and client.failed_calls == 0
+        assert client.counters()["oversized_puts"] == 3
+        assert_a_small_put_comes_back(client)
+    finally:
+        client.close()
+        server.stop(grace=0)

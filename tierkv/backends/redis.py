@@ -5,6 +5,9 @@ A block part is the string key ``tierkv:<namespace hex>:{<block key hex>}:<part>
 The block key is the hash tag, so in a cluster all parts of a block share one slot (one node).
 Reads are pipelined (one round trip per batch), bounded by the client deadline per read and by
 the promote deadline in all; puts go through the shared PutQueue; the breaker is the shared one.
+Lookup and Promote agree on what is present: Lookup counts a value only when it is long enough to
+hold its checksum (STRLEN, no payload read), and a value Promote finds damaged it removes (unless
+a put has replaced it meanwhile), so the next Lookup misses too.
 Capacity is the server's: run it with ``maxmemory`` and ``maxmemory-policy allkeys-lru``.
 
 `redis+cluster://host:port` (or `rediss+cluster://`) is a Redis Cluster: its slot map is read
@@ -134,15 +137,18 @@ class RedisBackend:
         wanted = sorted(set(parts))
         pipe = self._client.pipeline(transaction=False)
         for key in keys:
-            pipe.exists(*(redis_key(namespace, key, part) for part in wanted))
+            for part in wanted:
+                pipe.strlen(redis_key(namespace, key, part))
         try:
-            counts = pipe.execute(raise_on_error=False)
+            lengths = pipe.execute(raise_on_error=False)
         except _FAILURES:
             self._record_failure()
             return 0
         self._breaker.record_success()
-        for index, count in enumerate(counts):
-            if count != len(wanted):
+        for index in range(len(keys)):
+            of_key = lengths[index * len(wanted) : (index + 1) * len(wanted)]
+            # 0: absent; an error (another type, MOVED): a miss, as Promote has it
+            if not all(isinstance(n, int) and n >= _CHECKSUM_BYTES for n in of_key):
                 return index
         return len(keys)
 
@@ -159,7 +165,7 @@ class RedisBackend:
             return found
         wanted = [(index, part) for index in range(len(keys)) for part in sorted(set(parts))]
         deadline = time.monotonic() + self.promote_deadline_s
-        bad_checksums = 0
+        damaged: list[tuple[int, int]] = []
         try:
             for start in range(0, len(wanted), PROMOTE_BATCH):
                 if time.monotonic() > deadline:
@@ -170,24 +176,41 @@ class RedisBackend:
                     pipe.get(redis_key(namespace, keys[index], part))
                 values = pipe.execute(raise_on_error=False)
                 for (index, part), value in zip(batch, values, strict=True):
-                    if not isinstance(value, bytes) or len(value) < _CHECKSUM_BYTES:
+                    if not isinstance(value, bytes):
                         continue  # absent, or an error for this key (e.g. MOVED): a miss
-                    view = memoryview(value)
-                    payload = view[_CHECKSUM_BYTES:]
-                    checksum = int.from_bytes(view[:_CHECKSUM_BYTES], "little")
-                    actual = block_checksum(namespace, keys[index], part, payload, hold_gil=True)
-                    if actual != checksum:
-                        bad_checksums += 1
-                        continue
-                    found[(index, part)] = payload
+                    payload = _verified(namespace, keys[index], part, value)
+                    if payload is None:
+                        damaged.append((index, part))
+                    else:
+                        found[(index, part)] = payload
         except (*_FAILURES, TimeoutError):
             self._record_failure()
         else:
             self._breaker.record_success()
-        if bad_checksums:
+        if damaged:
             with self._lock:
-                self.checksum_failures += bad_checksums
+                self.checksum_failures += len(damaged)
+            for index, part in damaged:
+                if time.monotonic() > deadline:
+                    break  # the rest are dropped by a later Promote
+                self._drop_damaged(namespace, keys[index], part)
         return found
+
+    def _drop_damaged(self, namespace: bytes, key: bytes, part: int) -> None:
+        """Remove a value that failed its checksum, so Lookup stops counting it, unless a put
+        replaced it since it was read (WATCH: the removal is then not done). Best effort: a
+        failure leaves it for the next Promote to find."""
+        name = redis_key(namespace, key, part)
+        with self._client.pipeline() as pipe:
+            try:
+                pipe.watch(name)
+                value = pipe.get(name)
+                if isinstance(value, bytes) and _verified(namespace, key, part, value) is None:
+                    pipe.multi()
+                    pipe.unlink(name)
+                    pipe.execute()
+            except _FAILURES as exc:  # WatchError included: replaced meanwhile
+                log.debug("tierkv: damaged value %r kept: %s", name, exc)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._queue.flush(timeout)
@@ -261,6 +284,19 @@ class RedisBackend:
             return bool(self._client.ping())
         except _FAILURES:
             return False
+
+
+def _verified(namespace: bytes, key: bytes, part: int, value: bytes) -> memoryview | None:
+    """The payload of a stored value when its checksum matches the block's address; None when
+    the value is damaged (too short to hold a checksum, or another checksum)."""
+    if len(value) < _CHECKSUM_BYTES:
+        return None
+    view = memoryview(value)
+    payload = view[_CHECKSUM_BYTES:]
+    checksum = int.from_bytes(view[:_CHECKSUM_BYTES], "little")
+    if block_checksum(namespace, key, part, payload, hold_gil=True) != checksum:
+        return None
+    return payload
 
 
 class RedisClusterBackend(ShardedBackend):

@@ -364,7 +364,8 @@ class BulkServer:
         self._limits = limits
         self._tokens = access.tokens if access else None
         self._tls = tls
-        self._max_frame_bytes = min(limits.max_inflight_bytes, max_bytes or sys.maxsize)
+        self.max_frame_bytes = min(limits.max_inflight_bytes, max_bytes or sys.maxsize)
+        """Payload bytes of the largest PUT frame received (Hello tells clients)."""
         self._inflight = inflight
         self._slots = ConnectionSlots(limits.max_connections, limits.max_connections_per_client)
         self._lock = threading.Lock()
@@ -483,8 +484,8 @@ class BulkServer:
             time.monotonic() + stall_s + (index_len + data_len) / MIN_FRAME_BYTES_PER_S, stall_s
         )
         if kind == PUT:
-            if data_len > self._max_frame_bytes:
-                raise ValueError(f"PUT frame of {data_len} bytes exceeds {self._max_frame_bytes}")
+            if data_len > self.max_frame_bytes:
+                raise ValueError(f"PUT frame of {data_len} bytes exceeds {self.max_frame_bytes}")
             index = _parse(vault_pb2.PutIndex, _recv_bytes(sock, index_len, deadline))
             problem = request_problem(self._limits, len(index.lengths), 1)
             if problem is not None:

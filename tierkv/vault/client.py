@@ -14,6 +14,11 @@ failure toward the breaker, and so does a bulk connection refused or not welcome
 bulk path is then left alone for a cooldown. When the vault refused (a busy vault closing the
 connection, a malformed reply) rather than not answering a call in time, the call is tried
 again over gRPC in the time it has left.
+
+A block larger than the vault takes on any path (its Hello tells the largest bulk frame and gRPC
+message) is the caller's error, not the vault's: it is refused before it is sent, counted
+(`oversized_puts`, and as rejected) and leaves the breaker alone; so is a Put stream that a vault
+too old to tell ends RESOURCE_EXHAUSTED for a message larger than its maximum.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import grpc.experimental
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
-from tierkv.reliability import CircuitBreaker, PendingPut, PutPayload, PutQueue
+from tierkv.reliability import CircuitBreaker, PendingPut, Piece, PutPayload, PutQueue
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import (
     channel_credentials,
@@ -60,6 +65,9 @@ BULK_PUT_FRAME_BYTES = 16 * MIB
 """Payload bytes per PUT frame on the bulk path (the vault stores one while the next arrives)."""
 MAX_BLOCKS_PER_BATCH = 16384
 """Blocks per PutBatch or PUT frame (a vault refuses more than limits.max_blocks_per_request)."""
+PUT_MESSAGE_FRAMING_BYTES = 64
+"""What a gRPC Put message of one block adds to its payload, namespace and key (protobuf tags,
+lengths, part and checksum), for the check against the vault's max_message_bytes."""
 MIN_PUT_BYTES_PER_S = 50e6
 """A Put stream's deadline is deadline_s plus its bytes at this rate, plus its blocks at
 bulk.MIN_PUT_BLOCKS_PER_S."""
@@ -193,6 +201,8 @@ class VaultClient:
         self._idle_bulk: list[BulkConnection] = []
         self._bulk_retry_at = 0.0
         self._bulk_retry_s = breaker_cooldown_s
+        self._hello: vault_pb2.HelloReply | None = None
+        """The vault's latest answer to Hello (its bulk port and largest Put); None: not asked."""
 
         self._lock = threading.Lock()
         self._closed = False
@@ -201,6 +211,8 @@ class VaultClient:
         self.checksum_failures = 0
         """Promoted payloads whose checksum did not match (returned as misses)."""
         self.failed_calls = 0
+        self.oversized_puts = 0
+        """Puts refused as larger than the vault takes (the caller's error, not the vault's)."""
         self.transport = "none"
         """What carried the latest successful Put or Promote: "bulk", "grpc" or "none" yet."""
         self._queue = PutQueue(
@@ -286,8 +298,9 @@ class VaultClient:
         return self._queue.flush(timeout)
 
     def _send_stream(self, stream: list[PendingPut]) -> int:
-        """Store one stream of puts over the bulk path, else gRPC; how many the vault rejected.
-        Raises grpc.RpcError or BulkError when the stream failed."""
+        """Store one stream of puts over the bulk path, else gRPC; how many were rejected (by
+        the vault, or here as larger than it takes). Raises grpc.RpcError or BulkError when the
+        stream failed."""
         stream_bytes = sum(put.size for put in stream)
         deadline = (
             time.monotonic()
@@ -295,7 +308,19 @@ class VaultClient:
             + stream_bytes / MIN_PUT_BYTES_PER_S
             + len(stream) / MIN_PUT_BLOCKS_PER_S
         )
-        summaries = self._put_bulk(stream, deadline)
+        hello = self._hello or self._ask_hello(deadline)
+        checked = [(put, _oversize(put, hello)) for put in stream]
+        oversized = [reason for _, reason in checked if reason]
+        if oversized:
+            stream = [put for put, reason in checked if not reason]
+            with self._lock:
+                self.oversized_puts += len(oversized)
+                self.last_rejections = oversized
+            if not stream:
+                return len(oversized)
+        summaries = None
+        if not hello.max_message_bytes or all(p.size <= hello.max_frame_bytes for p in stream):
+            summaries = self._put_bulk(stream, deadline)  # else a block only gRPC can carry
         transport = "bulk"
         if summaries is None:
             timeout = deadline - time.monotonic()
@@ -303,30 +328,44 @@ class VaultClient:
             transport = "grpc"
         with self._lock:
             self.transport = transport
-            self.last_rejections = [r.reason for summary in summaries for r in summary.rejections]
-        return len(stream) - sum(summary.stored for summary in summaries)
+            self.last_rejections = oversized + [
+                r.reason for summary in summaries for r in summary.rejections
+            ]
+        return len(oversized) + len(stream) - sum(summary.stored for summary in summaries)
+
+    def _ask_hello(self, deadline: float) -> vault_pb2.HelloReply:
+        """The vault's answer to Hello, asked by `deadline` (before its first Put stream)."""
+        wait_s = min(self.deadline_s, deadline - time.monotonic())
+        self._bulk_port(vault_pb2.HelloRequest(), timeout=wait_s)
+        return self._hello or vault_pb2.HelloReply()
 
     def _stream_failed(self, exc: Exception) -> None:
         """A Put stream failed: a failure toward the breaker (a bulk failure was counted when
-        it happened)."""
-        if not isinstance(exc, BulkError):
+        it happened), unless the vault refused a message as larger than it takes."""
+        if _refused_as_too_large(exc):
+            with self._lock:
+                self.oversized_puts += 1
+        elif not isinstance(exc, BulkError):
             self._record_failure()
 
     def _put_bulk(
         self, stream: list[PendingPut], deadline: float
     ) -> list[vault_pb2.PutSummary] | None:
         """Send `stream` over the bulk path; None: use gRPC (no bulk path, or it failed)."""
-        frames = (
-            (_put_index(batch), [piece for p in batch for piece in p.pieces])
+
+        def frames() -> Iterator[tuple[vault_pb2.PutIndex, list[Piece]]]:
+            """Frames no larger than the vault takes (it told that by now: Hello gave its port)."""
+            largest = (self._hello.max_frame_bytes if self._hello else 0) or BULK_PUT_FRAME_BYTES
             for batch in batched_by_size(
                 stream,
                 lambda p: p.size,
-                BULK_PUT_FRAME_BYTES,
+                min(BULK_PUT_FRAME_BYTES, largest),
                 lambda p: p.namespace,
                 MAX_BLOCKS_PER_BATCH,
-            )
-        )
-        return self._on_bulk(deadline, lambda connection: connection.put(frames, deadline))
+            ):
+                yield _put_index(batch), [piece for p in batch for piece in p.pieces]
+
+        return self._on_bulk(deadline, lambda connection: connection.put(frames(), deadline))
 
     # ---- reads -------------------------------------------------------------------------------
 
@@ -489,14 +528,16 @@ class VaultClient:
                 raise error
 
     def _bulk_port(self, request: vault_pb2.HelloRequest, **options: Any) -> int:
-        """The vault's bulk port (Hello, called with `options`); 0 when it has none or predates
-        Hello (gRPC alone)."""
+        """The vault's bulk port (Hello, called with `options`, its answer kept); 0 when it has
+        none or predates Hello (gRPC alone)."""
         try:
-            return int(self._stub.Hello(request, **options).bulk_port)
+            self._hello = self._stub.Hello(request, **options)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._hello = vault_pb2.HelloReply()
                 return 0
             raise
+        return int(self._hello.bulk_port)
 
     def _release_bulk(self, connection: BulkConnection) -> None:
         """Keep a connection whose call succeeded for the next call (a few at most)."""
@@ -572,6 +613,7 @@ class VaultClient:
             mine: dict[str, int | str] = {
                 "checksum_failures": self.checksum_failures,
                 "failed_calls": self.failed_calls,
+                "oversized_puts": self.oversized_puts,
                 "transport": self.transport,
             }
         return {**self._queue.counters(), **mine}
@@ -629,6 +671,29 @@ class VaultClient:
         except grpc.RpcError:
             return False
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
+def _oversize(put: PendingPut, hello: vault_pb2.HelloReply) -> str | None:
+    """Why the vault that gave `hello` takes `put` on no path (too large for a bulk frame and a
+    gRPC message); None when it may, or did not say."""
+    message_bytes = put.size + len(put.namespace) + len(put.key) + PUT_MESSAGE_FRAMING_BYTES
+    if not hello.max_message_bytes or message_bytes <= hello.max_message_bytes:
+        return None
+    if put.size <= hello.max_frame_bytes:
+        return None
+    return (
+        f"block of {put.size} bytes exceeds what the vault takes (a bulk PUT frame of"
+        f" {hello.max_frame_bytes} bytes, a gRPC message of {hello.max_message_bytes} bytes)"
+    )
+
+
+def _refused_as_too_large(exc: Exception) -> bool:
+    """Whether a failed Put stream was the vault refusing a message larger than its maximum."""
+    return (
+        isinstance(exc, grpc.RpcError)
+        and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and "larger than max" in (exc.details() or "")
+    )
 
 
 def _decode_promote_chunk(buf: bytes) -> tuple[vault_pb2.PromoteIndex, memoryview]:

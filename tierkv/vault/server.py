@@ -5,7 +5,8 @@
 tests use it. The bulk methods (Put, Promote) use the fast codec of `wire.py` so payloads are
 never copied into per-block protobuf messages; the others use the generated classes. Every
 request is held to the `[limits]` of limits.py: a request beyond them is answered
-INVALID_ARGUMENT or RESOURCE_EXHAUSTED, a block beyond them is rejected with its reason. A Put
+INVALID_ARGUMENT or RESOURCE_EXHAUSTED, a block beyond them is rejected with its reason; a
+request that does not parse is answered INVALID_ARGUMENT too (the caller's fault, not ours). A Put
 stream asks gRPC for its next message only once it holds room for the largest one
 (limits.max_message_bytes) among limits.max_inflight_bytes of Put messages being received, so
 the messages gRPC holds for the servicer are bounded as bulk frames are (a budget of their own:
@@ -19,9 +20,10 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import tierkv
@@ -77,6 +79,7 @@ SERVER_OPTIONS = [
     ("grpc.http2.bdp_probe", 0),
 ]
 """gRPC options of the vault; it receives messages up to limits.max_message_bytes."""
+T = TypeVar("T")
 
 
 class VaultBindError(OSError):
@@ -148,6 +151,8 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         """tenant → [hits, misses, rejected] on a vault of several tenants."""
         self.bulk_port = 0
         """Set by serve() once the bulk data path listens; 0 = none."""
+        self.max_frame_bytes = 0
+        """Payload bytes of the largest bulk PUT frame (set with bulk_port); 0 = no bulk path."""
         self.started = time.monotonic()
         self.metrics = VaultMetrics(store.stats)
 
@@ -336,7 +341,11 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     def Hello(
         self, request: vault_pb2.HelloRequest, context: grpc.ServicerContext
     ) -> vault_pb2.HelloReply:
-        return vault_pb2.HelloReply(bulk_port=self.bulk_port)
+        return vault_pb2.HelloReply(
+            bulk_port=self.bulk_port,
+            max_frame_bytes=self.max_frame_bytes,
+            max_message_bytes=self.limits.max_message_bytes,
+        )
 
     def Stats(
         self, request: vault_pb2.StatsRequest, context: grpc.ServicerContext
@@ -407,6 +416,58 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         return vault_pb2.DeleteReply(deleted=self.store.clear(namespace))
 
 
+class _Malformed(NamedTuple):
+    """A request message that does not parse (what `_parsed` deserializers give for it)."""
+
+    problem: str
+
+
+def _parsed(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A gRPC request deserializer that never raises: bytes `parse` refuses become a _Malformed,
+    answered INVALID_ARGUMENT by `_well_formed` (gRPC answers a deserializer's error INTERNAL,
+    which reads as the vault's fault)."""
+
+    def parse_or_flag(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except (DecodeError, MalformedMessage) as exc:
+            return _Malformed(str(exc))
+
+    return parse_or_flag
+
+
+def _refuse_malformed(context: grpc.ServicerContext, request: Any) -> None:
+    if isinstance(request, _Malformed):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {request.problem}")
+
+
+def _well_formed(method: Callable[[Any, grpc.ServicerContext], T]) -> Callable[..., T]:
+    """`method` for a request that parsed; INVALID_ARGUMENT for one that did not."""
+
+    def checked(request: Any, context: grpc.ServicerContext) -> T:
+        _refuse_malformed(context, request)
+        return method(request, context)
+
+    return checked
+
+
+def _well_formed_stream(
+    method: Callable[[Iterator[Any], grpc.ServicerContext], T],
+) -> Callable[..., T]:
+    """`method` over a request stream that ends INVALID_ARGUMENT at a message that did not
+    parse (each message still read only when `method` asks for it)."""
+
+    def checked(requests: Iterator[Any], context: grpc.ServicerContext) -> T:
+        def parsed() -> Iterator[Any]:
+            for request in requests:
+                _refuse_malformed(context, request)
+                yield request
+
+        return method(parsed(), context)
+
+    return checked
+
+
 def _check_request(context: grpc.ServicerContext, problem: str | None) -> None:
     """End the call INVALID_ARGUMENT when the request is beyond the limits."""
     if problem is not None:
@@ -419,8 +480,8 @@ def _method_handlers(servicer: VaultServicer, streams: StreamGuard) -> grpc.Gene
 
     def unary(method: Callable[..., Any], request_type: Any, response_type: Any) -> Any:
         return grpc.unary_unary_rpc_method_handler(
-            method,
-            request_deserializer=request_type.FromString,
+            _well_formed(method),
+            request_deserializer=_parsed(request_type.FromString),
             response_serializer=response_type.SerializeToString,
         )
 
@@ -428,13 +489,13 @@ def _method_handlers(servicer: VaultServicer, streams: StreamGuard) -> grpc.Gene
         SERVICE_NAME,
         {
             "Put": grpc.stream_unary_rpc_method_handler(
-                streams.stream_unary(servicer.Put),
-                request_deserializer=_decode_put_batch,
+                _well_formed_stream(streams.stream_unary(servicer.Put)),
+                request_deserializer=_parsed(_decode_put_batch),
                 response_serializer=vault_pb2.PutSummary.SerializeToString,
             ),
             "Promote": grpc.unary_stream_rpc_method_handler(
-                streams.unary_stream(servicer.Promote),
-                request_deserializer=vault_pb2.PromoteRequest.FromString,
+                _well_formed(streams.unary_stream(servicer.Promote)),
+                request_deserializer=_parsed(vault_pb2.PromoteRequest.FromString),
                 response_serializer=already_encoded,
             ),
             "Lookup": unary(servicer.Lookup, vault_pb2.LookupRequest, vault_pb2.LookupReply),
@@ -571,6 +632,7 @@ def serve(
                 f"cannot listen for bulk data on {where}: {exc.strerror or exc}"
             ) from None
         servicer.bulk_port = bulk.port
+        servicer.max_frame_bytes = bulk.max_frame_bytes
     metrics_address = ""
     if metrics_port is not None:
         mutual_tls = security.client_ca is not None

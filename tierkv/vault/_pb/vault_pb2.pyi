@@ -195,7 +195,11 @@ class HelloRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HelloReply(_message.Message):
-    __slots__ = ("bulk_port",)
+    __slots__ = ("bulk_port", "max_frame_bytes", "max_message_bytes")
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     bulk_port: int
-    def __init__(self, bulk_port: _Optional[int] = ...) -> None: ...
+    max_frame_bytes: int
+    max_message_bytes: int
+    def __init__(self, bulk_port: _Optional[int] = ..., max_frame_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
