@@ -2,21 +2,19 @@
 both ports finds none, and gRPC call proofs that are wrong, replayed, expired or made for another
 method are refused with UNAUTHENTICATED.
 
-The relay listens on 127.0.0.2 (still loopback) with the vault's own port numbers, so the bulk
-port the vault announces in Hello leads through it too.
+The vault listens on 127.0.0.2 (still loopback) and relays (tests/relay.py) on 127.0.0.1 take its
+own port numbers, so the bulk port the vault announces in Hello leads through them too.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
+from tests.relay import Relay
 from tierkv.vault import auth
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import (
@@ -34,63 +32,24 @@ TOKEN = "alice-token-0123456789abcdef"
 NS = b"wire-namespace"
 STATS = "/tierkv.v1.Vault/Stats"
 LOOKUP = "/tierkv.v1.Vault/Lookup"
-RELAY_HOST = "127.0.0.2"
-
-
-class RecordingRelay:
-    """Forwards RELAY_HOST:PORT to 127.0.0.1:PORT for each port, keeping every byte it carries."""
-
-    def __init__(self, ports: list[int]) -> None:
-        self.recorded: dict[int, bytearray] = {port: bytearray() for port in ports}
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        for port in ports:
-            listener = socket.create_server((RELAY_HOST, port))
-            self._sockets.append(listener)
-            threading.Thread(target=self._accept, args=(listener, port), daemon=True).start()
-
-    def _accept(self, listener: socket.socket, port: int) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", port))
-            self._sockets += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(source, sink, port), daemon=True).start()
-
-    def _pump(self, source: socket.socket, sink: socket.socket, port: int) -> None:
-        try:
-            while data := source.recv(1 << 16):
-                with self._lock:
-                    self.recorded[port] += data
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (source, sink):
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
-
-    def close(self) -> None:
-        for sock in self._sockets:
-            sock.close()
+VAULT_HOST = "127.0.0.2"  # loopback too, so relays on 127.0.0.1 take its port numbers
 
 
 @pytest.fixture
-def vault_and_relay() -> Iterator[tuple[str, RecordingRelay]]:
-    server = serve("127.0.0.1:0", 1 << 30, bulk_port=0, tokens=Tokens([("default", TOKEN)]))
-    relay = RecordingRelay([server.port, server.bulk_port])
-    yield f"{RELAY_HOST}:{server.port}", relay
-    relay.close()
+def vault_and_relay() -> Iterator[tuple[str, list[Relay]]]:
+    """A vault on VAULT_HOST and relays on 127.0.0.1 with its own port numbers (gRPC, bulk)."""
+    server = serve(f"{VAULT_HOST}:0", 1 << 30, bulk_port=0, tokens=Tokens([("default", TOKEN)]))
+    relays = [Relay(port, VAULT_HOST, port=port) for port in (server.port, server.bulk_port)]
+    yield f"127.0.0.1:{server.port}", relays
+    for relay in relays:
+        relay.close()
     server.stop(grace=None)
 
 
 def test_a_relay_recording_both_ports_finds_no_token(
-    vault_and_relay: tuple[str, RecordingRelay],
+    vault_and_relay: tuple[str, list[Relay]],
 ) -> None:
-    address, relay = vault_and_relay
+    address, relays = vault_and_relay
     with VaultClient(address, token=TOKEN) as client:
         for i in range(4):
             client.put(NS, i.to_bytes(16, "little"), 0, b"KV %d" % i * 1000)
@@ -98,11 +57,11 @@ def test_a_relay_recording_both_ports_finds_no_token(
         found = client.promote(NS, [i.to_bytes(16, "little") for i in range(4)], [0])
         assert len(found) == 4 and client.transport == "bulk"
         assert client.stats().auth_required
-    assert all(len(data) > 1000 for data in relay.recorded.values())  # both ports went through
-    for data in relay.recorded.values():
+    recorded = [bytes(relay.sent + relay.received) for relay in relays]
+    assert all(len(data) > 1000 for data in recorded)  # both ports went through
+    for data in recorded:
         assert TOKEN.encode() not in data
-    grpc_port = int(address.rsplit(":", 1)[1])
-    assert key_id(TOKEN).encode() in relay.recorded[grpc_port]  # the proofs named the token
+    assert key_id(TOKEN).encode() in recorded[0]  # the gRPC proofs named the token
 
 
 def _stats(address: str, proof: str | None) -> grpc.StatusCode:
@@ -118,7 +77,7 @@ def _stats(address: str, proof: str | None) -> grpc.StatusCode:
 
 
 def test_wrong_replayed_expired_and_misdirected_proofs_are_refused(
-    vault_and_relay: tuple[str, RecordingRelay],
+    vault_and_relay: tuple[str, list[Relay]],
 ) -> None:
     address, _ = vault_and_relay
     refused = grpc.StatusCode.UNAUTHENTICATED
@@ -137,7 +96,7 @@ def test_wrong_replayed_expired_and_misdirected_proofs_are_refused(
 
 
 def test_a_client_whose_clock_is_off_is_told_why(
-    vault_and_relay: tuple[str, RecordingRelay], monkeypatch: pytest.MonkeyPatch
+    vault_and_relay: tuple[str, list[Relay]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     address, _ = vault_and_relay
     made = auth.call_proof
