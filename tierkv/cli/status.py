@@ -152,6 +152,7 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     from tierkv.backends import open_one
     from tierkv.backends.base import VaultUnavailable
     from tierkv.backends.vault import VaultBackend
+    from tierkv.vault.auth import client_token
     from tierkv.vault.client import VaultRefused
 
     row: dict[str, Any] = {
@@ -174,7 +175,7 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
         if isinstance(backend, VaultBackend):
             bulk_port, bulk_reachable = backend.client.bulk_path()
     except VaultRefused:  # up, but not for us: unusable all the same
-        given = "ours was refused" if _has_token(cfg) else "we have none ($TIERKV_TOKEN)"
+        given = "ours was refused" if client_token(cfg.security) else "we have none ($TIERKV_TOKEN)"
         reason = f"answers, but requires a token and {given}"
         row |= {"up": False, "reachable": True, "verdict": "refused", "reason": reason}
         return row | {"auth": "required, refused"}
@@ -216,14 +217,6 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
         "disk": disk,  # None: RAM only
     }
     return row | _verdict(row, role)
-
-
-def _has_token(cfg: TierKVConfig) -> bool:
-    import os
-
-    from tierkv.vault.auth import TOKEN_ENV
-
-    return bool(os.environ.get(TOKEN_ENV)) or cfg.security.token_file is not None
 
 
 def _verdict(row: dict[str, Any], role: str | None) -> dict[str, Any]:
