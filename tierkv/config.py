@@ -7,6 +7,7 @@ type, bad size or address) raises `ConfigError` naming the file, the key and wha
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -247,7 +248,10 @@ class VaultConfig:
     """Cap of the disk tier; None: half of what the filesystem has free (plus what it holds)."""
     fsync: str = "interval"
     metrics_port: int | None = None
-    """TCP port of Prometheus /metrics on the listen host; None: not served."""
+    """TCP port of Prometheus /metrics; None: not served."""
+    metrics_host: str | None = None
+    """IP address /metrics listens on (it checks no token); None: the listen host where that is
+    loopback, the vault is --insecure or needs client certificates, else loopback."""
 
     def resolved_max_bytes(self) -> int:
         """The cap to use: the configured one, or default_max_bytes() (0 stays unlimited)."""
@@ -502,6 +506,16 @@ def _path(value: Any) -> str:
     return str(Path(value).expanduser())
 
 
+def parse_ip_address(value: Any) -> str:
+    """`value` as an IP address (normalised); ValueError naming it when it is none."""
+    try:
+        return str(ipaddress.ip_address(value if isinstance(value, str) else ""))
+    except ValueError:
+        raise ValueError(
+            f"expected an IP address such as 127.0.0.1 or ::1, got {value!r}"
+        ) from None
+
+
 def _listen_address(value: Any) -> str:
     parse_address(value, allow_port_zero=True)
     return str(value)
@@ -522,6 +536,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "disk_max_bytes": _positive_size,
             "fsync": _one_of(FSYNC_MODES),
             "metrics_port": _port,
+            "metrics_host": parse_ip_address,
         },
     ),
     "security": (

@@ -25,6 +25,7 @@ from tierkv.config import (
     format_size,
     load_config,
     parse_address,
+    parse_ip_address,
     parse_max_bytes,
     parse_size,
     physical_ram_bytes,
@@ -88,6 +89,15 @@ def vault(
                 "loopback, --insecure or mutual TLS, else of loopback (it checks no token)."
             ),
             show_default="vault.metrics_port, else no metrics",
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str | None,
+        typer.Option(
+            metavar="IP",
+            help="Serve /metrics on this address instead, e.g. a separate management network's "
+            "(anyone who reaches it may scrape: /metrics checks no token).",
+            show_default="vault.metrics_host, else as --metrics-port says",
         ),
     ] = None,
     disk_dir: Annotated[
@@ -168,6 +178,12 @@ def vault(
             if cfg.vault.max_bytes is not None
             else f"default: {DEFAULT_RAM_FRACTION:.0%} of {format_size(physical_ram_bytes())} RAM"
         )
+    scrape_host = cfg.vault.metrics_host
+    if metrics_host is not None:
+        try:
+            scrape_host = parse_ip_address(metrics_host)
+        except ValueError as exc:
+            raise fail("vault", f"--metrics-host: {exc}", 2) from None
     from tierkv.vault.memory import freeze_startup_objects, reuse_freed_memory
     from tierkv.vault.server import VaultBindError, serve
 
@@ -188,6 +204,7 @@ def vault(
             security=cfg.security,
             insecure=open_to_lan and not authenticated,
             metrics_port=metrics,
+            metrics_host=scrape_host,
         )
     except (VaultBindError, ConfigError) as exc:
         if disk:
