@@ -155,10 +155,16 @@ class _StoreCollector(Collector):
             "Payload bytes waiting to be written",
             disk.queued_bytes,
         )
+        filesystem = shutil.disk_usage(disk_tier.directory)
+        yield GaugeMetricFamily(
+            "tierkv_vault_disk_filesystem_size_bytes",
+            "Size of the filesystem holding the disk tier",
+            filesystem.total,
+        )
         yield GaugeMetricFamily(
             "tierkv_vault_disk_filesystem_free_bytes",
             "Free bytes of the filesystem holding the disk tier",
-            shutil.disk_usage(disk_tier.directory).free,
+            filesystem.free,
         )
         yield CounterMetricFamily(
             "tierkv_vault_disk_kept_blocks",
