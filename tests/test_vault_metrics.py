@@ -165,25 +165,30 @@ def test_rejection_reasons_have_few_labels() -> None:
     assert rejection_reason("namespace quota exceeded") == "other"
 
 
-def test_vault_command_serves_metrics(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["default", "config", "option"])
+def test_vault_command_serves_metrics(where: str, tmp_path: Path) -> None:
+    # /metrics on the (loopback) listen host, else on the address vault.metrics_host or
+    # --metrics-host names: 127.0.0.2, loopback too on Linux.
     port, metrics_port = pick_free_port(), pick_free_port()
+    host = "127.0.0.1" if where == "default" else "127.0.0.2"
     config = tmp_path / "tierkv.toml"
-    config.write_text(f"[vault]\nmetrics_port = {metrics_port}\n")
-    command = [sys.executable, "-m", "tierkv", "vault", "--listen", f"127.0.0.1:{port}"]
-    process = subprocess.Popen(
-        [*command, "--max-bytes", "1GiB", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    config.write_text(
+        f"[vault]\nmetrics_port = {metrics_port}\n"
+        + (f'metrics_host = "{host}"\n' if where == "config" else "")
     )
+    command = [sys.executable, "-m", "tierkv", "vault", "--listen", f"127.0.0.1:{port}"]
+    command += ["--max-bytes", "1GiB", "--config", str(config)]
+    if where == "option":
+        command += ["--metrics-host", host]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stdout is not None
         line = process.stdout.readline()
-        assert f"metrics on 127.0.0.1:{metrics_port}" in line, line + process.stderr.read()  # type: ignore[union-attr]
+        assert f"metrics on {host}:{metrics_port}" in line, line + process.stderr.read()  # type: ignore[union-attr]
         deadline = time.monotonic() + 30
         while True:
             try:
-                metrics = scrape(f"127.0.0.1:{metrics_port}")
+                metrics = scrape(f"{host}:{metrics_port}")
                 break
             except OSError:
                 if time.monotonic() > deadline:

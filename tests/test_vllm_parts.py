@@ -106,15 +106,21 @@ def test_connector_counters_reach_vllms_prometheus_metrics():
     stats.add("loaded_blocks", 3)
     stats.add("loaded_bytes", 3 * 4096)
     stats.add("store_dropped_blocks", 2)
+    value = functools.partial(registry.get_sample_value, labels={"engine": "0"})
+    assert value("vllm:tierkv_load_failed_blocks_total") == 0  # there before the first event
+    assert value("vllm:tierkv_cold_tier_off") == 0
     interval = stats.take_interval()
     assert interval is not None
     prom.observe(interval.data, engine_idx=0)
     prom.observe(interval.data, engine_idx=0)
-    value = functools.partial(registry.get_sample_value, labels={"engine": "0"})
     assert value("vllm:tierkv_loaded_blocks_total") == 6
     assert value("vllm:tierkv_loaded_bytes_total") == 6 * 4096
     assert value("vllm:tierkv_store_dropped_blocks_total") == 4
     assert value("vllm:tierkv_load_failed_blocks_total") == 0
+    stats.add("cold_tier_off")
+    prom.observe(stats.take_interval().data, engine_idx=0)  # type: ignore[union-attr]
+    assert value("vllm:tierkv_cold_tier_off") == 1
+    assert value("vllm:tierkv_cold_tier_off_total") is None
 
 
 def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
