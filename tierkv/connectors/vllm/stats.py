@@ -115,7 +115,7 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
         }
         self._gauges: dict[str, dict[int, Gauge]] = {
             name: create_metric_per_engine(  # type: ignore[misc]
-                self._gauge_cls(
+                self._gauge_cls(  # type: ignore[call-arg]
                     name=f"vllm:tierkv_{name}",
                     documentation=f"tierkv connector: {name.replace('_', ' ')} (1: yes)",
                     labelnames=labelnames,
