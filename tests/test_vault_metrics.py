@@ -300,8 +300,11 @@ def test_metrics_follow_the_prometheus_conventions(tmp_path: Path) -> None:
     finally:
         server.stop()
         server.store.close(timeout=10)
+    documented = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
     for family in families:
         assert family.name.startswith("tierkv_"), family.name
+        shown = family.name + ("_total" if family.type == "counter" else "")
+        assert f"`{shown}`" in documented, f"docs/metrics.md does not list {shown}"
         for sample in family.samples:
             assert not sample.name.endswith("_created"), sample.name
             if family.type == "counter":
