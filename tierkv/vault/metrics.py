@@ -48,8 +48,6 @@ if TYPE_CHECKING:
     from tierkv.config import SecurityConfig
     from tierkv.vault.store import VaultStore
 
-disable_created_metrics()  # no `_created` series: they double the series count and help no query
-
 TRANSPORTS = ("grpc", "bulk")
 """How a call or connection reached the vault: the gRPC port or the bulk data port."""
 METHODS = ("put", "promote")
@@ -266,6 +264,10 @@ class VaultMetrics:
     """The counters of one vault and, once `serve`d, the HTTP server that exposes them."""
 
     def __init__(self, store: VaultStore) -> None:
+        # No `_created` series (they double the series and help no query). prometheus_client
+        # has only a process-wide switch, so it is thrown by a vault, not by importing this
+        # module (an engine imports it through the client, and its metrics are vLLM's to set).
+        disable_created_metrics()
         self.registry = registry = CollectorRegistry()
         registry.register(_StoreCollector(store))
         self._connections = _ConnectionsCollector()
