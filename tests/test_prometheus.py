@@ -184,9 +184,14 @@ def test_the_dashboard_and_the_rules_read_only_metrics_a_vault_exports(scraped: 
     dashboard = json.loads(DASHBOARD.read_text())
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids)), "panel ids repeat"
+    for panel in dashboard["panels"]:
+        place = panel["gridPos"]
+        assert place["x"] + place["w"] <= 24 and place["h"] > 0, panel["title"]
+        assert panel["targets"] and panel["datasource"]["type"] == "prometheus", panel["title"]
     exprs = _dashboard_exprs()
+    for expr in exprs:
+        assert metric_names(expr), f"no metric found in {expr!r}"
     read = set().union(*map(metric_names, exprs))
-    assert read, "the dashboard has no queries"
     exported = scraped.names() | {"up"}
     assert read <= exported, f"the dashboard reads {sorted(read - exported)}, no vault exports"
     rules_read = set().union(*map(metric_names, _rule_exprs()))
