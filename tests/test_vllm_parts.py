@@ -90,7 +90,8 @@ def test_stats_intervals_and_aggregation():
     assert "load_seconds" not in reduced
 
 
-def test_connector_counters_reach_vllms_prometheus_metrics():
+def _connector_prom_metrics(labelnames: list[str], labelvalues: list[object]) -> tuple[Any, Any]:
+    """(registry, the connector's metrics in it) for one engine, as vLLM builds them."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     from tierkv.connectors.vllm.connector import TierKVConnector
@@ -100,8 +101,13 @@ def test_connector_counters_reach_vllms_prometheus_metrics():
         kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
     }
     prom = TierKVConnector.build_prom_metrics(
-        SimpleNamespace(kv_transfer_config=None), metric_types, ["engine"], {0: ["0"]}
+        SimpleNamespace(kv_transfer_config=None), metric_types, labelnames, {0: labelvalues}
     )
+    return registry, prom
+
+
+def test_connector_counters_reach_vllms_prometheus_metrics():
+    registry, prom = _connector_prom_metrics(["engine"], ["0"])
     stats = TierKVStats()
     stats.add("loaded_blocks", 3)
     stats.add("loaded_bytes", 3 * 4096)
@@ -614,3 +620,27 @@ def test_a_cache_reset_drops_the_stores_not_yet_sent(vault):
     finally:
         scheduler.shutdown()
         tier.close()
+
+
+def test_the_engine_alert_rules_read_series_the_connector_exports():
+    """deploy/'s engine rules and their promtool tests name only the connector's series, with
+    the labels vLLM gives them (model_name, engine)."""
+    from tests.prometheus_files import metric_names, rule_exprs, rule_test_series
+
+    registry, _ = _connector_prom_metrics(["model_name", "engine"], ["llama", "0"])
+    exported = {
+        (sample.name, frozenset(sample.labels))
+        for metric in registry.collect()
+        for sample in metric.samples
+    }
+    engine_series = [
+        (name, labels) for name, labels in rule_test_series() if name.startswith("vllm:")
+    ]
+    assert engine_series
+    for name, labels in engine_series:
+        keys = frozenset(key for key, _ in labels) - {"job", "instance"}
+        assert (name, keys) in exported, f"{name} {sorted(keys)}: not a series of the connector"
+    read = {
+        name for expr in rule_exprs() for name in metric_names(expr) if name.startswith("vllm:")
+    }
+    assert read and read <= {name for name, _ in exported}, read
