@@ -340,7 +340,7 @@ def test_metrics_can_listen_on_an_address_of_their_own() -> None:
         server.stop()
 
 
-def test_a_metrics_host_that_is_no_ip_address_is_one_clear_line(tmp_path: Path) -> None:
+def test_a_bad_or_useless_metrics_host_is_one_clear_line(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from tierkv.cli import app
@@ -355,3 +355,6 @@ def test_a_metrics_host_that_is_no_ip_address_is_one_clear_line(tmp_path: Path) 
     result = runner.invoke(app, ["vault", "--config", str(config)])
     assert result.exit_code == 2
     assert "vault.metrics_host: expected an IP address" in result.output
+    result = runner.invoke(app, ["vault", "--metrics-host", "127.0.0.1"])
+    assert result.exit_code == 2
+    assert "--metrics-host without a metrics port: set --metrics-port" in result.output

@@ -184,6 +184,14 @@ def vault(
             scrape_host = parse_ip_address(metrics_host)
         except ValueError as exc:
             raise fail("vault", f"--metrics-host: {exc}", 2) from None
+    metrics = cfg.vault.metrics_port if metrics_port is None else metrics_port
+    if scrape_host is not None and metrics is None:
+        given = (
+            "--metrics-host" if metrics_host is not None else f"{cfg.source}: vault.metrics_host"
+        )
+        raise fail(
+            "vault", f"{given} without a metrics port: set --metrics-port or vault.metrics_port", 2
+        )
     from tierkv.vault.memory import freeze_startup_objects, reuse_freed_memory
     from tierkv.vault.server import VaultBindError, serve
 
@@ -192,7 +200,6 @@ def vault(
     _warn_beyond_memory(cap, origin, disk.max_bytes if disk else 0)
     try:
         bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
-        metrics = cfg.vault.metrics_port if metrics_port is None else metrics_port
         server = serve(
             listen,
             cap,
