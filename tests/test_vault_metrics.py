@@ -325,6 +325,7 @@ def test_metrics_follow_the_prometheus_conventions(tmp_path: Path) -> None:
             assert metrics[("tierkv_vault_transfer_bytes_total", labels)] == 0
             assert metrics[("tierkv_vault_call_seconds_count", labels)] == 0
     assert metrics[("tierkv_build_info", (("version", __version__),))] == 1
+    assert metrics[("tierkv_vault_info", (("role", "kv_cold"),))] == 1
     assert before <= metrics[("tierkv_vault_start_time_seconds", ())] <= time.time()
     free = metrics[("tierkv_vault_disk_filesystem_free_bytes", ())]
     assert 0 < free <= metrics[("tierkv_vault_disk_filesystem_size_bytes", ())]

@@ -263,7 +263,7 @@ def _counter(
 class VaultMetrics:
     """The counters of one vault and, once `serve`d, the HTTP server that exposes them."""
 
-    def __init__(self, store: VaultStore) -> None:
+    def __init__(self, store: VaultStore, role: str) -> None:
         # No `_created` series (they double the series and help no query). prometheus_client
         # has only a process-wide switch, so it is thrown by a vault, not by importing this
         # module (an engine imports it through the client, and its metrics are vLLM's to set).
@@ -275,6 +275,7 @@ class VaultMetrics:
         Info("tierkv_build", "The tierkv version of this vault", registry=registry).info(
             {"version": __version__}
         )
+        Info("tierkv_vault", "The role this vault serves", registry=registry).info({"role": role})
         Gauge(
             "tierkv_vault_start_time_seconds",
             "When this vault started, in seconds since the Unix epoch",

@@ -154,7 +154,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self.max_frame_bytes = 0
         """Payload bytes of the largest bulk PUT frame (set with bulk_port); 0 = no bulk path."""
         self.started = time.monotonic()
-        self.metrics = VaultMetrics(store)
+        self.metrics = VaultMetrics(store, role)
 
     def Put(
         self,
