@@ -321,3 +321,39 @@ def test_the_configured_data_key_seals_and_a_bad_one_is_one_line(tmp_path: Path)
     keys.write_text("1 c2hvcnQ\n")
     line = _one_error_line(CliRunner().invoke(app, args), 2)
     assert str(keys) in line and "5 bytes" in line
+
+
+def test_a_bench_that_fills_the_vault_leaves_none_of_its_blocks(
+    vault_factory: Callable[..., Any],
+) -> None:
+    """Issue 36 point 7: the vault fills half-way; the blocks the bench did store are removed."""
+    small = vault_factory(max_bytes="32MiB")
+    args = ["bench", "--vault", small.address, "--tokens", "3000", "--codec", "none"]
+    line = _one_error_line(CliRunner().invoke(app, args), 1)
+    assert "full" in line
+    assert small.store.stats().entries == 0
+
+
+class _Stop(Exception):
+    """What the bench's progress callback raises to end a run half-way."""
+
+
+@pytest.mark.parametrize("phase", ["put", "promote", "sealed put", "sealed decode"])
+@pytest.mark.parametrize("stop", [_Stop, KeyboardInterrupt])
+def test_a_bench_stopped_half_way_removes_its_blocks(
+    vault_factory: Callable[..., Any], phase: str, stop: type[BaseException]
+) -> None:
+    """An exception or Ctrl-C in any phase: the external vault holds none of the bench's blocks."""
+    from tierkv.bench import run_bench
+
+    vault = vault_factory()
+
+    def on_phase(codec: str, reached: str, done: int, total: int) -> None:
+        if reached == phase:
+            raise stop(phase)
+
+    with pytest.raises(stop):
+        run_bench(
+            tokens=512, block_tokens=128, codecs=["int8"], vaults=[vault.address], on_phase=on_phase
+        )
+    assert vault.store.stats().entries == 0
