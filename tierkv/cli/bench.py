@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import time
+import urllib.error
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -148,7 +150,7 @@ def bench(
     if engine is not None:
         from tierkv.bench_engines import long_prompt
 
-        prompt = prompt_file.read_text() if prompt_file else long_prompt(words=tokens)
+        prompt = _read_prompt(prompt_file) if prompt_file else long_prompt(words=tokens)
         limit = None if prompt_file else tokens
         if engine == "vllm":
             kv_bytes = _size_option("--kv-cache-bytes", kv_cache_bytes)
@@ -173,6 +175,15 @@ def bench(
         typer.echo(json.dumps(objects if codec == "all" else objects[0], indent=2, allow_nan=False))
     else:
         Console().print(results_table(results))
+
+
+def _read_prompt(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise fail("bench", f"--prompt-file {path}: {exc.strerror or exc}", 2) from None
+    except UnicodeDecodeError:
+        raise fail("bench", f"--prompt-file {path}: not UTF-8 text", 2) from None
 
 
 def _check_address(option: str, address: str) -> None:
@@ -379,10 +390,20 @@ def _exo_bench(
         raise fail("bench", f"--engine {engine!r} is unknown; use vllm or exo", 2)
     if not exo_api or not model:
         raise fail("bench", "--engine exo needs --exo-api URL and --model NAME", 2)
+    url = urllib.parse.urlsplit(exo_api)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        message = f"--exo-api: expected a URL like http://127.0.0.1:52415, got {exo_api!r}"
+        raise fail("bench", message, 2)
     from tierkv.bench_engines import exo_bench
 
-    with console.status("asking EXO") as status:
-        result = exo_bench(exo_api, model, prompt, on_run=lambda label: status.update(label))
+    try:
+        with console.status("asking EXO") as status:
+            result = exo_bench(exo_api, model, prompt, on_run=lambda label: status.update(label))
+    except urllib.error.URLError as exc:
+        reason = getattr(exc.reason, "strerror", None) or exc.reason
+        raise fail("bench", f"EXO at {exo_api} did not answer: {reason}", 1) from None
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise fail("bench", f"EXO at {exo_api}: {_one_line(str(exc))}", 1) from None
     _print_engine_bench(result, as_json)
 
 
