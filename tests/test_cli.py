@@ -28,7 +28,7 @@ def tierkv(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS), ["secrets", "init"]])
 def test_help_shows_real_metavars_and_defaults(command: list[str]) -> None:
     result = runner.invoke(app, [*command, "--help"])
     assert result.exit_code == 0, result.output

@@ -10,6 +10,7 @@ import typer
 
 from tierkv.cli import app
 from tierkv.cli.errors import fail
+from tierkv.cli.usage import NamedArgumentsCommand
 
 secrets_app = typer.Typer(
     help="Provision tokens, data keys and TLS certificates for vaults and engines.",
@@ -18,7 +19,7 @@ secrets_app = typer.Typer(
 app.add_typer(secrets_app, name="secrets")
 
 
-@secrets_app.command("init")
+@secrets_app.command("init", cls=NamedArgumentsCommand)
 def init(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="A new or empty directory.")],
     tenant: Annotated[
