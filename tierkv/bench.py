@@ -44,7 +44,6 @@ from tierkv.seal import KEY_BYTES, Sealer, block_address
 from tierkv.tier import FIRST_PROMOTE_RUN_KEYS, PROMOTE_RUN_BYTES, sealed_payload
 from tierkv.vault.server import serve as serve_vault
 
-PHASES = ("generate", "encode", "put", "lookup", "promote", "decode")
 LINK_GBITS = (1, 10, 25)
 DECODE_THREADS = 2
 """Blocks decoded at once, as ColdTier's default decode pool does."""
@@ -361,7 +360,7 @@ def run_bench(
     `on_phase(codec, phase, done, total)` reports progress ("compile" first, with what is being
     compiled in place of the codec). `vaults` are reached with the token and TLS of `security`
     (the embedded vault, when none is given, without). Every block the bench stores is removed
-    again however it ends (an error, a full vault, KeyboardInterrupt): a vault is left as found.
+    again however it ends (an error, a full vault, KeyboardInterrupt): none stays in a vault.
 
     ValueError: bad arguments, or more memory needed than this machine has available (checked
     before anything is generated). VaultUnavailable: a vault does not answer (checked first too).
