@@ -65,14 +65,19 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+SIZE_FORMS = "a size like 24GB, 512MiB or 1073741824 (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+"""What parse_size accepts, as its errors say."""
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the source, the key and what was expected."""
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string like "24GB" (10^9) or "512MiB" (2^20); else ValueError."""
+def parse_size(value: int | str, forms: str = SIZE_FORMS) -> int:
+    """Bytes from an int or a string like "24GB" (10^9) or "512MiB" (2^20); else ValueError,
+    saying that it expected `forms`."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"expected a size like 24GB or 512MiB, got {value!r}")
+        raise ValueError(f"expected {forms}, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a size cannot be negative, got {value}")
@@ -80,10 +85,7 @@ def parse_size(value: int | str) -> int:
     match = _SIZE_RE.match(value)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(
-            f"expected a size like 24GB, 512MiB or 1073741824 (units B, KB, MB, GB, TB, KiB, MiB,"
-            f" GiB, TiB), got {value!r}"
-        )
+        raise ValueError(f"expected {forms}, got {value!r}")
     return int(float(match.group(1).replace("_", "")) * _SIZE_UNITS[unit])
 
 
@@ -466,10 +468,10 @@ def parse_max_bytes(value: int | str) -> int:
     """A vault cap: a positive size, or "unlimited" (→ UNLIMITED, 0); else ValueError."""
     if value == "unlimited":
         return UNLIMITED
-    try:
-        return _positive_size(value)
-    except ValueError as exc:
-        raise ValueError(f'{exc} (or "unlimited")') from None
+    size = parse_size(value, f'{SIZE_FORMS}, or "unlimited"')
+    if size <= 0:
+        raise ValueError(f'expected a positive size or "unlimited", got {value!r}')
+    return size
 
 
 def _string(value: Any) -> str:

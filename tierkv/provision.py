@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ from tierkv.seal import new_data_key_line
 TOKEN_BYTES = 32
 CERT_DAYS = 825
 """How long provisioned certificates are valid (the longest most TLS clients accept)."""
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 def write_private(path: Path, data: bytes | str) -> Path:
@@ -53,6 +56,16 @@ def new_token() -> str:
 
 def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def valid_host(host: str) -> bool:
+    """Whether `host` is an IP address or a DNS name (dot-separated labels of letters, digits
+    and inner hyphens), as a certificate may name it."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return len(host) <= 253 and all(map(_HOST_LABEL.fullmatch, host.split(".")))
 
 
 def alt_name(host: str) -> x509.GeneralName:

@@ -284,6 +284,7 @@ def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -
     from tierkv.vault.disk import DiskLockedError, DiskTier, default_max_bytes
 
     directory = option or (Path(cfg.vault.disk_dir) if cfg.vault.disk_dir else None)
+    origin = "--disk-dir" if option else f"{cfg.source}: vault.disk_dir"
     if directory is None:
         if cap_option is not None:
             raise fail("vault", "--disk-max-bytes needs --disk-dir (or vault.disk_dir)", 2)
@@ -296,14 +297,23 @@ def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -
                 raise ValueError(f"expected a positive size, got {cap_option!r}")
         except ValueError as exc:
             raise fail("vault", f"--disk-max-bytes: {exc}", 2) from None
+    if directory.exists() and not directory.is_dir():
+        raise fail("vault", f"{origin} {directory}: not a directory", 2)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         cap = cap or default_max_bytes(directory)
+        if cap <= 0:
+            raise fail(
+                "vault",
+                f"{origin} {directory}: no free space for a disk tier (free some, or set its cap "
+                "with --disk-max-bytes)",
+                1,
+            )
         disk = DiskTier(directory, cap, cfg.vault.fsync)
     except DiskLockedError as exc:
         raise fail("vault", str(exc), 1) from None
     except OSError as exc:
-        raise fail("vault", f"disk_dir {directory}: {exc.strerror or exc}", 1) from None
+        raise fail("vault", f"{origin} {directory}: {exc.strerror or exc}", 1) from None
     found = disk.recovery
     typer.echo(
         f"tierkv vault: disk tier {directory}: recovered {found.blocks} blocks "
