@@ -7,21 +7,27 @@ the full-attention layer's blocks for the whole prefix and each window layer's b
 window before the hit end only, where vLLM's own prefix-cache hit has its null blocks in front.
 
 The engines run in spawned processes, driven as in test_vllm_connector. The vault is a
-`tierkv vault` process, so the last test can kill it.
+`tierkv vault` process (`engine_vault`), so the last test can kill it. The first tests check the plans and the
+hit rule without an engine, against a real in-process vault.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import VaultHandle, pick_free_port, start_subprocess_vault
 from test_vllm_connector import Engine, prompt
+from test_vllm_parts import attention, fake_request, fake_vllm_config, kv_cache_config
 from tiny_models import GEMMA3_WINDOW, build_tiny_gemma3
 
+from tierkv.keys import chain_block_keys
 from tierkv.vault.client import VaultClient
+from tierkv.vault.wire import block_checksum
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -54,6 +60,110 @@ def delta(after: dict[str, Any], before: dict[str, Any], name: str) -> int:
     return after.get(name, 0) - before.get(name, 0)
 
 
+def sliding_window(window: int, block_size: int = 32) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=2,
+        head_size=64,
+        dtype=torch.bfloat16,
+        sliding_window=window,
+    )
+
+
+# ---- plans and the hit rule, no engine -------------------------------------------------------
+
+
+def test_every_groups_namespace_covers_the_window_and_the_group_layout():
+    """Another window, or vLLM's disable_sliding_window (all groups full attention), with the
+    same model and config: no group of one can restore what the other stored, the
+    full-attention group included, whose layer sees what the window layers below it made."""
+    from tierkv.connectors.vllm.groups import plan_groups
+
+    def namespaces(*specs: Any) -> list[bytes]:
+        plans = plan_groups(fake_vllm_config(), kv_cache_config(*specs), "none")
+        return [plan.namespaces[0] for plan in plans]
+
+    window, full = plan_groups(
+        fake_vllm_config(), kv_cache_config(sliding_window(128), attention()), "none"
+    )
+    assert (window.window, full.window) == (128, 0)
+    assert (window.window_start(18), window.window_start(3), full.window_start(18)) == (14, 0, 0)
+    layouts = [
+        namespaces(sliding_window(128), attention()),
+        namespaces(sliding_window(64), attention()),
+        namespaces(attention(), attention()),
+    ]
+    assert namespaces(sliding_window(128), attention()) == layouts[0]  # stable
+    assert len({namespace for layout in layouts for namespace in layout}) == 6
+
+
+def test_a_hit_is_the_longest_end_every_group_can_restore(vault):
+    """Full attention needs the whole prefix, a window group only the blocks inside its window
+    before the end: a missing window block moves the hit back to an end whose window the vault
+    holds; vLLM's null blocks in front of the window are never loaded into."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    from tierkv.connectors.vllm.groups import plan_groups
+    from tierkv.connectors.vllm.scheduler import TierScheduler
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+
+    window, full = plan_groups(
+        fake_vllm_config(), kv_cache_config(sliding_window(8, 4), attention(4)), "none"
+    )
+    tokens = list(range(41))  # ten full blocks, then vLLM's last token
+    keys = chain_block_keys(tokens, 4)
+    payload = get_codec("none").encode(np.zeros(8, "float16"))
+
+    def hold(plan: Any, indices: range | list[int]) -> None:
+        namespace = plan.namespaces[0]
+        for index in indices:
+            checksum = block_checksum(namespace, keys[index], 0, payload)
+            vault.store.put(namespace, keys[index], 0, payload, checksum)
+
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    scheduler = TierScheduler(
+        tier, [window, full], store_mode="evict", eviction_watermark_blocks=8, num_engine_blocks=64
+    )
+
+    def hit(request_id: str, computed: int = 0) -> int:
+        request = fake_request(tokens, request_id=request_id, num_tokens=41, block_hashes=[])
+        deadline = time.monotonic() + 10
+        while (answer := scheduler.get_num_new_matched_tokens(request, computed))[0] is None:
+            assert time.monotonic() < deadline
+        return answer[0] // 4
+
+    try:
+        hold(full, range(10))
+        assert hit("no window") == 0
+        hold(window, [5, 6, 8])  # the window of an end of 7 blocks, and one block of 10's
+        assert hit("window of 7") == 7
+        hold(window, [9])
+        assert hit("window of 10") == 10
+        assert hit("vLLM holds 9 blocks", computed=9 * 4) == 1  # the window's 9th block is vLLM's
+
+        null = KVCacheBlock(0, is_null=True)
+        blocks = KVCacheBlocks(
+            ([null] * 8 + [KVCacheBlock(i) for i in (31, 32)], [KVCacheBlock(i) for i in range(10)])
+        )
+        scheduler.update_state_after_alloc(
+            fake_request(tokens, request_id="window of 10"), blocks, 10 * 4
+        )
+        loads = {load.group_id: load for load in scheduler.build_connector_meta().loads[0].groups}
+        assert (loads[0].keys, loads[0].block_ids) == (keys[8:10], [31, 32])
+        assert (loads[1].keys, loads[1].block_ids) == (keys[:10], list(range(10)))
+    finally:
+        scheduler.shutdown()
+        tier.close()
+
+
+# ---- a tiny Gemma 3 on vLLM CPU ------------------------------------------------------------
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
@@ -65,7 +175,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def vault(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VaultHandle]:
+def engine_vault(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VaultHandle]:
     port = pick_free_port()
     process, _ = start_subprocess_vault(port, "1GiB", "kv_cold", tmp_path_factory.mktemp("vault"))
     handle = VaultHandle(address=f"127.0.0.1:{port}", port=port, process=process)
@@ -79,8 +189,8 @@ def vault(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VaultHandle]:
 
 
 @pytest.fixture(scope="module")
-def extra(vault: VaultHandle) -> dict[str, Any]:
-    return {"cluster.kv_cold": vault.address}
+def extra(engine_vault: VaultHandle) -> dict[str, Any]:
+    return {"cluster.kv_cold": engine_vault.address}
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +298,7 @@ def test_a_model_with_another_window_misses(
     assert stats["loaded_blocks"] == 0
 
 
-def test_killed_vault_gives_the_cold_tokens(engine: Engine, vault: VaultHandle):
+def test_killed_vault_gives_the_cold_tokens(engine: Engine, engine_vault: VaultHandle):
     """Last in this module: with the vault killed, an evicted prompt is recomputed to the
     tokens of its cold run."""
     tokens = prompt(5, PROMPT_TOKENS)
@@ -196,7 +306,7 @@ def test_killed_vault_gives_the_cold_tokens(engine: Engine, vault: VaultHandle):
     for filler in fillers(5):
         engine.generate(filler)
     assert engine.call("flush")
-    vault.kill()
+    engine_vault.kill()
     before = engine.stats()
 
     assert engine.generate(tokens) == cold
