@@ -6,9 +6,9 @@ sliding-window groups, one full-attention group). Prompts span several windows: 
 the full-attention layer's blocks for the whole prefix and each window layer's blocks for the
 window before the hit end only, where vLLM's own prefix-cache hit has its null blocks in front.
 
-The engines run in spawned processes, driven as in test_vllm_connector. The vault is a
-`tierkv vault` process (`engine_vault`), so the last test can kill it. The first tests check the plans and the
-hit rule without an engine, against a real in-process vault.
+The engines run in spawned processes, driven as in test_vllm_connector. Their vault is a
+`tierkv vault` process (`engine_vault`), so the last test can kill it. The first tests check the
+plans and the hit rule without an engine, against a real in-process vault.
 """
 
 from __future__ import annotations
@@ -104,8 +104,8 @@ def test_a_hit_is_the_longest_end_every_group_can_restore(vault):
     """Full attention needs the whole prefix, a window group only the blocks inside its window
     before the end: a missing window block moves the hit back to an end whose window the vault
     holds; vLLM's null blocks in front of the window are never loaded into."""
-    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
     from tierkv.connectors.vllm.groups import plan_groups
     from tierkv.connectors.vllm.scheduler import TierScheduler
