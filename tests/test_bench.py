@@ -400,3 +400,17 @@ def test_a_bench_stopped_half_way_removes_its_blocks(
             tokens=512, block_tokens=128, codecs=["int8"], vaults=[vault.address], on_phase=on_phase
         )
     assert vault.store.stats().entries == 0
+
+
+def test_sliding_window_layers_store_only_their_window() -> None:
+    """gemma3-27b: the 10 full-attention layers' KV of every block, the 52 sliding-window
+    layers' of the blocks inside the 1024-token window before the prompt's end only."""
+    from tierkv.bench import raw_kv_bytes, synthetic_kv
+
+    shape = MODEL_SHAPES["gemma3-27b"]
+    kv = synthetic_kv(shape, tokens=4096, block_tokens=256, dtype="fp16")
+    assert [len(block) for block in kv.blocks] == [10] * 12 + [62] * 4
+    assert all(np.abs(block[-1]).max() > 0 for block in kv.blocks[12:])  # filled, not left empty
+    token_layer_bytes = 2 * 16 * 128 * 2
+    expected = (16 * 256 * 10 + 4 * 256 * 52) * token_layer_bytes
+    assert kv.raw_bytes == raw_kv_bytes(shape, 4096, 256, "fp16") == expected

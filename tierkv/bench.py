@@ -174,7 +174,10 @@ class SyntheticKV:
 
     blocks: list[np.ndarray]
     """blocks[b]: every attention layer's K and V for block b, one payload,
-    (attention_layers, 2, block_tokens, kv_heads, head_dim)."""
+    (layers, 2, block_tokens, kv_heads, head_dim): the full-attention layers, plus the
+    sliding-window layers in the blocks inside the window before the prompt's end (the only
+    ones of theirs a restore needs; the connector stores them as payloads of their own groups,
+    the same bytes)."""
     states: list[np.ndarray]
     """One array per linear-attention layer: the state after the whole prompt."""
     dtype: str
@@ -195,18 +198,26 @@ def synthetic_kv(
     rng = np.random.default_rng(seed)
     n_blocks = tokens // block_tokens
     used = n_blocks * block_tokens
-    block_shape = (shape.attention_layers, 2, block_tokens, shape.kv_heads, shape.head_dim)
-    blocks = [np.empty(block_shape, np_dtype) for _ in range(n_blocks)]
-    for index in range(shape.attention_layers):
+    windowed = n_blocks - shape.window_blocks(n_blocks, block_tokens)  # first block with them
+    full, layers = shape.attention_layers, shape.attention_layers + shape.window_layers
+    head = (shape.kv_heads, shape.head_dim)
+    blocks = [
+        np.empty((layers if b >= windowed else full, 2, block_tokens, *head), np_dtype)
+        for b in range(n_blocks)
+    ]
+    for index in range(layers):
+        first = 0 if index < full else windowed  # a window layer: only its window's blocks
+        span = used - first * block_tokens
         channel_scale = rng.lognormal(0.0, 0.3, size=(2, 1, shape.kv_heads, shape.head_dim))
         outliers = rng.choice(shape.head_dim, size=max(1, shape.head_dim // 32), replace=False)
         channel_scale[..., outliers] *= rng.uniform(10, 20, size=outliers.size)
-        drift = 0.5 * np.sin(np.linspace(0, rng.uniform(2, 8) * np.pi, used))
-        token_scale = np.exp(drift + rng.normal(0, 0.25, size=used))[None, :, None, None]
-        layer = rng.standard_normal((2, used, shape.kv_heads, shape.head_dim), dtype=np.float32)
+        drift = 0.5 * np.sin(np.linspace(0, rng.uniform(2, 8) * np.pi, span))
+        token_scale = np.exp(drift + rng.normal(0, 0.25, size=span))[None, :, None, None]
+        layer = rng.standard_normal((2, span, shape.kv_heads, shape.head_dim), dtype=np.float32)
         layer *= channel_scale * token_scale
-        for b, block in enumerate(blocks):
-            block[index] = layer[:, b * block_tokens : (b + 1) * block_tokens]
+        for b in range(first, n_blocks):
+            offset = (b - first) * block_tokens
+            blocks[b][index] = layer[:, offset : offset + block_tokens]
     states = [
         (rng.standard_normal(shape.state_elements, dtype=np.float32) * 0.5).astype(np_dtype)
         for _ in range(shape.state_layers)
@@ -217,9 +228,13 @@ def synthetic_kv(
 def raw_kv_bytes(shape: ModelShape, tokens: int, block_tokens: int, dtype: str) -> int:
     """Bytes of the KV and state `synthetic_kv` makes: full blocks only."""
     itemsize = 2 if dtype == "fp16" else 4
-    used = tokens // block_tokens * block_tokens
-    return (used * shape.kv_bytes_per_token(itemsize)) + (
-        shape.state_layers * shape.state_elements * itemsize
+    n_blocks = tokens // block_tokens
+    window_tokens = shape.window_blocks(n_blocks, block_tokens) * block_tokens
+    window_kv = shape.window_layers * 2 * shape.kv_heads * shape.head_dim * itemsize
+    return (
+        n_blocks * block_tokens * shape.kv_bytes_per_token(itemsize)
+        + window_tokens * window_kv
+        + shape.state_layers * shape.state_elements * itemsize
     )
 
 

@@ -28,10 +28,14 @@ COUNTERS = (
     "sync_loads",  # ... of which ran before a forward (nothing else was running)
     "loaded_blocks",
     "loaded_bytes",
+    "loaded_window_blocks",  # ... of which into sliding-window layers (only their window)
+    "loaded_window_bytes",
     "load_failed_blocks",  # reported to vLLM as load errors and recomputed
     "load_seconds",
     "stored_blocks",
     "stored_bytes",
+    "stored_window_blocks",  # ... of which of sliding-window layers
+    "stored_window_bytes",
     "staging_dropped_blocks",  # not copied out: the step's staging budget was spent
     "store_dropped_blocks",  # copied out, then lost: encode budget, put queue or a dead vault
     "open_failed_blocks",  # sealed blocks that did not open (changed, moved, another key): misses
