@@ -28,11 +28,13 @@ Sealed blocks (tierkv/seal.py, AES-256-GCM under a data key made for the run; --
 run beside them on the plain vault: the "sealed" rows' Put seals every block on the calling
 thread and then puts the sealed copies (as ColdTier does), their Promote promotes and opens every
 block into pooled receive buffers (as ColdTier does). Then the cipher alone on the same blocks,
-seal and open GB/s on one thread (one engine core) and on two threads (AES-GCM of `cryptography`
-holds the GIL, so two threads show how far that parallelises). Last, the restore of
+seal and open GB/s on one thread (one engine core) and on two threads (how far it parallelises:
+`cryptography` 50 releases the GIL inside encrypt_into / decrypt_into). Last, the restore of
 --restore-tokens tokens of a model's KV (default 30000 tokens of the default `tierkv bench`
 shape, fp16, blocks of 256 tokens): promote unsealed against promote + open sealed, same vault,
 rounds interleaved, the ratio unsealed ÷ sealed (1.0: sealing costs nothing).
+With TLS rows, a bare socket stream between two processes (no tierkv code), plain and over
+Python's ssl, with the receiver's CPU per GiB: the ceiling of one bulk connection over TLS.
 
 --disk adds, in the same run, a vault with a disk tier (in a temporary directory under
 --disk-dir) and a RAM tier of two blocks: each round Puts every block (a Put is acknowledged
@@ -54,6 +56,7 @@ import mmap
 import os
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
@@ -147,6 +150,59 @@ def raw_stream_gbps(total: int, chunk: int, rounds: int) -> list[float]:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+STREAM_BYTES = 8 * MIB
+"""Bytes per send and per receive buffer of the bare socket stream."""
+
+
+def serve_socket_stream(port: int, total: int, certs: str) -> None:
+    """Send `total` bytes to the one client of 127.0.0.1:`port`, over TLS when `certs` names
+    the directory of tests/tls_certs.py's files, in sendall calls of STREAM_BYTES."""
+    listener = socket.create_server(("127.0.0.1", port))
+    print("ready", flush=True)
+    sock, _ = listener.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if certs:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(Path(certs) / "server.crt", Path(certs) / "server.key")
+        sock = context.wrap_socket(sock, server_side=True)
+    payload = memoryview(os.urandom(STREAM_BYTES))
+    for _ in range(total // STREAM_BYTES):
+        sock.sendall(payload)
+    sock.recv(1)  # the client's goodbye: all of it arrived
+    sock.close()
+
+
+def socket_stream(total: int, certs: Path | None) -> tuple[float, float]:
+    """(GB/s, receiving CPU s per GiB) of a bare socket stream of `total` bytes from another
+    process, over TLS with `certs` (Python's ssl: one 16 KiB record per recv_into), else plain
+    (MSG_WAITALL: one call per buffer): the ceiling of one bulk connection, without tierkv."""
+    port = _free_port()
+    command = [sys.executable, __file__, "--serve-socket", str(port), "--total", str(total)]
+    command += ["--socket-certs", str(certs or "")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        if certs is not None:
+            context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+            sock = context.wrap_socket(sock, server_hostname="127.0.0.1")
+        view = memoryview(bytearray(STREAM_BYTES))
+        started, cpu = time.perf_counter(), time.process_time()
+        for _ in range(total // STREAM_BYTES):
+            filled = 0
+            while filled < len(view):
+                if certs is None:
+                    filled += sock.recv_into(view[filled:], 0, socket.MSG_WAITALL)
+                else:
+                    filled += sock.recv_into(view[filled:])
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        sock.sendall(b"k")
+        sock.close()
+        return total / seconds / 1e9, cpu / (total / 2**30)
+    finally:
+        process.wait(timeout=60)
 
 
 def _free_port() -> int:
@@ -543,10 +599,15 @@ def main() -> int:
         "--restart", action="append", help="--disk: restart sizes (default 1GiB and 10GiB)"
     )
     parser.add_argument("--serve-raw", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-socket", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--socket-certs", default="", help=argparse.SUPPRESS)
     parser.add_argument("--raw-chunk", type=int, default=CHUNK_BYTES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_raw:
         serve_raw_stream(args.serve_raw, parse_size(args.total), args.raw_chunk)
+        return 0
+    if args.serve_socket:
+        serve_socket_stream(args.serve_socket, parse_size(args.total), args.socket_certs)
         return 0
     if not args.plain_malloc:
         restart_with_huge_pages()
@@ -619,6 +680,8 @@ def main() -> int:
             f"one 512 MiB segment read in 8 MiB preadv calls, cache dropped: buffered "
             f"{buffered:.2f} GB/s, O_DIRECT {direct:.2f} GB/s"
         )
+    if not args.no_tls:
+        console.print(socket_streams_line(total, args.rounds))
     raw = raw_stream_gbps(total, CHUNK_BYTES, args.rounds)
     raw_median = statistics.median(raw)
     console.print(
@@ -627,6 +690,27 @@ def main() -> int:
         + ", ".join(f"{r:.2f}" for r in raw)
     )
     return 0
+
+
+def socket_streams_line(total: int, rounds: int) -> str:
+    """Bare socket streams between two processes, plain and TLS interleaved: the line to print."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.tls_certs import make_certs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        certs = make_certs(Path(tmp) / "certs").ca.parent
+        plain, tls = [], []
+        for _ in range(rounds):
+            plain.append(socket_stream(total, None))
+            tls.append(socket_stream(total, certs))
+    plain_gbps = statistics.median(p[0] for p in plain)
+    tls_gbps = statistics.median(t[0] for t in tls)
+    return (
+        f"bare socket stream between two processes, no tierkv code, median of {rounds}: plain"
+        f" {plain_gbps:.2f} GB/s (receiver CPU {statistics.median(p[1] for p in plain):.3f} s/GiB),"
+        f" TLS {tls_gbps:.2f} GB/s ({statistics.median(t[1] for t in tls):.3f} s/GiB):"
+        f" TLS / plain {tls_gbps / plain_gbps:.2f}x (the ceiling of one connection)"
+    )
 
 
 def sealing_lines(

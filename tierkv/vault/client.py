@@ -220,8 +220,9 @@ class VaultClient:
         """Promoted payloads whose checksum did not match (returned as misses)."""
         self.failed_calls = 0
         self.oversized_puts = 0
-        self.bulk_refusals = 0
         """Puts refused as larger than the vault takes (the caller's error, not the vault's)."""
+        self.bulk_refusals = 0
+        """Bulk connections the vault refused with a reason (a connection limit): gRPC then."""
         self.transport = "none"
         """What carried the latest successful Put or Promote: "bulk", "grpc" or "none" yet."""
         self._queue = PutQueue(
