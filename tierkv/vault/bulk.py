@@ -162,7 +162,6 @@ class Deadline:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
-
     def rearm(self, sock: socket.socket) -> None:
         """`arm` again before another operation of one receive, where needed: a TLS socket's
         timeout (a system call to set) armed with the stall time still bounds the next
