@@ -288,10 +288,15 @@ class LimitsConfig:
     """Bulk connections served at once (all clients)."""
     max_connections_per_client: int = 64
     """Bulk connections served at once per client IP address."""
+    max_connections_per_tenant: int = 32
+    """Authenticated bulk connections served at once per tenant, on a vault of several tenants
+    (more are refused after their handshake, with a reason; the client uses gRPC then), so one
+    tenant cannot hold every connection of an address or of the vault."""
     handshake_timeout_s: float = 5.0
     """A new bulk connection that has not authenticated (or sent a frame) by then is closed."""
-    idle_timeout_s: float = 300.0
-    """A bulk connection idle between frames this long is closed (clients reconnect)."""
+    idle_timeout_s: float = 30.0
+    """A bulk connection idle between frames this long is closed (clients reconnect: one
+    handshake), so idle connections hold their slots for seconds, not minutes."""
     stall_timeout_s: float = 30.0
     """A frame that makes no progress this long is dropped with its connection."""
     max_concurrent_rpcs: int = 64
@@ -557,6 +562,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         {
             "max_connections": _positive_int,
             "max_connections_per_client": _positive_int,
+            "max_connections_per_tenant": _positive_int,
             "handshake_timeout_s": _positive_float,
             "idle_timeout_s": _positive_float,
             "stall_timeout_s": _positive_float,
