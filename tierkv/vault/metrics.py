@@ -66,7 +66,7 @@ _REASONS = {
 }
 """A phrase of each rejection reason the store, the limits or the servicer give -> its label."""
 REJECTION_REASONS = (*dict.fromkeys(_REASONS.values()), "other")
-REFUSED_CONNECTION_REASONS = ("connection_limit",)
+REFUSED_CONNECTION_REASONS = ("connection_limit", "tenant_connection_limit")
 """Why the bulk port refuses a connection (bulk.py); a new reason has a series once used."""
 REFUSED_CALL_REASONS = ("concurrency_limit", "stream_limit")
 
