@@ -381,14 +381,20 @@ def unsupported_attention(block_size: int = 32):
 
 def test_groups_tierkv_cannot_store_are_named():
     import torch
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        RSWASpec,
+        SinkFullAttentionSpec,
+    )
 
     from tierkv.connectors.vllm.groups import UnsupportedGroupError, plan_groups
 
-    chunked = ChunkedLocalAttentionSpec(
-        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, attention_chunk_size=128
-    )
-    for spec in (chunked, unsupported_attention()):
+    shape = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    chunked = ChunkedLocalAttentionSpec(**shape, attention_chunk_size=128)
+    # Subclasses of full attention whose blocks are not one whole prefix's KV:
+    gapped = RSWASpec(**shape, rswa_window=128)
+    sinks = SinkFullAttentionSpec(**shape, sink_len=4)
+    for spec in (chunked, gapped, sinks, unsupported_attention()):
         with pytest.raises(UnsupportedGroupError, match=r"group 1 \(") as refused:
             plan_groups(fake_vllm_config(), kv_cache_config(attention(), spec), "none")
         assert (refused.value.group_id, refused.value.kind) == (1, type(spec).__name__)

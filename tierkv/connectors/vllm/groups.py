@@ -92,7 +92,17 @@ def plan_groups(
     tierkv cannot store, ValueError for groups of different block sizes."""
     from vllm import __version__ as vllm_version
     from vllm.platforms import current_platform
+    from vllm.v1 import kv_cache_interface
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    # Full-attention subclasses whose blocks are not the KV of one whole prefix: R-SWA drops a
+    # gap of blocks between the prompt and the decode window (null blocks mid-prefix), sink
+    # attention keeps its sink tokens apart. Refused (fail open) rather than stored as full.
+    not_full = tuple(
+        getattr(kv_cache_interface, name)
+        for name in ("RSWASpec", "SinkFullAttentionSpec")
+        if hasattr(kv_cache_interface, name)
+    )
 
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -128,7 +138,9 @@ def plan_groups(
                 (tuple(shape), str(dtype).removeprefix("torch."))
                 for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
             )
-        elif isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+        elif isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)) and not isinstance(
+            spec, not_full
+        ):
             vault, states = "kv", ()
             kv_widths = (spec.head_size, spec.head_size_v)
             if isinstance(spec, SlidingWindowSpec):
