@@ -414,6 +414,15 @@ def generate_turns(
     assert hook.runtime().flush(10)
 
 
+def skip_unless_stored_before_decoding(exo: Exo) -> None:
+    """Rotating layers spill from EXO >= v1.0.70, which stores an entry before decoding."""
+    if not has_media_regions(exo):
+        pytest.skip(
+            "EXO < v1.0.70 stores entries after decoding: their rotating layers hold the last "
+            "window only, which ends on a block boundary only by chance (then nothing spills)"
+        )
+
+
 def test_sliding_window_layers_spill_their_window_and_restore_the_same_tokens(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
 ) -> None:
@@ -421,11 +430,7 @@ def test_sliding_window_layers_spill_their_window_and_restore_the_same_tokens(
     ones): the global layers spill every block, the local ones the window before the restore
     point only; restored, the cache gives EXO's cold tokens, turn after turn."""
     exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
-    if not has_media_regions(exo):
-        pytest.skip(
-            "EXO < v1.0.70 stores entries after decoding: their rotating layers hold "
-            "the last window only, never one that ends on a block boundary"
-        )
+    skip_unless_stored_before_decoding(exo)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     model = tiny_gemma3(window=32)
@@ -464,6 +469,7 @@ def test_nothing_stored_for_one_window_restores_into_another(
     """The namespace covers the window and which layers rotate: the same model id with a
     48-token window, or with every layer rotating, finds nothing the 32-token layout stored."""
     exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
+    skip_unless_stored_before_decoding(exo)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     prompt = random_tokens(100, seed=53)
