@@ -733,7 +733,8 @@ class ExoRuntime:
         (agreed,) = agree_min([offered], group)
         if agreed == 0:
             return result
-        loaded, restored = 0, list[tuple[mx.array, mx.array]]()
+        loaded = 0
+        restored: list[tuple[mx.array, mx.array]] = []
         try:
             if plan is not None:
                 loaded, restored = self._load(plan, agreed)
