@@ -730,5 +730,7 @@ def test_ranks_agree_on_the_shortest_restorable_prefix(
         assert cold_prefilled == 120
         assert rank["partial"] == [120 - 3 * BLOCK, cold_tokens]  # rank 1 holds 3 blocks only
         assert rank["failed"] == [120, cold_tokens]  # rank 1's lookup failed: nobody restores
+        prefilled, tokens, window_cold_tokens = rank["window"]  # rank 0 loaded 5 of 6 blocks
+        assert (prefilled, tokens) == (120, window_cold_tokens)
         prefilled, tokens, tensor_cold_tokens = rank["tensor"]  # each rank holds its own heads
         assert (prefilled, tokens) == (120 - 6 * BLOCK, tensor_cold_tokens)
