@@ -83,10 +83,15 @@ def issue(
     days: int = CERT_DAYS,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A new key and its certificate for `subject`: a CA when `issuer` is None (self-signed),
-    else signed by `issuer` (its name and key), naming `hosts`."""
+    else signed by `issuer` (its name and key), naming `hosts`. With the key identifiers and key
+    usage that strict verification (OpenSSL's X509_STRICT, Python 3.13's default) requires."""
     key = ec.generate_private_key(ec.SECP256R1())
     issuer_name, issuer_key = issuer or (_name(subject), key)
     now = datetime.datetime.now(datetime.timezone.utc)
+    ca = issuer is None
+    usage = dict.fromkeys(
+        ("content_commitment", "key_encipherment", "data_encipherment", "key_agreement"), False
+    )
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))
@@ -95,7 +100,23 @@ def issue(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=not ca,
+                key_cert_sign=ca,
+                crl_sign=ca,
+                encipher_only=False,
+                decipher_only=False,
+                **usage,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+            critical=False,
+        )
     )
     if hosts:
         names = [alt_name(host) for host in hosts]
