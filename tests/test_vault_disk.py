@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import struct
 import threading
 import time
@@ -309,8 +311,10 @@ def test_a_failing_disk_write_is_logged_and_the_writer_keeps_going(
         time.sleep(0.01)
     assert "cannot write" in caplog.text
     assert read(disk, [1]) == [None]  # never written: a miss, not a stall
-    write(disk, 2)
-    assert disk.wait_for_room(timeout=30)
+    since = disk.mark()
+    write(disk, 2)  # in a new segment: what the failed write left cannot be cut off this one
+    assert disk.wait_written(disk.mark(), timeout=30, since=since)
+    assert read(disk, [2]) == [payload(2)]
     assert disk.close(timeout=30) == 0
 
 
@@ -381,3 +385,55 @@ def test_a_block_the_disk_can_never_hold_is_rejected_not_acknowledged(tmp_path: 
     small = payload(2, MIB)
     assert store.put(NS, key(2), 0, small, block_checksum(NS, key(2), 0, small)) is None
     store.close(timeout=30)
+
+
+def test_a_write_that_met_a_full_disk_leaves_no_record_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch cut short by a full disk (here RLIMIT_FSIZE, whose EFBIG a full disk's ENOSPC
+    resembles) left its complete records behind the point the next write starts at: a shorter
+    write then put an older, never acknowledged copy of a block after its acknowledged one,
+    and the restart served the old copy."""
+    victim, other = b"A" * 16, b"B" * 16
+    disk = DiskTier(tmp_path / "disk", 64 * MIB, "never")
+    gate = threading.Event()
+    append = disk._append
+
+    taken = threading.Event()
+
+    def held_back(batch: list[Any]) -> None:
+        taken.set()
+        gate.wait(60)
+        append(batch)
+
+    monkeypatch.setattr(disk, "_append", held_back)
+    write(disk, 0)  # the writer takes it alone and waits at the gate
+    assert taken.wait(30)
+    old, new, big = payload(1, 100), payload(2, 100), payload(3, 64 * 1024)
+    since = disk.mark()
+    disk.write(
+        other, key(9), 0, payload(9, 4096), block_checksum(other, key(9), 0, payload(9, 4096))
+    )
+    disk.write(victim, key(1), 0, old, block_checksum(victim, key(1), 0, old))
+    disk.write(other, key(8), 0, big, block_checksum(other, key(8), 0, big))
+    [segment] = (tmp_path / "disk").glob("*.seg")
+    limit = 1000 + 4096 + 100 + 32 * 1024 + 3 * 100  # mid-way through the big block's record
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        gate.set()
+        assert not disk.wait_written(disk.mark(), timeout=30, since=since)  # the batch failed
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert segment.stat().st_size <= 1000 + 200  # only the first block's record is left
+    since = disk.mark()
+    disk.write(victim, key(1), 0, new, block_checksum(victim, key(1), 0, new))
+    assert disk.wait_written(disk.mark(), timeout=30, since=since)
+    disk.close()
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    found = disk.read_many(victim, [(key(1), 0)])[0]
+    assert found is not None and bytes(found[0]) == new
+    assert disk.recovery.damaged == []
+    disk.close()

@@ -258,6 +258,7 @@ class DiskTier:
         self._live_bytes = 0
         self._evictions = self._kept = self._corrupt = 0
         self._closing = False
+        self._torn = False  # the active segment holds remains of a failed write past its size
         self._busy = False
         self._enqueued = self._taken = self._handled = 0  # ops queued / taken / written so far
         self._failed: deque[tuple[int, int]] = deque()  # (first, last] ops of failed batches
@@ -654,6 +655,9 @@ class DiskTier:
 
     def _append(self, batch: list[_Op]) -> None:
         """Write `batch` to the active segment(s), then index the blocks still current."""
+        if self._torn:
+            self._roll()
+            self._torn = False
         written: list[tuple[_Op, Location]] = []
         iov: list[bytes | memoryview] = []
         start = offset = self._sizes[self._active]
@@ -711,10 +715,19 @@ class DiskTier:
             return
         fd = self._fds[self._active]
         total = sum(map(len, iov))
-        done = os.pwritev(fd, iov, start)
-        while done < total:  # a short write: finish the rest from where it stopped
-            rest = b"".join(bytes(part) for part in iov)[done:]
-            done += os.pwrite(fd, rest, start + done)
+        try:
+            done = os.pwritev(fd, iov, start)
+            while done < total:  # a short write: finish the rest from where it stopped
+                rest = b"".join(bytes(part) for part in iov)[done:]
+                done += os.pwrite(fd, rest, start + done)
+        except OSError:
+            # What landed of a failed write goes: the next write starts at `start`, and the
+            # complete records of this batch left past its end would be replayed after it.
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                self._torn = True  # then the next write starts a new segment
+            raise
         with self._lock:
             self._sizes[self._active] = start + total
 
