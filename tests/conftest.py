@@ -162,9 +162,11 @@ def start_subprocess_vault(
     args: Sequence[str] = (),
     config_text: str = "",
     host: str = LOOPBACK,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """`tierkv vault` on host:port (127.0.0.1, or another loopback address) with the given
-    config; its output goes to a log file."""
+    config (and `preexec_fn` run in the child before it starts, e.g. to set an rlimit); its
+    output goes to a log file."""
     config = work_dir / f"vault-{port}.toml"
     config.write_text(config_text)
     log_path = work_dir / f"vault-{port}.log"
@@ -177,6 +179,7 @@ def start_subprocess_vault(
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            preexec_fn=preexec_fn,
         )
     return process, log_path
 
@@ -194,11 +197,12 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
         args: Sequence[str] = (),
         config: str = "",
         token: str | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ) -> VaultHandle:
         if subprocess:
             port = pick_free_port()
             process, log_path = start_subprocess_vault(
-                port, str(max_bytes), role, tmp_path, args, config
+                port, str(max_bytes), role, tmp_path, args, config, preexec_fn=preexec_fn
             )
             handle = VaultHandle(
                 address=f"{LOOPBACK}:{port}", port=port, process=process, log_path=log_path

@@ -109,8 +109,7 @@ def test_recovery_serves_only_acknowledged_blocks_wherever_the_segment_is_cut(
             image = segment_of(written).read_bytes()
             real = [image[start:end] for start, end in spans]
             payload = b"".join(
-                c if isinstance(c, bytes) else real[c % len(real)] if real else b""
-                for c in chunks
+                c if isinstance(c, bytes) else real[c % len(real)] if real else b"" for c in chunks
             )
             address = (namespace, key(index), part)
             if kind == KIND_BLOCK:
