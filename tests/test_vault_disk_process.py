@@ -7,6 +7,8 @@ carry distinct bytes; every block read back is compared byte for byte with what 
 from __future__ import annotations
 
 import json
+import resource
+import signal
 import subprocess
 import sys
 import threading
@@ -16,11 +18,14 @@ from pathlib import Path
 
 import pytest
 from conftest import LOOPBACK, VaultHandle
+from test_vault_auth import ALICE, BOB
+from test_vault_disk import forged_record
 
 from tierkv.config import MIB
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.bulk import BulkConnection, BulkError
 from tierkv.vault.client import VaultClient, VaultStats
+from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR
 from tierkv.vault.wire import block_checksum
 
 NS = b"disk-test-000000"
@@ -285,3 +290,53 @@ def test_a_second_vault_on_the_same_disk_dir_refuses(
     assert len(second.stderr.strip().splitlines()) == 1
     put_all(vault.address, range(4))  # the first vault is unharmed
     assert len(read_back(vault.address, 4)) == 4
+
+
+def limit_file_size(limit: int) -> Callable[[], None]:
+    """A preexec_fn: files the vault writes cannot grow past `limit` bytes (a full disk: the
+    write that meets it is cut short, then fails with EFBIG, as ENOSPC would)."""
+
+    def limit_in_child() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    return limit_in_child
+
+
+@pytest.mark.parametrize("magic", [b"TKVR", b"TKV2"])
+def test_a_record_planted_in_a_write_that_met_a_full_disk_is_never_recovered(
+    vault_factory: Callable[..., VaultHandle], disk_dir: Path, tmp_path: Path, magic: bytes
+) -> None:
+    """Tenant bob's block holds a CLEAR of alice's namespace and a whole record of it; its
+    write meets a full disk, the vault stops cleanly and starts again: alice gets a miss for
+    the planted block, never bob's bytes, and keeps every block of her own."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
+    tokens.chmod(0o600)
+    config = f'[security]\ntoken_file = "{tokens}"\n'
+    args = ["--disk-dir", str(disk_dir)]
+    full = limit_file_size(2 * MIB)  # alice's 1 MiB fits, bob's 3 MiB does not
+    vault = vault_factory(
+        "64MiB", subprocess=True, args=args, config=config, token=ALICE, preexec_fn=full
+    )
+    alices = b"alice/" + NS
+    planted = forged_record(KIND_CLEAR, alices, b"", b"", magic)
+    planted += forged_record(KIND_BLOCK, alices, key(9), b"forged by bob" * 50, magic)
+    carrier = b"x" * 1000 + planted + b"y" * (3 * MIB)  # cut by the full disk after `planted`
+    with VaultClient(vault.address, token=ALICE) as alice:
+        for i in range(4):
+            alice.put(NS, key(i), 0, payload(i))
+        assert alice.flush(timeout=30) and alice.stored_puts == 4
+    with VaultClient(vault.address, token=BOB) as bob:
+        bob.put(NS, key(1), 0, carrier)
+        bob.flush(timeout=30)
+        assert (bob.stored_puts, bob.rejected_puts) == (0, 1)  # the disk did not take it
+    vault.stop()
+    assert "cannot write" in log_of(vault)
+    again = vault_factory("64MiB", subprocess=True, args=args, config=config, token=ALICE)
+    with VaultClient(again.address, token=ALICE, deadline_s=30) as alice:
+        found = alice.promote(NS, [key(i) for i in (0, 1, 2, 3, 9)], [0])
+        assert alice.checksum_failures == 0
+    assert {index: bytes(data) for (index, _), data in found.items()} == {
+        i: payload(i) for i in range(4)
+    }
