@@ -9,8 +9,8 @@ temporary directory under --disk-dir) holds --entries blocks of --block bytes in
 
 - restart (reference): SIGTERM, start again on the same directory (twice, the faster counts);
   the vault's own recovery time;
-- Promote alone (reference): one client Promotes 4 of those blocks over and over (RAM hits after
-  the first); latency p50 / p99 / max over --promotes calls;
+- Promote alone (reference): one client, in a process of its own, Promotes 4 of those blocks
+  over and over (RAM hits after the first); latency p50 / p99 / max over --promotes calls;
 - Promote during Clears: the same, while --clearers more clients each Put one block into a
   namespace of its own and Clear it, --clears times in all; the Clear calls' latency too;
 - restart after the Clears: SIGTERM, start again; the recovery time, to set against the
@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import sys
 import tempfile
-import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.queues import Queue as QueueType
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
+from typing import TypeVar
 
 from bench_vault import recovery_of, running_vault
 
@@ -42,6 +46,7 @@ PROMOTED = 4
 RESTARTS = 2
 """Restarts timed each time (the least counts: the machine's other load only adds)."""
 RAM_CAP = "4MiB"
+T = TypeVar("T")
 
 
 def key(i: int) -> bytes:
@@ -59,20 +64,46 @@ def fill(address: str, entries: int, block: int) -> None:
             time.sleep(0.05)
 
 
-def promote_latencies(address: str, count: int, stop: threading.Event | None = None) -> list[float]:
-    """Seconds of each of `count` Promotes of PROMOTED held blocks (with `stop`: each one until
-    it is set)."""
+def promote_latencies(
+    address: str, count: int, ready: EventType, stop: EventType, out: QueueType[list[float]]
+) -> None:
+    """Seconds of each Promote of PROMOTED held blocks, `count` of them or (once `stop` is set,
+    e.g. at once) until `stop`, onto `out`; `ready` is set after the first (into RAM)."""
     keys = [key(i) for i in range(PROMOTED)]
-    seconds = []
+    seconds: list[float] = []
     with VaultClient(address, deadline_s=60) as client:
-        client.promote(HELD, keys, [0])  # into RAM
-        while not stop.is_set() if stop is not None else len(seconds) < count:
+        client.promote(HELD, keys, [0])
+        ready.set()
+        while len(seconds) < count or not stop.is_set():
             started = time.perf_counter()
             found = client.promote(HELD, keys, [0])
             seconds.append(time.perf_counter() - started)
             if len(found) != PROMOTED:
                 raise RuntimeError(f"Promote returned {len(found)} of {PROMOTED} blocks")
-    return seconds
+    out.put(seconds)
+
+
+def promotes_during(
+    address: str, count: int, work: Callable[[], T] | None
+) -> tuple[list[float], T | None]:
+    """(Promote latencies, what `work` returned) of a client in a process of its own (this
+    one's threads share a GIL), Promoting while `work` runs here; without `work`, `count`
+    Promotes."""
+    context = multiprocessing.get_context("spawn")
+    ready, stop, out = context.Event(), context.Event(), context.Queue()
+    if work is None:
+        stop.set()
+    promoter = context.Process(target=promote_latencies, args=(address, count, ready, stop, out))
+    promoter.start()
+    try:
+        if not ready.wait(120):
+            raise RuntimeError("the promoting client did not start")
+        done = work() if work is not None else None
+    finally:
+        stop.set()
+        seconds = out.get(timeout=600)
+        promoter.join()
+    return seconds, done
 
 
 def clear_latencies(address: str, namespace: bytes, clears: int, block: int) -> list[float]:
@@ -132,18 +163,11 @@ def run(
             fill(address, entries, block)
         reference, held = restart_s(options, log, RESTARTS)
         with running_vault(False, False, *options) as (address, _):
-            alone = promote_latencies(address, promotes)
-            stop = threading.Event()
-            during: list[float] = []
-            promoter = threading.Thread(
-                target=lambda: during.extend(promote_latencies(address, promotes, stop))
+            alone, _ = promotes_during(address, promotes, None)
+            during, clearing = promotes_during(
+                address, 0, lambda: clear_in_parallel(address, clears, clearers, block)
             )
-            promoter.start()
-            try:
-                clearing = clear_in_parallel(address, clears, clearers, block)
-            finally:
-                stop.set()
-                promoter.join()
+            assert clearing is not None
         after, held_after = restart_s(options, log, RESTARTS)
     if held_after != held or held != entries:
         raise RuntimeError(f"restarts recovered {held} and {held_after} of {entries} blocks")
