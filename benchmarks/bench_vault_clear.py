@@ -7,12 +7,16 @@ A real `tierkv vault` process on 127.0.0.1 with a small RAM tier and a disk tier
 temporary directory under --disk-dir) holds --entries blocks of --block bytes in one namespace
 (another tenant's, as far as the Clears go). Then, in the same run:
 
-- restart (reference): SIGTERM, start again on the same directory (twice, the faster counts);
+- restart (reference): SIGTERM, start again on the same directory (three times, the fastest
+  counts);
   the vault's own recovery time;
 - Promote alone (reference): one client, in a process of its own, Promotes 4 of those blocks
   over and over (RAM hits after the first); latency p50 / p99 / max over --promotes calls;
-- Promote during Clears: the same, while --clearers more clients each Put one block into a
-  namespace of its own and Clear it, --clears times in all; the Clear calls' latency too;
+- Promote during Deletes (reference): the same, while --clearers more clients each Put one
+  block into a namespace of its own and Delete it, --clears times in all (the same calls as
+  below, but a Delete of one key never cost more than that key);
+- Promote during Clears: the same, but each client Clears its namespace instead of Deleting
+  the key; the Delete and Clear calls' latency too;
 - restart after the Clears: SIGTERM, start again; the recovery time, to set against the
   reference (the disk now holds every CLEAR record too).
 
@@ -43,7 +47,7 @@ from tierkv.vault.client import VaultClient
 HELD = b"bench-held-00000"
 CLEARED = b"bench-clear-0000"
 PROMOTED = 4
-RESTARTS = 2
+RESTARTS = 3
 """Restarts timed each time (the least counts: the machine's other load only adds)."""
 RAM_CAP = "4MiB"
 T = TypeVar("T")
@@ -106,27 +110,35 @@ def promotes_during(
     return seconds, done
 
 
-def clear_latencies(address: str, namespace: bytes, clears: int, block: int) -> list[float]:
-    """Seconds of each of `clears` Clears of `namespace`, each after a Put of one block there."""
+def remove_latencies(
+    address: str, namespace: bytes, count: int, block: int, clear: bool
+) -> list[float]:
+    """Seconds of each of `count` Clears of `namespace` (not `clear`: Deletes of the one key),
+    each after a Put of one block there."""
     seconds = []
     with VaultClient(address, deadline_s=60) as client:
-        for i in range(clears):
+        for i in range(count):
             client.put(namespace, key(i), 0, bytes(block))
             client.flush(timeout=60)
             started = time.perf_counter()
-            client.clear(namespace)
+            if clear:
+                client.clear(namespace)
+            else:
+                client.delete(namespace, [key(i)])
             seconds.append(time.perf_counter() - started)
     return seconds
 
 
-def clear_in_parallel(address: str, clears: int, clearers: int, block: int) -> list[float]:
-    """Seconds of each Clear, `clears` of them made by `clearers` clients at once (each in a
-    namespace of its own)."""
-    namespaces = [CLEARED[:-4] + b"%04d" % i for i in range(clearers)]
-    shares = [clears // clearers + (i < clears % clearers) for i in range(clearers)]
-    with ThreadPoolExecutor(clearers) as pool:
+def remove_in_parallel(
+    address: str, count: int, clients: int, block: int, clear: bool
+) -> list[float]:
+    """Seconds of each Clear (or Delete), `count` of them made by `clients` clients at once
+    (each in a namespace of its own)."""
+    namespaces = [CLEARED[:-4] + b"%04d" % i for i in range(clients)]
+    shares = [count // clients + (i < count % clients) for i in range(clients)]
+    with ThreadPoolExecutor(clients) as pool:
         jobs = [
-            pool.submit(clear_latencies, address, namespace, share, block)
+            pool.submit(remove_latencies, address, namespace, share, block, clear)
             for namespace, share in zip(namespaces, shares, strict=True)
         ]
         return [seconds for job in jobs for seconds in job.result()]
@@ -164,10 +176,13 @@ def run(
         reference, held = restart_s(options, log, RESTARTS)
         with running_vault(False, False, *options) as (address, _):
             alone, _ = promotes_during(address, promotes, None)
-            during, clearing = promotes_during(
-                address, 0, lambda: clear_in_parallel(address, clears, clearers, block)
+            deleting, deletes = promotes_during(
+                address, 0, lambda: remove_in_parallel(address, clears, clearers, block, False)
             )
-            assert clearing is not None
+            during, clearing = promotes_during(
+                address, 0, lambda: remove_in_parallel(address, clears, clearers, block, True)
+            )
+            assert deletes is not None and clearing is not None
         after, held_after = restart_s(options, log, RESTARTS)
     if held_after != held or held != entries:
         raise RuntimeError(f"restarts recovered {held} and {held_after} of {entries} blocks")
@@ -176,8 +191,10 @@ def run(
         "clears": clears,
         "clearers": clearers,
         "promote_alone": summary_ms(alone),
+        "promote_during_deletes": summary_ms(deleting),
         "promote_during_clears": summary_ms(during),
-        "clear": summary_ms(clearing) | {"mean_ms": 1e3 * statistics.fmean(clearing)},
+        "delete": summary_ms(deletes),
+        "clear": summary_ms(clearing),
         "restart_reference_s": reference,
         "restart_after_clears_s": after,
     }
@@ -211,7 +228,13 @@ def main() -> int:
         f"{args.entries} entries of {args.block} on disk, {args.clears} Clears by "
         f"{args.clearers} clients at once"
     )
-    for name in ("promote_alone", "promote_during_clears", "clear"):
+    for name in (
+        "promote_alone",
+        "promote_during_deletes",
+        "promote_during_clears",
+        "delete",
+        "clear",
+    ):
         row = figures[name]
         assert isinstance(row, dict)
         print(
