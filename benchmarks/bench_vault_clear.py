@@ -8,8 +8,7 @@ temporary directory under --disk-dir) holds --entries blocks of --block bytes in
 (another tenant's, as far as the Clears go). Then, in the same run:
 
 - restart (reference): SIGTERM, start again on the same directory (three times, the fastest
-  counts);
-  the vault's own recovery time;
+  counts); the vault's own recovery time;
 - Promote alone (reference): one client, in a process of its own, Promotes 4 of those blocks
   over and over (RAM hits after the first); latency p50 / p99 / max over --promotes calls;
 - Promote during Deletes (reference): the same, while --clearers more clients each Put one
@@ -17,8 +16,8 @@ temporary directory under --disk-dir) holds --entries blocks of --block bytes in
   below, but a Delete of one key never cost more than that key);
 - Promote during Clears: the same, but each client Clears its namespace instead of Deleting
   the key; the Delete and Clear calls' latency too;
-- restart after the Clears: SIGTERM, start again; the recovery time, to set against the
-  reference (the disk now holds every CLEAR record too).
+- restart after the Clears: SIGTERM, start again (three times too); the recovery time, to set
+  against the reference (the disk now holds every CLEAR record too).
 
 With --json, one line of JSON with every figure (tests/test_vault_clear.py reads it).
 """
