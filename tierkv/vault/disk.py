@@ -24,7 +24,7 @@ header MAC is keyed BLAKE2b under `record.key`, 32 random bytes made when the di
 used (mode 0600, never sent anywhere), so only the vault can write a header that verifies, and
 the scan resynchronises after damage only at such headers. Records of the first format (magic
 TKVR, unkeyed xxh3 header checksum) are still read where the chain of records from a segment's
-start reaches them, never as a place to resynchronise at.
+start reaches them, never as a place to resynchronise at nor after one.
 
 Past `max_bytes` the oldest segment is dropped, with a second chance (CLOCK over segments): the
 blocks of it read since they were written (`read_many`, or `touch` for reads the RAM tier
@@ -487,14 +487,16 @@ class DiskTier:
         name = self._segment_path(segment).name
         damaged = []
         pos = 0
+        legacy = True  # records of the first format only on the chain from the segment's start
         while pos < size:
-            parsed = _read_header(fd, pos, self._record_key)
+            parsed = _read_header(fd, pos, self._record_key, legacy)
             if parsed is not None and pos + parsed[1] + parsed[2] <= size:
                 op, header_len, length = parsed
                 self._replay(op, Location(segment, pos, header_len, length, op.checksum))
                 pos += header_len + length
                 continue
             resume = _next_header(fd, pos + 1, size, self._record_key)
+            legacy = False
             if resume is None:
                 os.ftruncate(fd, pos)
                 damaged.append(f"{name}: torn tail of {size - pos} bytes at {pos} truncated")
