@@ -7,8 +7,6 @@ carry distinct bytes; every block read back is compared byte for byte with what 
 from __future__ import annotations
 
 import json
-import resource
-import signal
 import subprocess
 import sys
 import threading
@@ -292,17 +290,6 @@ def test_a_second_vault_on_the_same_disk_dir_refuses(
     assert len(read_back(vault.address, 4)) == 4
 
 
-def limit_file_size(limit: int) -> Callable[[], None]:
-    """A preexec_fn: files the vault writes cannot grow past `limit` bytes (a full disk: the
-    write that meets it is cut short, then fails with EFBIG, as ENOSPC would)."""
-
-    def limit_in_child() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-
-    return limit_in_child
-
-
 @pytest.mark.parametrize("magic", [b"TKVR", b"TKV2"])
 def test_a_record_planted_in_a_write_that_met_a_full_disk_is_never_recovered(
     vault_factory: Callable[..., VaultHandle], disk_dir: Path, tmp_path: Path, magic: bytes
@@ -315,9 +302,9 @@ def test_a_record_planted_in_a_write_that_met_a_full_disk_is_never_recovered(
     tokens.chmod(0o600)
     config = f'[security]\ntoken_file = "{tokens}"\n'
     args = ["--disk-dir", str(disk_dir)]
-    full = limit_file_size(2 * MIB)  # alice's 1 MiB fits, bob's 3 MiB does not
+    full = 2 * MIB  # alice's 1 MiB fits, bob's 3 MiB does not
     vault = vault_factory(
-        "64MiB", subprocess=True, args=args, config=config, token=ALICE, preexec_fn=full
+        "64MiB", subprocess=True, args=args, config=config, token=ALICE, file_size_limit=full
     )
     alices = b"alice/" + NS
     planted = forged_record(KIND_CLEAR, alices, b"", b"", magic)
