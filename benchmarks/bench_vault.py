@@ -333,10 +333,16 @@ def restart_seconds(size: int, block: int, parent: Path) -> tuple[float, float, 
         started = time.perf_counter()
         with running_vault(False, False, *options, log=log):
             ready = time.perf_counter() - started
-        line = next(line for line in log.read_text().splitlines() if "recovered" in line)
-        recovered = int(line.split("recovered ")[1].split()[0])
-        recovery = float(line.split(" in ")[-1].split(" s;")[0])
+        recovery, recovered = recovery_of(log)
         return recovery, ready, recovered
+
+
+def recovery_of(log: Path) -> tuple[float, int]:
+    """(seconds, blocks) of the recovery a vault's start-up line reports in its `log`."""
+    line = next(line for line in log.read_text().splitlines() if "recovered" in line)
+    return float(line.split(" in ")[-1].split(" s;")[0]), int(
+        line.split("recovered ")[1].split()[0]
+    )
 
 
 def direct_vs_buffered_gbps(parent: Path, size: int = 512 * MIB) -> tuple[float, float]:

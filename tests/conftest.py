@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -162,22 +163,35 @@ def start_subprocess_vault(
     args: Sequence[str] = (),
     config_text: str = "",
     host: str = LOOPBACK,
+    file_size_limit: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """`tierkv vault` on host:port (127.0.0.1, or another loopback address) with the given
-    config; its output goes to a log file."""
+    config; its output goes to a log file. With `file_size_limit`, no file the vault writes
+    grows past that many bytes (RLIMIT_FSIZE, SIGXFSZ ignored: the write that meets it is cut
+    short, then fails with EFBIG, as on a full disk)."""
     config = work_dir / f"vault-{port}.toml"
     config.write_text(config_text)
     log_path = work_dir / f"vault-{port}.log"
     command = [sys.executable, "-m", "tierkv", "vault", "--config", str(config)]
     command += ["--listen", f"{host}:{port}", "--max-bytes", max_bytes, "--role", role]
     command += args
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    # (an ignored signal stays ignored across exec; a preexec_fn could hang in a child forked
+    # from this process's threads)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN) if file_size_limit else None
+    try:
+        with log_path.open("wb") as log:
+            process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+    finally:
+        if ignored is not None:
+            signal.signal(signal.SIGXFSZ, ignored)
+    if file_size_limit:
+        limit = (file_size_limit, resource.RLIM_INFINITY)
+        resource.prlimit(process.pid, resource.RLIMIT_FSIZE, limit)
     return process, log_path
 
 
@@ -194,11 +208,12 @@ def vault_factory(tmp_path: Path) -> Iterator[Callable[..., VaultHandle]]:
         args: Sequence[str] = (),
         config: str = "",
         token: str | None = None,
+        file_size_limit: int | None = None,
     ) -> VaultHandle:
         if subprocess:
             port = pick_free_port()
             process, log_path = start_subprocess_vault(
-                port, str(max_bytes), role, tmp_path, args, config
+                port, str(max_bytes), role, tmp_path, args, config, file_size_limit=file_size_limit
             )
             handle = VaultHandle(
                 address=f"{LOOPBACK}:{port}", port=port, process=process, log_path=log_path

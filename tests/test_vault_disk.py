@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import struct
 import threading
 import time
@@ -309,8 +311,10 @@ def test_a_failing_disk_write_is_logged_and_the_writer_keeps_going(
         time.sleep(0.01)
     assert "cannot write" in caplog.text
     assert read(disk, [1]) == [None]  # never written: a miss, not a stall
-    write(disk, 2)
-    assert disk.wait_for_room(timeout=30)
+    since = disk.mark()
+    write(disk, 2)  # in a new segment: what the failed write left cannot be cut off this one
+    assert disk.wait_written(disk.mark(), timeout=30, since=since)
+    assert read(disk, [2]) == [payload(2)]
     assert disk.close(timeout=30) == 0
 
 
@@ -381,3 +385,118 @@ def test_a_block_the_disk_can_never_hold_is_rejected_not_acknowledged(tmp_path: 
     small = payload(2, MIB)
     assert store.put(NS, key(2), 0, small, block_checksum(NS, key(2), 0, small)) is None
     store.close(timeout=30)
+
+
+def test_a_write_that_met_a_full_disk_leaves_no_record_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch cut short by a full disk (here RLIMIT_FSIZE, whose EFBIG a full disk's ENOSPC
+    resembles) left its complete records behind the point the next write starts at: a shorter
+    write then put an older, never acknowledged copy of a block after its acknowledged one,
+    and the restart served the old copy."""
+    victim, other = b"A" * 16, b"B" * 16
+    disk = DiskTier(tmp_path / "disk", 64 * MIB, "never")
+    gate = threading.Event()
+    append = disk._append
+
+    taken = threading.Event()
+
+    def held_back(batch: list[Any]) -> None:
+        taken.set()
+        gate.wait(60)
+        append(batch)
+
+    monkeypatch.setattr(disk, "_append", held_back)
+    write(disk, 0)  # the writer takes it alone and waits at the gate
+    assert taken.wait(30)
+    old, new, big = payload(1, 100), payload(2, 100), payload(3, 64 * 1024)
+    since = disk.mark()
+    disk.write(
+        other, key(9), 0, payload(9, 4096), block_checksum(other, key(9), 0, payload(9, 4096))
+    )
+    disk.write(victim, key(1), 0, old, block_checksum(victim, key(1), 0, old))
+    disk.write(other, key(8), 0, big, block_checksum(other, key(8), 0, big))
+    [segment] = (tmp_path / "disk").glob("*.seg")
+    limit = 1000 + 4096 + 100 + 32 * 1024 + 3 * 100  # mid-way through the big block's record
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    ignored = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        gate.set()
+        assert not disk.wait_written(disk.mark(), timeout=30, since=since)  # the batch failed
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, ignored)
+    assert segment.stat().st_size <= 1000 + 200  # only the first block's record is left
+    since = disk.mark()
+    disk.write(victim, key(1), 0, new, block_checksum(victim, key(1), 0, new))
+    assert disk.wait_written(disk.mark(), timeout=30, since=since)
+    disk.close()
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    found = disk.read_many(victim, [(key(1), 0)])[0]
+    assert found is not None and bytes(found[0]) == new
+    assert disk.recovery.damaged == []
+    disk.close()
+
+
+def test_a_clear_drops_queued_blocks_and_keeps_those_stored_after_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clear takes the namespace's queued blocks with it (the writer skips them), a block
+    stored again after the clear is kept, live and after a restart, and other namespaces are
+    untouched; the counts agree with what is left."""
+    other = b"o" * 16
+    disk = DiskTier(tmp_path / "disk", 64 * MIB, "never")
+    for i in range(3):
+        write(disk, i)
+    data = payload(7)
+    disk.write(other, key(7), 0, data, block_checksum(other, key(7), 0, data))
+    assert disk.wait_written(disk.mark(), timeout=30)
+    gate = threading.Event()
+    append = disk._append
+
+    def held_back(batch: list[Any]) -> None:
+        gate.wait(60)
+        append(batch)
+
+    monkeypatch.setattr(disk, "_append", held_back)
+    write(disk, 3)
+    write(disk, 4)  # queued behind the gate
+    cleared = disk.clear(NS)
+    assert len(cleared) == 5 and (key(4), 0) in cleared and (key(0), 0) in cleared
+    write(disk, 4, size=500)  # stored again after the clear
+    assert read(disk, [0, 3, 4]) == [None, None, payload(4, 500)]
+    gate.set()
+    assert disk.wait_written(disk.mark(), timeout=30)
+    assert read(disk, [0, 3, 4]) == [None, None, payload(4, 500)]
+    stats = disk.stats()
+    assert (stats.entries, stats.live_bytes, stats.queued_bytes) == (2, 1500, 0)
+    disk.close()
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    assert read(disk, [0, 1, 2, 3, 4]) == [None] * 4 + [payload(4, 500)]
+    assert disk.read_many(other, [(key(7), 0)])[0] is not None
+    assert (disk.recovery.blocks, disk.recovery.payload_bytes) == (2, 1500)
+    disk.close()
+
+
+def test_no_record_of_the_first_format_is_read_after_a_resynchronisation(disk_dir: Path) -> None:
+    """Recovery resynchronised inside a cut record at a copy of a real record (found by the
+    fuzz), then went on along the chain from there and took a record of the first format that
+    followed, which anyone can write, for one."""
+    victim, attacker = b"A" * 16, b"B" * 16
+    disk = DiskTier(disk_dir, 64 * MIB)
+    mine = payload(1)
+    disk.write(victim, key(1), 0, mine, block_checksum(victim, key(1), 0, mine))
+    assert disk.wait_written(disk.mark(), timeout=30)
+    [segment] = disk_dir.glob("*.seg")
+    real = segment.read_bytes()
+    planted = real + forged_record(0, victim, key(2), b"forged by B" * 50, b"TKVR")
+    carrier = b"x" * 100 + planted + b"y" * 100
+    disk.write(attacker, key(3), 0, carrier, block_checksum(attacker, key(3), 0, carrier))
+    disk.close(timeout=30)
+    os.truncate(segment, segment.read_bytes().index(b"y" * 100) + 50)
+    disk = DiskTier(disk_dir, 64 * MIB)
+    assert disk.read_many(victim, [(key(2), 0)]) == [None]
+    found = disk.read_many(victim, [(key(1), 0)])[0]
+    assert found is not None and bytes(found[0]) == mine
+    disk.close()

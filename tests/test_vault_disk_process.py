@@ -16,11 +16,14 @@ from pathlib import Path
 
 import pytest
 from conftest import LOOPBACK, VaultHandle
+from test_vault_auth import ALICE, BOB
+from test_vault_disk import forged_record
 
 from tierkv.config import MIB
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.bulk import BulkConnection, BulkError
 from tierkv.vault.client import VaultClient, VaultStats
+from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR
 from tierkv.vault.wire import block_checksum
 
 NS = b"disk-test-000000"
@@ -45,16 +48,18 @@ def put_all(address: str, indices: Sequence[int]) -> None:
         assert client.stored_puts == len(indices), client.counters()
 
 
-def read_back(address: str, wanted: int | Sequence[int]) -> dict[int, bytes]:
+def read_back(
+    address: str, wanted: int | Sequence[int], size_of: Callable[[int], int] = lambda _: BLOCK
+) -> dict[int, bytes]:
     """Every block of `wanted` (a count: 0..count-1) the vault returns, each checked byte for
-    byte."""
+    byte (block i of `size_of(i)` bytes)."""
     indices = range(wanted) if isinstance(wanted, int) else wanted
     with VaultClient(address, deadline_s=30, promote_deadline_s=120) as client:
         found = client.promote(NS, [key(i) for i in indices], [0])
         assert client.checksum_failures == 0
     blocks = {indices[index]: bytes(data) for (index, _), data in found.items()}
     for index, data in blocks.items():
-        assert data == payload(index), f"block {index} came back altered"
+        assert data == payload(index, size_of(index)), f"block {index} came back altered"
     return blocks
 
 
@@ -140,34 +145,92 @@ def test_kill_9_mid_write_loses_no_acknowledged_block(
 
 
 def put_until_killed(
-    vault: VaultHandle, first: int, sent: set[int], acknowledged: set[int], lock: threading.Lock
+    vault: VaultHandle,
+    first: int,
+    sent: set[int],
+    acknowledged: set[int],
+    lock: threading.Lock,
+    size_of: Callable[[int], int] = lambda _: BLOCK,
+    per_frame: int = 4,
+    refusals: dict[int, str] | None = None,
 ) -> None:
-    """PUT frames of 4 blocks on a bulk connection of its own until the vault dies; adds each
-    block to `sent` before sending it and to `acknowledged` once the vault said it stored it."""
+    """PUT frames of `per_frame` blocks (block j of `size_of(j)` bytes) on a bulk connection of
+    its own until the vault dies; adds each block to `sent` before sending it and to
+    `acknowledged` once the vault said it stored it (else its reason to `refusals`)."""
     with VaultClient(vault.address) as client:
         port, _ = client.bulk_path()
     connection = BulkConnection(LOOPBACK, port, timeout_s=30)
     i = first
     try:
         while True:
-            indices = range(i, i + 4)
-            i += 4
+            indices = range(i, i + per_frame)
+            i += per_frame
+            payloads = [payload(j, size_of(j)) for j in indices]
             index = vault_pb2.PutIndex(
                 namespace=NS,
                 keys=[key(j) for j in indices],
-                parts=[0] * 4,
-                lengths=[BLOCK] * 4,
-                checksums=[block_checksum(NS, key(j), 0, payload(j)) for j in indices],
+                parts=[0] * per_frame,
+                lengths=[len(data) for data in payloads],
+                checksums=[
+                    block_checksum(NS, key(j), 0, data)
+                    for j, data in zip(indices, payloads, strict=True)
+                ],
             )
             with lock:
                 sent.update(indices)
-            frame = (index, [payload(j) for j in indices])
-            [summary] = connection.put([frame], time.monotonic() + 60)
-            rejected = {r.key for r in summary.rejections}
+            [summary] = connection.put([(index, payloads)], time.monotonic() + 60)
+            rejected = {r.key: r.reason for r in summary.rejections}
             with lock:
                 acknowledged.update(j for j in indices if key(j) not in rejected)
+                if refusals is not None:
+                    refusals.update((j, rejected[key(j)]) for j in indices if key(j) in rejected)
     except BulkError:
         return  # the vault was killed
+
+
+DISK_CAP = "16MiB"
+MIXED = (48 * 1024, 15 * MIB + MIB // 2, 300 * 1024, 17 * MIB, MIB, 7 * 1024)
+"""Block sizes of a mixed stream: the 15.5 and 17 MiB ones never fit a 16 MiB disk tier."""
+
+
+def mixed_size(i: int) -> int:
+    return MIXED[i % len(MIXED)]
+
+
+def test_kill_9_during_puts_of_mixed_sizes_loses_no_acknowledged_block(
+    vault_factory: Callable[..., VaultHandle], disk_dir: Path
+) -> None:
+    """A block larger than the disk tier was acknowledged, then left out of the disk without a
+    word, and gone after kill -9: such blocks are refused with the reason, and every block
+    acknowledged comes back, intact, from a stream of blocks of every size."""
+    args = ["--disk-dir", str(disk_dir), "--disk-max-bytes", DISK_CAP]
+    vault = vault_factory("64MiB", subprocess=True, args=args)  # RAM would hold them all
+    acknowledged: set[int] = set()
+    sent: set[int] = set()
+    refusals: dict[int, str] = {}
+    lock = threading.Lock()
+    writers = [
+        threading.Thread(
+            target=put_until_killed,
+            args=(vault, first, sent, acknowledged, lock, mixed_size, 1, refusals),
+        )
+        for first in (0, 100_002)  # (both writers start the cycle of sizes at the same place)
+    ]
+    for writer in writers:
+        writer.start()
+    deadline = time.monotonic() + 120
+    while len(acknowledged) < 16:  # about 4 MiB acknowledged: the disk cap drops nothing yet
+        assert time.monotonic() < deadline and all(w.is_alive() for w in writers)
+        time.sleep(0.005)
+    vault.kill()
+    for writer in writers:
+        writer.join()
+    again = vault_factory("64MiB", subprocess=True, args=args)
+    blocks = read_back(again.address, sorted(sent), mixed_size)  # each checked byte for byte
+    assert acknowledged <= set(blocks), sorted(acknowledged - set(blocks))
+    too_big = {i for i in sent if mixed_size(i) > 15 * MIB}
+    assert too_big and not too_big & acknowledged
+    assert all("never fits the disk tier" in refusals[i] for i in too_big & set(refusals))
 
 
 def test_a_damaged_segment_byte_is_a_miss_for_that_block_only(
@@ -225,3 +288,42 @@ def test_a_second_vault_on_the_same_disk_dir_refuses(
     assert len(second.stderr.strip().splitlines()) == 1
     put_all(vault.address, range(4))  # the first vault is unharmed
     assert len(read_back(vault.address, 4)) == 4
+
+
+@pytest.mark.parametrize("magic", [b"TKVR", b"TKV2"])
+def test_a_record_planted_in_a_write_that_met_a_full_disk_is_never_recovered(
+    vault_factory: Callable[..., VaultHandle], disk_dir: Path, tmp_path: Path, magic: bytes
+) -> None:
+    """Tenant bob's block holds a CLEAR of alice's namespace and a whole record of it; its
+    write meets a full disk, the vault stops cleanly and starts again: alice gets a miss for
+    the planted block, never bob's bytes, and keeps every block of her own."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
+    tokens.chmod(0o600)
+    config = f'[security]\ntoken_file = "{tokens}"\n'
+    args = ["--disk-dir", str(disk_dir)]
+    full = 2 * MIB  # alice's 1 MiB fits, bob's 3 MiB does not
+    vault = vault_factory(
+        "64MiB", subprocess=True, args=args, config=config, token=ALICE, file_size_limit=full
+    )
+    alices = b"alice/" + NS
+    planted = forged_record(KIND_CLEAR, alices, b"", b"", magic)
+    planted += forged_record(KIND_BLOCK, alices, key(9), b"forged by bob" * 50, magic)
+    carrier = b"x" * 1000 + planted + b"y" * (3 * MIB)  # cut by the full disk after `planted`
+    with VaultClient(vault.address, token=ALICE) as alice:
+        for i in range(4):
+            alice.put(NS, key(i), 0, payload(i))
+        assert alice.flush(timeout=30) and alice.stored_puts == 4
+    with VaultClient(vault.address, token=BOB) as bob:
+        bob.put(NS, key(1), 0, carrier)
+        bob.flush(timeout=30)
+        assert (bob.stored_puts, bob.rejected_puts) == (0, 1)  # the disk did not take it
+    vault.stop()
+    assert "cannot write" in log_of(vault)
+    again = vault_factory("64MiB", subprocess=True, args=args, config=config, token=ALICE)
+    with VaultClient(again.address, token=ALICE, deadline_s=30) as alice:
+        found = alice.promote(NS, [key(i) for i in (0, 1, 2, 3, 9)], [0])
+        assert alice.checksum_failures == 0
+    assert {index: bytes(data) for (index, _), data in found.items()} == {
+        i: payload(i) for i in range(4)
+    }

@@ -5,15 +5,18 @@ kind, namespace and key lengths, part, payload length, payload checksum; then na
 a MAC of all of that under the directory's record key) followed by the payload. The payload
 checksum is `wire.block_checksum`, seeded with the block's address, so a damaged or misfiled
 payload is a miss when read, never served. Deletes and clears are records too (kinds DELETE,
-CLEAR), so a restart does not bring back what was removed.
+CLEAR), so a restart does not bring back what was removed. The index is kept per namespace, so
+a clear drops its namespace's index at once, live and when its record is replayed at start-up:
+neither costs more with the blocks other namespaces hold, nor a restart with the clears made.
 
 Writes are queued (`write`, `spill`) and appended by one background thread with `pwritev`; a
 queued block is readable from memory until it lands. `mark` and `wait_written` tell a caller
 when what it queued has been handed to the kernel (and synced, under fsync "always"): from then
 on a crash of the process cannot lose it, only a crash of the machine can (fsync decides how
-much). On start the index is rebuilt by reading headers only (payloads are seeked past); an
-invalid header is skipped up to the next valid one, and a torn tail (the last record cut short
-by a crash) is truncated and reported.
+much). A write that fails part-way (a full disk) is cut off its segment again, so nothing of
+it lies past where the next write starts. On start the index is rebuilt by reading headers only
+(payloads are seeked past); an invalid header is skipped up to the next valid one, and a torn
+tail (the last record cut short by a crash) is truncated and reported.
 
 Payloads are tenants' bytes, so a payload may hold what looks like a whole record, for another
 tenant's namespace or a CLEAR of it. Recovery must never take such bytes for a record: the
@@ -21,7 +24,7 @@ header MAC is keyed BLAKE2b under `record.key`, 32 random bytes made when the di
 used (mode 0600, never sent anywhere), so only the vault can write a header that verifies, and
 the scan resynchronises after damage only at such headers. Records of the first format (magic
 TKVR, unkeyed xxh3 header checksum) are still read where the chain of records from a segment's
-start reaches them, never as a place to resynchronise at.
+start reaches them, never as a place to resynchronise at nor after one.
 
 Past `max_bytes` the oldest segment is dropped, with a second chance (CLOCK over segments): the
 blocks of it read since they were written (`read_many`, or `touch` for reads the RAM tier
@@ -47,8 +50,8 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -150,6 +153,38 @@ class _Op(NamedTuple):
     checksum: int
 
 
+BlockKey = tuple[bytes, int]
+"""(block key, part) within a namespace"""
+
+
+@dataclass
+class _Space:
+    """One namespace's blocks: where each lies on disk, which were read since written, which
+    are queued. A clear drops the whole object, so it costs the same however many blocks the
+    namespace (or the tier) holds."""
+
+    index: dict[BlockKey, Location] = field(default_factory=dict)
+    parts: dict[bytes, set[int]] = field(default_factory=dict)
+    read: set[BlockKey] = field(default_factory=set)  # kept on eviction
+    live_bytes: int = 0
+    queued: dict[BlockKey, _Op] = field(default_factory=dict)
+    queued_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """What `DiskTier.clear` took away from one namespace: blocks on disk and blocks queued."""
+
+    on_disk: Collection[BlockKey]
+    queued: Collection[BlockKey]
+
+    def __contains__(self, block: object) -> bool:
+        return block in self.on_disk or block in self.queued
+
+    def __len__(self) -> int:
+        return len(self.on_disk) + sum(block not in self.on_disk for block in self.queued)
+
+
 def _header_mac(record_key: bytes, body: bytes) -> bytes:
     return hashlib.blake2b(body, key=record_key, digest_size=_HEADER_SUM.size).digest()
 
@@ -216,18 +251,17 @@ class DiskTier:
         self._record_key = _record_key(self.directory)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._index: dict[EntryKey, Location] = {}
-        self._parts: dict[tuple[bytes, bytes], set[int]] = {}
-        self._segment_keys: dict[int, set[EntryKey]] = {}
-        self._read: set[EntryKey] = set()  # on disk and read since written: kept on eviction
+        self._spaces: dict[bytes, _Space] = {}
+        self._indexed = 0  # blocks in the spaces' indexes
+        self._segment_keys: dict[int, set[EntryKey]] = {}  # may name blocks since gone
         self._fds: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
         self._queue: deque[_Op] = deque()
-        self._queued: dict[EntryKey, _Op] = {}
         self._queued_bytes = 0
         self._live_bytes = 0
         self._evictions = self._kept = self._corrupt = 0
         self._closing = False
+        self._torn = False  # the active segment holds remains of a failed write past its size
         self._busy = False
         self._enqueued = self._taken = self._handled = 0  # ops queued / taken / written so far
         self._failed: deque[tuple[int, int]] = deque()  # (first, last] ops of failed batches
@@ -235,7 +269,7 @@ class DiskTier:
         started = time.monotonic()
         damaged = [problem for segment in self._segment_ids() for problem in self._scan(segment)]
         self.recovery = Recovery(
-            len(self._index), self._live_bytes, time.monotonic() - started, damaged
+            self._indexed, self._live_bytes, time.monotonic() - started, damaged
         )
         self._active = max(self._fds, default=0) + 1
         self._open_segment(self._active)
@@ -256,7 +290,8 @@ class DiskTier:
     ) -> None:
         """Queue a block only if the disk has no copy of it (the RAM tier evicts it)."""
         with self._lock:
-            if (namespace, key, part) in self._queued or (namespace, key, part) in self._index:
+            space = self._spaces.get(namespace)
+            if space is not None and ((key, part) in space.queued or (key, part) in space.index):
                 return
         self.write(namespace, key, part, payload, checksum)
 
@@ -298,8 +333,11 @@ class DiskTier:
     def has(self, namespace: bytes, key: bytes, parts: Sequence[int]) -> bool:
         """Whether every one of `parts` of the block is on disk or queued."""
         with self._lock:
-            on_disk = self._parts.get((namespace, key), ())
-            return all(part in on_disk or (namespace, key, part) in self._queued for part in parts)
+            space = self._spaces.get(namespace)
+            if space is None:
+                return False
+            on_disk = space.parts.get(key, ())
+            return all(part in on_disk or (key, part) in space.queued for part in parts)
 
     def read_many(
         self, namespace: bytes, wanted: Sequence[tuple[bytes, int]]
@@ -308,11 +346,12 @@ class DiskTier:
         found: list[tuple[bytes | memoryview, int] | None] = [None] * len(wanted)
         located: list[tuple[Location, int]] = []
         with self._lock:
-            for position, (key, part) in enumerate(wanted):
-                op = self._queued.get((namespace, key, part))
+            space = self._spaces.get(namespace) or _Space()
+            for position, block in enumerate(wanted):
+                op = space.queued.get(block)
                 if op is not None:
                     found[position] = (op.payload, op.checksum)
-                elif (loc := self._index.get((namespace, key, part))) is not None:
+                elif (loc := space.index.get(block)) is not None:
                     located.append((loc, position))
             fds = {loc.segment: os.dup(self._fds[loc.segment]) for loc, _ in located}
         try:
@@ -335,40 +374,47 @@ class DiskTier:
     def touch(self, namespace: bytes, read: Sequence[tuple[bytes, int]]) -> None:
         """Mark blocks as read (the RAM tier served them), so eviction keeps their disk copy."""
         with self._lock:
-            for key, part in read:
-                if (namespace, key, part) in self._index:
-                    self._read.add((namespace, key, part))
+            space = self._spaces.get(namespace)
+            if space is not None:
+                space.read.update(block for block in read if block in space.index)
 
     def delete(self, namespace: bytes, keys: Sequence[bytes]) -> set[EntryKey]:
         """Remove every part of `keys`; the (namespace, key, part) entries that went."""
         removed: set[EntryKey] = set()
-        with self._lock:
-            doomed = {(namespace, key) for key in keys}
-            removed |= self._drop_queued(lambda ek: (ek[0], ek[1]) in doomed)
+        with self._changed:
+            space = self._spaces.get(namespace)
+            if space is not None:
+                doomed = set(keys)
+                for block in [block for block in space.queued if block[0] in doomed]:
+                    self._unqueue(space, block)
+                    removed.add((namespace, *block))
+                for key in keys:
+                    for part in list(space.parts.get(key, ())):
+                        self._unindex((namespace, key, part))
+                        removed.add((namespace, key, part))
+                self._prune(namespace)
             for key in keys:
-                for part in list(self._parts.get((namespace, key), ())):
-                    self._unindex((namespace, key, part))
-                    removed.add((namespace, key, part))
-        for key in keys:
-            self._enqueue(_Op(KIND_DELETE, namespace, key, 0, b"", 0))
+                self._enqueue_locked(_Op(KIND_DELETE, namespace, key, 0, b"", 0))
         return removed
 
-    def clear(self, namespace: bytes) -> set[EntryKey]:
-        """Remove everything under `namespace`; the entries that went."""
-        with self._lock:
-            removed = self._drop_queued(lambda ek: ek[0] == namespace)
-            doomed = [ek for ek in self._index if ek[0] == namespace]
-            for entry_key in doomed:
-                self._unindex(entry_key)
-            removed.update(doomed)
-        self._enqueue(_Op(KIND_CLEAR, namespace, b"", 0, b"", 0))
-        return removed
+    def clear(self, namespace: bytes) -> Cleared:
+        """Remove everything under `namespace` at once (however much it or the tier holds);
+        what went."""
+        with self._changed:
+            space = self._drop_space(namespace)
+            self._enqueue_locked(_Op(KIND_CLEAR, namespace, b"", 0, b"", 0))
+        return Cleared(space.index.keys(), space.queued.keys())
 
     def stats(self) -> DiskStats:
         """A consistent snapshot of the counters."""
         with self._lock:
             return DiskStats(
-                entries=len(self._index) + sum(ek not in self._index for ek in self._queued),
+                entries=self._indexed
+                + sum(
+                    block not in space.index
+                    for space in self._spaces.values()
+                    for block in space.queued
+                ),
                 bytes_used=sum(self._sizes.values()),
                 max_bytes=self.max_bytes,
                 live_bytes=self._live_bytes,
@@ -387,7 +433,7 @@ class DiskTier:
         with self._changed:
             self._changed.wait_for(lambda: not self._queue and not self._busy, timeout)
             self._closing = True
-            left = len(self._queued)
+            left = sum(len(space.queued) for space in self._spaces.values())
             self._changed.notify_all()
         self._writer.join()
         with self._lock:
@@ -441,14 +487,16 @@ class DiskTier:
         name = self._segment_path(segment).name
         damaged = []
         pos = 0
+        legacy = True  # records of the first format only on the chain from the segment's start
         while pos < size:
-            parsed = _read_header(fd, pos, self._record_key)
+            parsed = _read_header(fd, pos, self._record_key, legacy)
             if parsed is not None and pos + parsed[1] + parsed[2] <= size:
                 op, header_len, length = parsed
-                self._apply(op, Location(segment, pos, header_len, length, op.checksum))
+                self._replay(op, Location(segment, pos, header_len, length, op.checksum))
                 pos += header_len + length
                 continue
             resume = _next_header(fd, pos + 1, size, self._record_key)
+            legacy = False
             if resume is None:
                 os.ftruncate(fd, pos)
                 damaged.append(f"{name}: torn tail of {size - pos} bytes at {pos} truncated")
@@ -462,66 +510,111 @@ class DiskTier:
             self._segment_path(segment).unlink()
         return damaged
 
-    def _apply(self, op: _Op, loc: Location) -> None:
-        """Replay one record found at `loc`; the caller holds the lock (or is starting up)."""
+    def _replay(self, op: _Op, loc: Location) -> None:
+        """Replay one record found at `loc` on start-up (a CLEAR costs the same whatever the
+        namespace holds, so a restart costs the same however many clears came before)."""
         if op.kind == KIND_DELETE:
-            for part in list(self._parts.get((op.namespace, op.key), ())):
+            space = self._spaces.get(op.namespace)
+            for part in list(space.parts.get(op.key, ())) if space else ():
                 self._unindex((op.namespace, op.key, part))
+            self._prune(op.namespace)
         elif op.kind == KIND_CLEAR:
-            for entry_key in [ek for ek in self._index if ek[0] == op.namespace]:
-                self._unindex(entry_key)
+            self._drop_space(op.namespace)
         else:
             self._reindex(_key(op), loc)
 
     # ---- index bookkeeping (caller holds the lock) ------------------------------------------
 
+    def _location(self, entry_key: EntryKey) -> Location | None:
+        space = self._spaces.get(entry_key[0])
+        return space.index.get(entry_key[1:]) if space is not None else None
+
+    def _queued_op(self, op: _Op) -> _Op | None:
+        """The op queued for the block `op` writes (it, a newer one, or none)."""
+        space = self._spaces.get(op.namespace)
+        return space.queued.get((op.key, op.part)) if space is not None else None
+
     def _reindex(self, entry_key: EntryKey, loc: Location) -> None:
         """Index a new copy of the block at `loc` (unread so far)."""
-        self._unindex(entry_key)
-        self._index[entry_key] = loc
-        self._parts.setdefault(entry_key[:2], set()).add(entry_key[2])
-        self._segment_keys[loc.segment].add(entry_key)
+        namespace, key, part = entry_key
+        space = self._spaces.setdefault(namespace, _Space())
+        old = space.index.get((key, part))
+        if old is None:
+            space.parts.setdefault(key, set()).add(part)
+            self._indexed += 1
+        else:
+            space.read.discard((key, part))
+            space.live_bytes -= old.length
+            self._live_bytes -= old.length
+        space.index[key, part] = loc
+        space.live_bytes += loc.length
         self._live_bytes += loc.length
+        self._segment_keys[loc.segment].add(entry_key)
 
     def _unindex(self, entry_key: EntryKey) -> None:
-        loc = self._index.pop(entry_key, None)
-        if loc is None:
+        """Forget where a block lies (the caller prunes its space once done with it)."""
+        namespace, key, part = entry_key
+        space = self._spaces.get(namespace)
+        loc = space.index.pop((key, part), None) if space is not None else None
+        if space is None or loc is None:
             return
-        self._read.discard(entry_key)
+        self._indexed -= 1
+        space.read.discard((key, part))
+        space.live_bytes -= loc.length
         self._live_bytes -= loc.length
-        parts = self._parts[entry_key[:2]]
-        parts.discard(entry_key[2])
+        parts = space.parts[key]
+        parts.discard(part)
         if not parts:
-            del self._parts[entry_key[:2]]
+            del space.parts[key]
 
-    def _drop_queued(self, doomed: Callable[[EntryKey], bool]) -> set[EntryKey]:
-        removed = {ek for ek in self._queued if doomed(ek)}
-        for entry_key in removed:
-            self._queued_bytes -= len(self._queued.pop(entry_key).payload)
-        if removed:
+    def _unqueue(self, space: _Space, block: BlockKey) -> None:
+        size = len(space.queued.pop(block).payload)
+        space.queued_bytes -= size
+        self._queued_bytes -= size
+        self._changed.notify_all()
+
+    def _prune(self, namespace: bytes) -> None:
+        """Drop the namespace's space once it holds nothing."""
+        space = self._spaces.get(namespace)
+        if space is not None and not space.index and not space.queued:
+            del self._spaces[namespace]
+
+    def _drop_space(self, namespace: bytes) -> _Space:
+        """Take a namespace's blocks off the tier (on disk and queued) at once."""
+        space = self._spaces.pop(namespace, None) or _Space()
+        self._indexed -= len(space.index)
+        self._live_bytes -= space.live_bytes
+        if space.queued:
+            self._queued_bytes -= space.queued_bytes
             self._changed.notify_all()
-        return removed
+        return space
 
     def _forget_corrupt(self, entry_key: EntryKey, loc: Location) -> None:
         with self._lock:
-            if self._index.get(entry_key) == loc:
+            if self._location(entry_key) == loc:
                 self._unindex(entry_key)
+                self._prune(entry_key[0])
                 self._corrupt += 1
 
     # ---- the writer thread -------------------------------------------------------------------
 
     def _enqueue(self, op: _Op) -> None:
         with self._changed:
-            if self._closing:
-                return
-            if op.kind == KIND_BLOCK:
-                entry_key = (op.namespace, op.key, op.part)
-                old = self._queued.pop(entry_key, None)
-                self._queued_bytes += len(op.payload) - (len(old.payload) if old else 0)
-                self._queued[entry_key] = op
-            self._queue.append(op)
-            self._enqueued += 1
-            self._changed.notify_all()
+            self._enqueue_locked(op)
+
+    def _enqueue_locked(self, op: _Op) -> None:
+        if self._closing:
+            return
+        if op.kind == KIND_BLOCK:
+            space = self._spaces.setdefault(op.namespace, _Space())
+            old = space.queued.pop((op.key, op.part), None)
+            size = len(op.payload) - (len(old.payload) if old else 0)
+            space.queued[op.key, op.part] = op
+            space.queued_bytes += size
+            self._queued_bytes += size
+        self._queue.append(op)
+        self._enqueued += 1
+        self._changed.notify_all()
 
     def _write_loop(self) -> None:
         while True:
@@ -535,7 +628,7 @@ class DiskTier:
                 while self._queue and size < MAX_READ_BYTES:
                     op = self._queue.popleft()
                     self._taken += 1
-                    if op.kind != KIND_BLOCK or self._queued.get(_key(op)) is op:
+                    if op.kind != KIND_BLOCK or self._queued_op(op) is op:
                         batch.append(op)
                         size += len(op.payload)
                 self._busy = bool(batch)
@@ -567,6 +660,9 @@ class DiskTier:
 
     def _append(self, batch: list[_Op]) -> None:
         """Write `batch` to the active segment(s), then index the blocks still current."""
+        if self._torn:
+            self._roll()
+            self._torn = False
         written: list[tuple[_Op, Location]] = []
         iov: list[bytes | memoryview] = []
         start = offset = self._sizes[self._active]
@@ -590,11 +686,13 @@ class DiskTier:
             written.append((op, loc))
             offset += record_len
         self._write_iov(iov, start)
-        with self._changed:
+        with self._changed:  # (deletes and clears took effect when they were queued)
             for op, loc in written:
-                if op.kind != KIND_BLOCK:
-                    self._apply(op, loc)
-                elif self._queued.get(_key(op)) is op and loc.segment in self._sizes:
+                if (
+                    op.kind == KIND_BLOCK
+                    and self._queued_op(op) is op
+                    and loc.segment in self._sizes
+                ):
                     self._reindex(_key(op), loc)  # not replaced, deleted or dropped meanwhile
 
     def _forget(self, batch: list[_Op], taken: int) -> None:
@@ -602,8 +700,9 @@ class DiskTier:
         count the first `taken` queued ops as handled."""
         with self._changed:
             for op in batch:
-                if op.kind == KIND_BLOCK and self._queued.get(_key(op)) is op:
-                    self._queued_bytes -= len(self._queued.pop(_key(op)).payload)
+                if op.kind == KIND_BLOCK and self._queued_op(op) is op:
+                    self._unqueue(self._spaces[op.namespace], (op.key, op.part))
+                    self._prune(op.namespace)
             self._busy = False
             self._handled = taken
             self._changed.notify_all()
@@ -621,10 +720,19 @@ class DiskTier:
             return
         fd = self._fds[self._active]
         total = sum(map(len, iov))
-        done = os.pwritev(fd, iov, start)
-        while done < total:  # a short write: finish the rest from where it stopped
-            rest = b"".join(bytes(part) for part in iov)[done:]
-            done += os.pwrite(fd, rest, start + done)
+        try:
+            done = os.pwritev(fd, iov, start)
+            while done < total:  # a short write: finish the rest from where it stopped
+                rest = b"".join(bytes(part) for part in iov)[done:]
+                done += os.pwrite(fd, rest, start + done)
+        except OSError:
+            # What landed of a failed write goes: the next write starts at `start`, and the
+            # complete records of this batch left past its end would be replayed after it.
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                self._torn = True  # then the next write starts a new segment
+            raise
         with self._lock:
             self._sizes[self._active] = start + total
 
@@ -652,11 +760,14 @@ class DiskTier:
             kept: list[tuple[Location, int]] = []
             entry_keys: list[EntryKey] = []
             for entry_key in self._segment_keys[segment]:
-                loc = self._index.get(entry_key)
+                space = self._spaces.get(entry_key[0])
+                loc = space.index.get(entry_key[1:]) if space is not None else None
                 # A block queued again has a newer copy on its way: the old one must not follow.
-                if loc is None or loc.segment != segment or entry_key not in self._read:
+                if space is None or loc is None or loc.segment != segment:
                     continue
-                if entry_key in self._queued or chosen + loc.header_len + loc.length > budget:
+                if entry_key[1:] not in space.read or entry_key[1:] in space.queued:
+                    continue
+                if chosen + loc.header_len + loc.length > budget:
                     continue
                 chosen += loc.header_len + loc.length
                 kept.append((loc, len(entry_keys)))
@@ -692,7 +803,7 @@ class DiskTier:
         self._write_iov(iov, start)
         with self._lock:
             for op, old, new in moved:
-                if self._index.get(_key(op)) == old:
+                if self._location(_key(op)) == old:
                     self._reindex(_key(op), new)
                     self._kept += 1
 
@@ -707,9 +818,10 @@ class DiskTier:
     def _drop_segment(self, segment: int) -> None:
         with self._lock:
             for entry_key in self._segment_keys.pop(segment):
-                loc = self._index.get(entry_key)
+                loc = self._location(entry_key)
                 if loc is not None and loc.segment == segment:
                     self._unindex(entry_key)
+                    self._prune(entry_key[0])
                     self._evictions += 1
             os.close(self._fds.pop(segment))
             del self._sizes[segment]

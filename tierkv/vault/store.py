@@ -266,16 +266,21 @@ class VaultStore:
         return len(removed)
 
     def clear(self, namespace: bytes) -> int:
-        """Remove everything stored under `namespace`; returns how many entries went."""
+        """Remove everything stored under `namespace`; returns how many entries went.
+
+        The RAM tier's entries go a slice at a time, then the disk tier's all at once (its
+        clear costs the same whatever it holds), so other clients wait for neither."""
         doomed: set[EntryKey] = set()
         while True:
             with self._lock:
                 space = self._namespaces.get(namespace)
-                if space is None:
-                    if self.disk:
-                        doomed |= self.disk.clear(namespace)
-                    return len(doomed)
+                if space is None:  # (RAM first: its evictions spill to the disk)
+                    cleared = self.disk.clear(namespace) if self.disk else None
+                    break
                 doomed |= self._remove_keys(namespace, list(islice(space.parts, LOCK_SLICE)))
+        if cleared is None:
+            return len(doomed)
+        return len(cleared) + sum((key, part) not in cleared for _, key, part in doomed)
 
     def usage(self, prefix: bytes) -> tuple[int, int, int]:
         """(entries, bytes_used, evictions) of the RAM tier's namespaces starting with `prefix`
