@@ -18,6 +18,7 @@ from tierkv.cli.bench import results_table
 from tierkv.config import parse_address
 from tierkv.model_shapes import MODEL_SHAPES
 from tierkv.quant import get_codec
+from tierkv.quant.target import instruction_set
 
 # Fidelity floors per codec on the bench's KV-like data (outlier channels, drifting scales).
 MIN_COSINE = {
@@ -134,6 +135,7 @@ def test_single_codec_prints_one_object_and_the_table() -> None:
     table = runner.invoke(app, ["bench", "--tokens", "256", "--codec", "none"])
     assert table.exit_code == 0, table.output
     assert "promote" in table.stdout and "memcpy" in table.stdout
+    assert f"kernels for {instruction_set()}" in " ".join(table.stdout.split())  # vector width
 
 
 @pytest.mark.parametrize(
