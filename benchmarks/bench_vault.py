@@ -24,6 +24,18 @@ Every block size runs twice, plain and over TLS on both ports (a second vault wi
 certificate made for the run, tests/tls_certs.py; the `cryptography` package of the dev extra),
 so the cost of TLS shows beside the same memcpy.
 
+Sealed blocks (tierkv/seal.py, AES-256-GCM under a data key made for the run; --no-seal: not)
+run beside them on the plain vault: the "sealed" rows' Put seals every block on the calling
+thread and then puts the sealed copies (as ColdTier does), their Promote promotes and opens every
+block into pooled receive buffers (as ColdTier does). Then the cipher alone on the same blocks,
+seal and open GB/s on one thread (one engine core) and on two threads (how far it parallelises:
+`cryptography` 50 releases the GIL inside encrypt_into / decrypt_into). Last, the restore of
+--restore-tokens tokens of a model's KV (default 30000 tokens of the default `tierkv bench`
+shape, fp16, blocks of 256 tokens): promote unsealed against promote + open sealed, same vault,
+rounds interleaved, the ratio unsealed ÷ sealed (1.0: sealing costs nothing).
+With TLS rows, a bare socket stream between two processes (no tierkv code), plain and over
+Python's ssl, with the receiver's CPU per GiB: the ceiling of one bulk connection over TLS.
+
 --disk adds, in the same run, a vault with a disk tier (in a temporary directory under
 --disk-dir) and a RAM tier of two blocks: each round Puts every block (a Put is acknowledged
 once the disk tier has written it), so the blocks Promote returns come from disk: before
@@ -44,12 +56,13 @@ import mmap
 import os
 import signal
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,6 +73,9 @@ from rich.console import Console
 from rich.table import Table
 
 from tierkv.config import MIB, SecurityConfig, format_size, parse_size
+from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
+from tierkv.seal import KEY_BYTES, OVERHEAD_BYTES, Sealer, block_address
+from tierkv.vault.bulk import RECEIVE_BUFFERS
 from tierkv.vault.client import VaultClient
 from tierkv.vault.disk import DiskTier
 from tierkv.vault.memory import restart_with_huge_pages, reuse_freed_memory
@@ -67,6 +83,9 @@ from tierkv.vault.server import CHUNK_BYTES, serve
 from tierkv.vault.wire import block_checksum
 
 NAMESPACE = b"bench-vault-0000"
+SEALED_NAMESPACE = b"bench-vault-seal"
+RESTORE_BLOCK_TOKENS = 256
+"""Tokens per block of the restore figure (`tierkv bench`'s default)."""
 
 
 def memcpy_gbps(total: int, rounds: int) -> tuple[list[float], float]:
@@ -131,6 +150,59 @@ def raw_stream_gbps(total: int, chunk: int, rounds: int) -> list[float]:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+STREAM_BYTES = 8 * MIB
+"""Bytes per send and per receive buffer of the bare socket stream."""
+
+
+def serve_socket_stream(port: int, total: int, certs: str) -> None:
+    """Send `total` bytes to the one client of 127.0.0.1:`port`, over TLS when `certs` names
+    the directory of tests/tls_certs.py's files, in sendall calls of STREAM_BYTES."""
+    listener = socket.create_server(("127.0.0.1", port))
+    print("ready", flush=True)
+    sock, _ = listener.accept()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if certs:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(Path(certs) / "server.crt", Path(certs) / "server.key")
+        sock = context.wrap_socket(sock, server_side=True)
+    payload = memoryview(os.urandom(STREAM_BYTES))
+    for _ in range(total // STREAM_BYTES):
+        sock.sendall(payload)
+    sock.recv(1)  # the client's goodbye: all of it arrived
+    sock.close()
+
+
+def socket_stream(total: int, certs: Path | None) -> tuple[float, float]:
+    """(GB/s, receiving CPU s per GiB) of a bare socket stream of `total` bytes from another
+    process, over TLS with `certs` (Python's ssl: one 16 KiB record per recv_into), else plain
+    (MSG_WAITALL: one call per buffer): the ceiling of one bulk connection, without tierkv."""
+    port = _free_port()
+    command = [sys.executable, __file__, "--serve-socket", str(port), "--total", str(total)]
+    command += ["--socket-certs", str(certs or "")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "ready"
+        sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+        if certs is not None:
+            context = ssl.create_default_context(cafile=str(certs / "ca.crt"))
+            sock = context.wrap_socket(sock, server_hostname="127.0.0.1")
+        view = memoryview(bytearray(STREAM_BYTES))
+        started, cpu = time.perf_counter(), time.process_time()
+        for _ in range(total // STREAM_BYTES):
+            filled = 0
+            while filled < len(view):
+                if certs is None:
+                    filled += sock.recv_into(view[filled:], 0, socket.MSG_WAITALL)
+                else:
+                    filled += sock.recv_into(view[filled:])
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        sock.sendall(b"k")
+        sock.close()
+        return total / seconds / 1e9, cpu / (total / 2**30)
+    finally:
+        process.wait(timeout=60)
 
 
 def _free_port() -> int:
@@ -323,6 +395,153 @@ def bench_block_size(
     return figures
 
 
+def seal_all(
+    sealer: Sealer, keys: list[bytes], payloads: list[bytes]
+) -> list[tuple[bytes, memoryview]]:
+    """Every payload sealed for its address (an empty clear part), as the pieces a put takes."""
+    return [
+        sealer.seal(block_address(SEALED_NAMESPACE, key, 0), b"", memoryview(payload))
+        for key, payload in zip(keys, payloads, strict=True)
+    ]
+
+
+def open_all(sealer: Sealer, keys: list[bytes], found: dict[tuple[int, int], memoryview]) -> int:
+    """Open every promoted block into pooled receive buffers back to back, as ColdTier does;
+    the payload bytes opened. RuntimeError when one does not open."""
+    room = RECEIVE_BUFFERS.buffer_bytes
+    buffer, at, opened = RECEIVE_BUFFERS.take(), 0, 0
+    for index in range(len(keys)):
+        sealed = found[(index, 0)]
+        size = sealer.opened_bytes(sealed)
+        if at + size > room:
+            buffer, at = RECEIVE_BUFFERS.take(), 0
+        out = buffer.data[at : at + size] if size <= room else np.empty(size, np.uint8).data
+        sealer.open_into(block_address(SEALED_NAMESPACE, keys[index], 0), sealed, out)
+        at += size if size <= room else 0
+        opened += size
+    return opened
+
+
+def bench_sealed_block_size(
+    address: str, data: np.ndarray, block: int, rounds: int, sealer: Sealer
+) -> list[tuple[float, float]]:
+    """(seal + put GB/s, promote + open GB/s) per round, of payload bytes, for `data` cut into
+    blocks of `block` bytes, sealed."""
+    count = len(data) // block
+    total = count * block
+    payloads = [data[i * block : (i + 1) * block].tobytes() for i in range(count)]
+    keys = [i.to_bytes(16, "little") for i in range(count)]
+    figures = []
+    with VaultClient(
+        address, deadline_s=30, promote_deadline_s=300, max_pending_bytes=2 * total
+    ) as client:
+        for _ in range(rounds):
+            started = time.perf_counter()
+            for key, sealed in zip(keys, seal_all(sealer, keys, payloads), strict=True):
+                client.put(SEALED_NAMESPACE, key, 0, sealed)
+            if not client.flush(timeout=600):
+                raise RuntimeError(f"sealed puts were lost: {client.counters()}")
+            put_s = time.perf_counter() - started
+            started = time.perf_counter()
+            found = client.promote(SEALED_NAMESPACE, keys, [0])
+            if len(found) != count or client.checksum_failures:
+                raise RuntimeError(f"promote returned {len(found)} of {count} sealed blocks")
+            open_all(sealer, keys, found)
+            promote_s = time.perf_counter() - started
+            del found
+            figures.append((total / put_s / 1e9, total / promote_s / 1e9))
+        client.clear(SEALED_NAMESPACE)
+    return figures
+
+
+def cipher_gbps(
+    sealer: Sealer, data: np.ndarray, block: int, threads: int, rounds: int
+) -> tuple[float, float]:
+    """(seal, open) GB/s of payload bytes, best of `rounds` after a warm-up, of `data` in blocks
+    of `block` bytes on `threads` threads: seal as ColdTier does (each sealed copy in memory of
+    its own), open into memory already touched (as the tier's pooled buffers are)."""
+    count = len(data) // block
+    views = [data.data[i * block : (i + 1) * block] for i in range(count)]
+    addresses = [block_address(SEALED_NAMESPACE, i.to_bytes(16, "little"), 0) for i in range(count)]
+    sealed = [
+        b"".join(sealer.seal(address, b"", view))
+        for address, view in zip(addresses, views, strict=True)
+    ]
+    opened = np.empty(count * block, np.uint8)
+    opened.fill(0)
+
+    def seal_range(first: int, end: int) -> None:
+        for i in range(first, end):
+            sealer.seal(addresses[i], b"", views[i])
+
+    def open_range(first: int, end: int) -> None:
+        for i in range(first, end):
+            sealer.open_into(
+                addresses[i], memoryview(sealed[i]), opened.data[i * block : (i + 1) * block]
+            )
+
+    def timed(work: Callable[[int, int], None]) -> float:
+        bounds = [count * t // threads for t in range(threads + 1)]
+        best = 0.0
+        with futures.ThreadPoolExecutor(threads) as pool:
+            for round_number in range(rounds + 1):
+                started = time.perf_counter()
+                list(pool.map(work, bounds[:-1], bounds[1:]))
+                if round_number:  # the first is the warm-up
+                    best = max(best, count * block / (time.perf_counter() - started) / 1e9)
+        return best
+
+    seal = timed(seal_range)
+    return seal, timed(open_range)
+
+
+def restore_seconds(
+    address: str, tokens: int, model: str, rounds: int, sealer: Sealer
+) -> tuple[list[float], list[float], int, int]:
+    """(unsealed promote s, sealed promote + open s) per round, interleaved, of `tokens` tokens of
+    `model`'s fp16 KV in blocks of RESTORE_BLOCK_TOKENS (+ its linear-attention state, one block
+    per layer); and (bytes, blocks) restored."""
+    shape = MODEL_SHAPES[model]
+    block = RESTORE_BLOCK_TOKENS * shape.kv_bytes_per_token(2)
+    sizes = [block] * (tokens // RESTORE_BLOCK_TOKENS)
+    sizes += [shape.state_elements * 2] * shape.state_layers
+    rng = np.random.default_rng(2)
+    payloads = [rng.integers(0, 256, size, dtype=np.uint8).tobytes() for size in sizes]
+    keys = [i.to_bytes(16, "little") for i in range(len(sizes))]
+    total = sum(sizes)
+    plain_s, sealed_s = [], []
+    with VaultClient(
+        address,
+        deadline_s=30,
+        promote_deadline_s=300,
+        max_pending_bytes=2 * total + len(sizes) * OVERHEAD_BYTES,
+    ) as client:
+        for key, payload, sealed in zip(
+            keys, payloads, seal_all(sealer, keys, payloads), strict=True
+        ):
+            client.put(NAMESPACE, key, 0, payload)
+            client.put(SEALED_NAMESPACE, key, 0, sealed)
+        if not client.flush(timeout=600):
+            raise RuntimeError(f"restore blocks were lost: {client.counters()}")
+        for _ in range(rounds):
+            started = time.perf_counter()
+            found = client.promote(NAMESPACE, keys, [0])
+            plain_s.append(time.perf_counter() - started)
+            if len(found) != len(keys):
+                raise RuntimeError(f"promote returned {len(found)} of {len(keys)} blocks")
+            del found
+            started = time.perf_counter()
+            found = client.promote(SEALED_NAMESPACE, keys, [0])
+            if len(found) != len(keys):
+                raise RuntimeError(f"promote returned {len(found)} of {len(keys)} sealed blocks")
+            open_all(sealer, keys, found)
+            sealed_s.append(time.perf_counter() - started)
+            del found
+        client.clear(NAMESPACE)
+        client.clear(SEALED_NAMESPACE)
+    return plain_s, sealed_s, total, len(sizes)
+
+
 def add_rows(
     table: Table, path: str, block: str, figures: list[tuple[float, float]], warm: float
 ) -> None:
@@ -355,6 +574,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--in-process", action="store_true", help="embed the vault")
     parser.add_argument("--no-tls", action="store_true", help="skip the rows over TLS")
+    parser.add_argument("--no-seal", action="store_true", help="skip the sealed figures")
+    parser.add_argument(
+        "--restore-tokens", type=int, default=30000, help="tokens of the sealed restore figure"
+    )
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL_SHAPE, choices=sorted(MODEL_SHAPES), help="its KV shape"
+    )
     parser.add_argument(
         "--reuse-memory",
         action="store_true",
@@ -373,10 +599,15 @@ def main() -> int:
         "--restart", action="append", help="--disk: restart sizes (default 1GiB and 10GiB)"
     )
     parser.add_argument("--serve-raw", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--serve-socket", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--socket-certs", default="", help=argparse.SUPPRESS)
     parser.add_argument("--raw-chunk", type=int, default=CHUNK_BYTES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_raw:
         serve_raw_stream(args.serve_raw, parse_size(args.total), args.raw_chunk)
+        return 0
+    if args.serve_socket:
+        serve_socket_stream(args.serve_socket, parse_size(args.total), args.socket_certs)
         return 0
     if not args.plain_malloc:
         restart_with_huge_pages()
@@ -398,11 +629,19 @@ def main() -> int:
     table = Table(title="vault throughput (GB/s; ratio = / warm memcpy)")
     for column in ("path", "block", "round", "Put", "Put ratio", "Promote", "Promote ratio"):
         table.add_column(column, justify="right")
+    sealer = Sealer({1: os.urandom(KEY_BYTES)}, 1)
+    sealing: list[str] = []
     for tls in (False,) if args.no_tls else (False, True):
         with running_vault(args.in_process, tls) as (address, security):
             for block in blocks:
                 figures = bench_block_size(address, security, data, block, args.rounds)
                 add_rows(table, "TLS" if tls else "plain", format_size(block), figures, warm)
+            if tls or args.no_seal:
+                continue
+            for block in blocks:
+                figures = bench_sealed_block_size(address, data, block, args.rounds, sealer)
+                add_rows(table, "sealed", format_size(block), figures, warm)
+            sealing = sealing_lines(address, sealer, data, blocks, args, warm)
     for block in blocks if args.disk else []:
         disk_figures, disk_warm = bench_disk(data, block, args.rounds, args.disk_dir)
         add_rows(table, "disk", format_size(block), disk_figures, warm)
@@ -420,6 +659,8 @@ def main() -> int:
         f"numpy memcpy: warm median {warm:.2f} GB/s (best {max(warm_rounds):.2f}), "
         f"cold (fresh pages) {cold:.2f} GB/s"
     )
+    for line in sealing:
+        console.print(line)
     if args.disk:
         console.print(
             f"disk rows: a vault with a disk tier under {args.disk_dir} and a RAM tier of two "
@@ -439,6 +680,8 @@ def main() -> int:
             f"one 512 MiB segment read in 8 MiB preadv calls, cache dropped: buffered "
             f"{buffered:.2f} GB/s, O_DIRECT {direct:.2f} GB/s"
         )
+    if not args.no_tls:
+        console.print(socket_streams_line(total, args.rounds))
     raw = raw_stream_gbps(total, CHUNK_BYTES, args.rounds)
     raw_median = statistics.median(raw)
     console.print(
@@ -447,6 +690,59 @@ def main() -> int:
         + ", ".join(f"{r:.2f}" for r in raw)
     )
     return 0
+
+
+def socket_streams_line(total: int, rounds: int) -> str:
+    """Bare socket streams between two processes, plain and TLS interleaved: the line to print."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.tls_certs import make_certs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        certs = make_certs(Path(tmp) / "certs").ca.parent
+        plain, tls = [], []
+        for _ in range(rounds):
+            plain.append(socket_stream(total, None))
+            tls.append(socket_stream(total, certs))
+    plain_gbps = statistics.median(p[0] for p in plain)
+    tls_gbps = statistics.median(t[0] for t in tls)
+    return (
+        f"bare socket stream between two processes, no tierkv code, median of {rounds}: plain"
+        f" {plain_gbps:.2f} GB/s (receiver CPU {statistics.median(p[1] for p in plain):.3f} s/GiB),"
+        f" TLS {tls_gbps:.2f} GB/s ({statistics.median(t[1] for t in tls):.3f} s/GiB):"
+        f" TLS / plain {tls_gbps / plain_gbps:.2f}x (the ceiling of one connection)"
+    )
+
+
+def sealing_lines(
+    address: str,
+    sealer: Sealer,
+    data: np.ndarray,
+    blocks: list[int],
+    args: argparse.Namespace,
+    warm: float,
+) -> list[str]:
+    """The cipher's GB/s per block size on one and two threads, and the sealed restore, as
+    lines to print."""
+    lines = []
+    for block in blocks:
+        one = cipher_gbps(sealer, data, block, 1, args.rounds)
+        two = cipher_gbps(sealer, data, block, 2, args.rounds)
+        lines.append(
+            f"AES-256-GCM on {format_size(block)} blocks, best of {args.rounds}: seal {one[0]:.2f},"
+            f" open {one[1]:.2f} GB/s on one thread; on two threads {two[0]:.2f} / {two[1]:.2f}"
+            f" ({two[0] / one[0]:.2f}x / {two[1] / one[1]:.2f}x); memcpy {warm:.2f} GB/s"
+        )
+    plain_s, sealed_s, total, count = restore_seconds(
+        address, args.restore_tokens, args.model, args.rounds, sealer
+    )
+    plain, sealed = statistics.median(plain_s), statistics.median(sealed_s)
+    lines.append(
+        f"restore of {args.restore_tokens} tokens ({args.model}, fp16, {total / 1e6:.0f} MB in"
+        f" {count} blocks), median of {args.rounds}: unsealed promote {plain:.3f} s"
+        f" ({total / plain / 1e9:.2f} GB/s), sealed promote + open {sealed:.3f} s"
+        f" ({total / sealed / 1e9:.2f} GB/s): unsealed / sealed {plain / sealed:.2f}x"
+    )
+    return lines
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import io
 import json
+import re
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,46 @@ def test_json_has_every_field_for_every_codec(all_codecs: list[dict[str, object]
         assert fields <= obj.keys()
         assert obj["tokens"] == 600
         assert obj["model_shape"] == "qwen3.6-35b-a3b"
+
+
+def test_json_says_what_was_measured_and_leaves_out_what_was_not(
+    all_codecs: list[dict[str, object]],
+) -> None:
+    """600 tokens asked for, 4 blocks of 128 measured; one worker: no concurrent promote, so its
+    figures are absent rather than 0.0."""
+    for obj in all_codecs:
+        assert (obj["tokens"], obj["tokens_measured"]) == (600, 512)
+        assert obj["workers"] == 1
+        assert "worker_promote_gbps" not in obj and "aggregate_promote_gbps" not in obj
+        assert 0.0 not in (obj["seal_gbps"], obj["open_gbps"], obj["sealed_restore_s"])
+
+
+def test_each_phase_is_the_median_of_the_timed_runs_with_their_spread(
+    all_codecs: list[dict[str, object]],
+) -> None:
+    phases = {
+        "encode_s", "store_s", "lookup_s", "promote_s", "decode_s", "seal_s", "sealed_store_s",
+        "sealed_promote_s", "open_s", "sealed_decode_s",
+    }  # fmt: skip
+    for obj in all_codecs:
+        assert (obj["runs"], obj["warmup_runs"]) == (3, 1)
+        spread = obj["spread_s"]
+        assert isinstance(spread, dict)
+        assert spread.keys() == phases | {"restore_s", "sealed_restore_s"}
+        for name in phases:
+            low, high = spread[name]
+            assert 0 < low <= obj[name] <= high, name
+        for total in ("restore_s", "sealed_restore_s"):
+            low, high = spread[total]
+            assert 0 < low <= high
+
+
+def test_one_timed_run_has_no_spread() -> None:
+    args = ["bench", "--tokens", "256", "--codec", "none", "--repeat", "1", "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["runs"] == 1 and "spread_s" not in report
 
 
 def test_figures_are_consistent(all_codecs: list[dict[str, object]]) -> None:
@@ -132,10 +173,12 @@ def test_single_codec_prints_one_object_and_the_table() -> None:
     result = runner.invoke(app, ["bench", "--tokens", "256", "--codec", "int8", "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["codec"] == "int8"
-    table = runner.invoke(app, ["bench", "--tokens", "256", "--codec", "none"])
+    table = runner.invoke(app, ["bench", "--tokens", "300", "--codec", "none"])
     assert table.exit_code == 0, table.output
     assert "promote" in table.stdout and "memcpy" in table.stdout
     assert f"kernels for {instruction_set()}" in " ".join(table.stdout.split())  # vector width
+    assert "256 of 300 tokens" in table.stdout and "median of 3 timed runs" in table.stdout
+    assert re.search(r"restore ±\s+±\d+%", table.stdout), table.stdout
 
 
 @pytest.mark.parametrize(
@@ -323,3 +366,53 @@ def test_the_configured_data_key_seals_and_a_bad_one_is_one_line(tmp_path: Path)
     keys.write_text("1 c2hvcnQ\n")
     line = _one_error_line(CliRunner().invoke(app, args), 2)
     assert str(keys) in line and "5 bytes" in line
+
+
+def test_a_bench_that_fills_the_vault_leaves_none_of_its_blocks(
+    vault_factory: Callable[..., Any],
+) -> None:
+    """Issue 36 point 7: the vault fills half-way; the blocks the bench did store are removed."""
+    small = vault_factory(max_bytes="32MiB")
+    args = ["bench", "--vault", small.address, "--tokens", "3000", "--codec", "none"]
+    line = _one_error_line(CliRunner().invoke(app, args), 1)
+    assert "full" in line
+    assert small.store.stats().entries == 0
+
+
+class _Stop(Exception):
+    """What the bench's progress callback raises to end a run half-way."""
+
+
+@pytest.mark.parametrize("phase", ["put", "promote", "sealed put", "sealed decode"])
+@pytest.mark.parametrize("stop", [_Stop, KeyboardInterrupt])
+def test_a_bench_stopped_half_way_removes_its_blocks(
+    vault_factory: Callable[..., Any], phase: str, stop: type[BaseException]
+) -> None:
+    """An exception or Ctrl-C in any phase: the external vault holds none of the bench's blocks."""
+    from tierkv.bench import run_bench
+
+    vault = vault_factory()
+
+    def on_phase(codec: str, reached: str, done: int, total: int) -> None:
+        if reached == phase:
+            raise stop(phase)
+
+    with pytest.raises(stop):
+        run_bench(
+            tokens=512, block_tokens=128, codecs=["int8"], vaults=[vault.address], on_phase=on_phase
+        )
+    assert vault.store.stats().entries == 0
+
+
+def test_sliding_window_layers_store_only_their_window() -> None:
+    """gemma3-27b: the 10 full-attention layers' KV of every block, the 52 sliding-window
+    layers' of the blocks inside the 1024-token window before the prompt's end only."""
+    from tierkv.bench import raw_kv_bytes, synthetic_kv
+
+    shape = MODEL_SHAPES["gemma3-27b"]
+    kv = synthetic_kv(shape, tokens=4096, block_tokens=256, dtype="fp16")
+    assert [len(block) for block in kv.blocks] == [10] * 12 + [62] * 4
+    assert all(np.abs(block[-1]).max() > 0 for block in kv.blocks[12:])  # filled, not left empty
+    token_layer_bytes = 2 * 16 * 128 * 2
+    expected = (16 * 256 * 10 + 4 * 256 * 52) * token_layer_bytes
+    assert kv.raw_bytes == raw_kv_bytes(shape, 4096, 256, "fp16") == expected

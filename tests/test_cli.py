@@ -28,7 +28,7 @@ def tierkv(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS)])
+@pytest.mark.parametrize("command", [[], *([c] for c in COMMANDS), ["secrets", "init"]])
 def test_help_shows_real_metavars_and_defaults(command: list[str]) -> None:
     result = runner.invoke(app, [*command, "--help"])
     assert result.exit_code == 0, result.output
@@ -238,3 +238,100 @@ def test_with_a_disk_tier_the_cap_is_compared_with_ram_plus_disk(
         [warning] = warnings
         assert f"this machine's {format_size(ram)} of RAM plus the disk tier's cap of " in warning
         assert format_size(2 * ram) in warning
+
+
+def _one_line(args: list[str], code: int) -> str:
+    """The one line `tierkv ARGS` printed on stderr, checking the exit code and nothing else."""
+    result = runner.invoke(app, args)
+    assert result.exit_code == code, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tierkv {args[0]}: "), result.stderr
+    return lines[0]
+
+
+SIZE_FORMS = "expected a size like 24GB, 512MiB or 1073741824 (units B, KB, MB, GB, TB, KiB, MiB"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["vault", "--max-bytes", "banana"], f'{SIZE_FORMS}, GiB, TiB), or "unlimited", got'),
+        (["vault", "--max-bytes", "0"], 'expected a positive size or "unlimited", got'),
+        (["vault", "--disk-dir", "{dir}", "--disk-max-bytes", "banana"], SIZE_FORMS),
+        (["bench", "--engine", "vllm", "--model", "m", "--kv-cache-bytes", "banana"], SIZE_FORMS),
+    ],
+)
+def test_a_bad_size_names_the_flag_and_the_forms_it_takes(
+    args: list[str], expected: str, tmp_path: Path
+) -> None:
+    line = _one_line([arg.format(dir=tmp_path / "disk") for arg in args], 2)
+    flag = next(arg for arg in args if arg.endswith("bytes"))
+    assert line.startswith(f"tierkv {args[0]}: {flag}: {expected}"), line
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["vault", "--disk-dir", "{file}"], "--disk-dir {file}: not a directory"),
+        (["install", "--exo-path", "{missing}"], "--exo-path {missing}: not a directory"),
+        (
+            ["install", "--exo-path", "{missing}", "--uninstall"],
+            "--exo-path {missing}: not a directory",
+        ),
+        (
+            ["bench", "--engine", "vllm", "--model", "m", "--prompt-file", "{missing}"],
+            "--prompt-file {missing}: No such file or directory",
+        ),
+        (["eval", "--model", "m", "--prompts", "{dir}"], "--prompts {dir}: Is a directory"),
+    ],
+)
+def test_a_path_of_the_wrong_kind_is_a_usage_error_naming_the_flag(
+    args: list[str], expected: str, tmp_path: Path
+) -> None:
+    """A file for a directory, a directory for a file, nothing at all: exit 2, the flag named."""
+    paths = {"file": tmp_path / "a-file", "missing": tmp_path / "missing", "dir": tmp_path}
+    paths["file"].write_text("")
+    line = _one_line([arg.format(**paths) for arg in args], 2)
+    assert line == f"tierkv {args[0]}: {expected.format(**paths)}", line
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["bench", "--dtype", "fp8"], "--dtype 'fp8' is unknown; use fp16 or fp32"),
+        (["bench", "--model-shape", "gpt-5"], "--model-shape 'gpt-5' is unknown; use one of "),
+        (["bench", "--codec", "tq9"], "--codec 'tq9' is unknown; use one of none, "),
+        (["bench", "--engine", "sglang"], "--engine 'sglang' is unknown; use vllm or exo"),
+        (["vault", "--role", "inference"], "--role: expected one of kv_cold, ssm_cold, got"),
+    ],
+)
+def test_an_unknown_choice_names_the_flag_and_the_choices(args: list[str], expected: str) -> None:
+    assert _one_line(args, 2).startswith(f"tierkv {args[0]}: {expected}")
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["bench", "--engine", "exo", "--model", "m", "--exo-api", "notaurl"],
+            "--exo-api: expected a URL like http://127.0.0.1:52415, got 'notaurl'",
+        ),
+        (["secrets", "init", "{dir}", "--tls", ""], "--tls '': expected a host name or an IP"),
+        (["secrets", "init", "{dir}", "--tls", "a b"], "--tls 'a b': expected a host name or"),
+        (["bench", "--vault", "nohost"], "--vault: expected host:port, got 'nohost'"),
+    ],
+)
+def test_a_malformed_address_names_the_flag_and_writes_nothing(
+    args: list[str], expected: str, tmp_path: Path
+) -> None:
+    target = tmp_path / "secrets"
+    line = _one_line([arg.format(dir=target) for arg in args], 2)
+    assert line.startswith(f"tierkv {args[0]}: {expected}"), line
+    assert not target.exists()
+
+
+def test_an_engine_that_does_not_answer_is_one_line_exit_1(free_port: int) -> None:
+    api = f"http://127.0.0.1:{free_port}"
+    args = ["bench", "--engine", "exo", "--model", "m", "--exo-api", api, "--tokens", "64"]
+    line = _one_line(args, 1)
+    assert line == f"tierkv bench: EXO at {api} did not answer: Connection refused", line

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ import numpy as np
 import pytest
 from conftest import SLOW_BOX_MARGIN_S, VaultHandle
 from fake_exo.real_exo import RealExoFinder
-from fake_exo.tiny_mlx import random_tokens, tiny_llama
+from fake_exo.tiny_mlx import random_tokens, tiny_gemma3, tiny_llama
 from fake_exo.tree import FIXTURE_SRC
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 from mlx_lm.models.llama import Model as LlamaModel
@@ -408,7 +409,92 @@ def quantizable_llama() -> Any:
     return LlamaModel(args)
 
 
-@pytest.mark.parametrize("kind", ["RotatingKVCache", "QuantizedKVCache"])
+def generate_turns(
+    exo: Exo, monkeypatch: pytest.MonkeyPatch, model: Any, prefix_cache: Any, prompts: list[Any]
+) -> None:
+    """Each prompt through EXO, then evicted and spilled (a conversation's turns)."""
+    for prompt in prompts:
+        exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+        evict_everything(exo, monkeypatch, prefix_cache)
+    assert hook.runtime().flush(10)
+
+
+def skip_unless_stored_before_decoding(exo: Exo) -> None:
+    """Rotating layers spill from EXO >= v1.0.70, which stores an entry before decoding."""
+    if not has_media_regions(exo):
+        pytest.skip(
+            "EXO < v1.0.70 stores entries after decoding: their rotating layers hold the last "
+            "window only, which ends on a block boundary only by chance (then nothing spills)"
+        )
+
+
+def test_sliding_window_layers_spill_their_window_and_restore_the_same_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
+) -> None:
+    """Gemma 3's layout (local layers of a 32-token window, RotatingKVCache, between global
+    ones): the global layers spill every block, the local ones the window before the restore
+    point only; restored, the cache gives EXO's cold tokens, turn after turn."""
+    exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
+    skip_unless_stored_before_decoding(exo)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    model = tiny_gemma3(window=32)
+    prompt = random_tokens(100, seed=50)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+    (entry,) = prefix_cache.caches
+    assert [type(layer) for layer in entry] == [RotatingKVCache, KVCache] * 2
+    window = np.array(entry[2].keys[..., 64:96, :].astype(mx.float32))
+    evict_everything(exo, monkeypatch, prefix_cache)
+    assert runtime.flush(10)
+    # 98 tokens: 6 blocks; local layers (parts 0, 1, 4, 5) only the 2 of the window [64, 96)
+    blocks = Counter(part for _, _, part in vault.store._entries)
+    assert blocks == {0: 2, 1: 2, 4: 2, 5: 2, 2: 6, 3: 6, 6: 6, 7: 6}
+
+    longer = mx.concatenate([prompt, random_tokens(20, seed=51)])
+    cache, remaining, *_ = prefix_cache.get_kv_cache(model, longer)
+    assert len(remaining) == 120 - 96
+    assert [(layer.offset, layer.keys.shape[2]) for layer in cache] == [(96, 32), (96, 96)] * 2
+    assert cache[2]._idx == 32
+    assert np.array_equal(np.array(cache[2].keys.astype(mx.float32)), window)
+
+    turns = [longer, mx.concatenate([longer, random_tokens(30, seed=52)])]
+    for turn, restored_from in zip(turns, (96, 112), strict=True):
+        restored = exo.generate.mlx_generate(model, turn, prefix_cache, max_tokens=8)
+        cold = exo.generate.mlx_generate(model, turn, None, max_tokens=8)
+        assert restored.prefilled == len(turn) - restored_from
+        assert restored.tokens == cold.tokens
+        evict_everything(exo, monkeypatch, prefix_cache)  # what the next turn restores from
+        assert runtime.flush(10)
+
+
+def test_nothing_stored_for_one_window_restores_into_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
+) -> None:
+    """The namespace covers the window and which layers rotate: the same model id with a
+    48-token window, or with every layer rotating, finds nothing the 32-token layout stored."""
+    exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
+    skip_unless_stored_before_decoding(exo)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    prompt = random_tokens(100, seed=53)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    generate_turns(exo, monkeypatch, tiny_gemma3(window=32), prefix_cache, [prompt])
+    assert runtime.tier is not None and runtime.tier.stats()["queued_blocks"] > 0
+    longer = mx.concatenate([prompt, random_tokens(20, seed=54)])
+    wider = tiny_gemma3(window=48)
+    all_rotating = tiny_gemma3(window=32)
+    all_rotating.make_cache = lambda: [RotatingKVCache(max_size=32) for _ in range(4)]
+    for other in (wider, all_rotating):
+        again = exo.generate.mlx_generate(other, longer, prefix_cache, max_tokens=2)
+        assert again.prefilled == 120
+        prefix_cache = exo.cache.KVPrefixCache(None)  # (its entry would be EXO's own hit)
+    assert runtime.tier.stats()["loaded_blocks"] == 0
+    restored = exo.generate.mlx_generate(tiny_gemma3(window=32), longer, prefix_cache, max_tokens=2)
+    assert restored.prefilled == 120 - 96
+
+
+@pytest.mark.parametrize("kind", ["QuantizedKVCache", "RotatingKVCache"])
 def test_other_cache_kinds_are_left_to_exo_and_reported_once(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -417,13 +503,14 @@ def test_other_cache_kinds_are_left_to_exo_and_reported_once(
     kind: str,
     exo_source: Path | None,
 ) -> None:
-    """Rotating and quantized (EXO's KV_CACHE_BITS) caches stay on EXO's own path."""
+    """Quantized caches (EXO's KV_CACHE_BITS), and rotating layers of two different windows,
+    stay on EXO's own path."""
     exo = start_exo(tmp_path, monkeypatch, vault.address, exo_source=exo_source)
     runtime = hook.runtime()
     assert runtime.ready.wait(READY_TIMEOUT_S)
     if kind == "RotatingKVCache":
         model = tiny_llama()
-        model.make_cache = lambda: [RotatingKVCache(max_size=512) for _ in model.layers]
+        model.make_cache = lambda: [RotatingKVCache(max_size=size) for size in (512, 256)]
     else:
         model = quantizable_llama()
         model.make_cache = lambda: [QuantizedKVCache(32, 8) for _ in model.layers]
@@ -648,5 +735,7 @@ def test_ranks_agree_on_the_shortest_restorable_prefix(
         assert cold_prefilled == 120
         assert rank["partial"] == [120 - 3 * BLOCK, cold_tokens]  # rank 1 holds 3 blocks only
         assert rank["failed"] == [120, cold_tokens]  # rank 1's lookup failed: nobody restores
+        prefilled, tokens, window_cold_tokens = rank["window"]  # rank 0 loaded 5 of 6 blocks
+        assert (prefilled, tokens) == (120, window_cold_tokens)
         prefilled, tokens, tensor_cold_tokens = rank["tensor"]  # each rank holds its own heads
         assert (prefilled, tokens) == (120 - 6 * BLOCK, tensor_cold_tokens)

@@ -8,12 +8,13 @@ import json
 import os
 import site
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 from conftest import VaultHandle
-from fake_exo.tree import SITE_PACKAGES, make_exo_tree, tree_digest
+from fake_exo.tree import EXO_PYTHON, SITE_PACKAGES, exo_python, make_exo_tree, tree_digest
 from typer.testing import CliRunner
 
 import tierkv
@@ -177,6 +178,7 @@ def make_wheel(directory: Path) -> Path:
 
 
 def test_installs_the_runtime_packages_for_exos_python_and_removes_them(tmp_path: Path) -> None:
+    """Into a venv of EXO's Python 3.13 where there is one (else the running interpreter's)."""
     root = make_exo_tree(tmp_path / "exo", venv_kind="real")
     before = tree_digest(root)
     wheel = make_wheel(tmp_path)
@@ -206,7 +208,9 @@ def test_a_failed_runtime_install_leaves_nothing_behind(tmp_path: Path) -> None:
 
 
 def test_exos_python_starts_with_the_hook_armed_until_uninstalled(tmp_path: Path) -> None:
-    root = make_exo_tree(tmp_path / "exo", venv_kind="real")
+    """A venv of the running interpreter (its packages stand in for the runtime); on Python
+    3.13 (.ci/run's 3.13 step) that is EXO's own version."""
+    root = make_exo_tree(tmp_path / "exo", venv_kind="real", python=Path(sys.executable))
     assert invoke("--exo-path", str(root), "--no-runtime")[0] == 0
     # tierkv and mlx come from this venv (what `--runtime` would install into the hook's dir).
     paths = [str(Path(tierkv.__file__).parent.parent), *site.getsitepackages()]
@@ -237,6 +241,43 @@ def test_exos_python_starts_with_the_hook_armed_until_uninstalled(tmp_path: Path
     assert run(armed, TIERKV_DISABLE="1") == "True False"
     assert invoke("--exo-path", str(root), "--uninstall")[0] == 0
     assert run(armed) == "False False"
+
+
+def test_install_gives_a_python_3_13_exo_venv_a_working_tierkv(tmp_path: Path) -> None:
+    """EXO runs Python 3.13: `tierkv install` builds this checkout and its dependencies for that
+    interpreter into the hook's directory (pip, with whatever index or cache pip is configured
+    with), and EXO's Python then imports them, the boot module armed, on its own sys.path."""
+    python = exo_python()
+    if python is None:
+        pytest.skip(
+            f"no Python {EXO_PYTHON} (EXO's) here: pyenv's versions/{EXO_PYTHON}*, "
+            f"python{EXO_PYTHON} on PATH; the other install tests used a Python "
+            f"{sys.version_info.major}.{sys.version_info.minor} stand-in venv"
+        )
+    root = make_exo_tree(tmp_path / "exo", venv_kind="real", python=python)
+    before = tree_digest(root)
+    code, out = invoke("--exo-path", str(root))
+    assert code == 0, out
+    probe = (
+        "import sys, numba, tierkv, tierkv.tier, tierkv.connectors.exo.boot;"
+        "print(*sys.version_info[:2], sep='.'); print(tierkv.__file__);"
+        "print(any(type(f).__name__ == 'HookFinder' for f in sys.meta_path))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TIERKV_DISABLE")}
+    done = subprocess.run(
+        [str(root / ".venv/bin/python"), "-c", probe],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    version, where, armed = done.stdout.split()
+    assert version == EXO_PYTHON and armed == "True"
+    assert Path(where).is_relative_to((root / ".venv" / RUNTIME_DIR_NAME).resolve())
+    assert invoke("--exo-path", str(root), "--uninstall")[0] == 0
+    assert tree_digest(root) == before
 
 
 def test_status_shows_whether_the_hook_is_installed(tmp_path: Path, vault: VaultHandle) -> None:

@@ -18,6 +18,7 @@ from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import get_codec
 from tierkv.seal import OVERHEAD_BYTES, Sealer, SealError, block_address, new_data_key_line
 from tierkv.tier import ColdTier
+from tierkv.vault.bulk import RECEIVE_BUFFERS
 from tierkv.vault.client import VaultClient
 from tierkv.vault.wire import block_checksum
 
@@ -101,6 +102,26 @@ def test_nonces_of_one_sealer_never_repeat(tmp_path: Path) -> None:
     sealer = Sealer.from_file(key_file(tmp_path, 1))
     nonces = {sealer.seal(b"a", b"", memoryview(b"x"))[0][12:24] for _ in range(1000)}
     assert len(nonces) == 1000
+
+
+def test_sealed_copies_share_pooled_memory_only_once_released(tmp_path: Path) -> None:
+    sealer = Sealer.from_file(key_file(tmp_path, 1))
+    size = RECEIVE_BUFFERS.buffer_bytes // 5  # several to a pooled buffer, not a whole number
+    sizes = [size, 3 * size, 1, RECEIVE_BUFFERS.buffer_bytes + 1] + [size] * 12
+    bodies = [np.random.default_rng(i).integers(0, 256, n, np.uint8) for i, n in enumerate(sizes)]
+    addresses = [block_address(NS, i.to_bytes(16, "little"), 0) for i in range(len(sizes))]
+    kept = [sealer.seal(a, b"", b.data) for a, b in zip(addresses, bodies, strict=True)]
+    sealer.seal(addresses[0], b"", bodies[0].data)  # sealed and dropped at once
+    for address, body, (head, sealed) in zip(addresses, bodies, kept, strict=True):
+        out = memoryview(bytearray(len(body)))
+        sealer.open_into(address, memoryview(head + bytes(sealed)), out)
+        assert bytes(out) == body.tobytes()  # no later seal wrote over a copy still held
+    small = [sealed.obj for _, sealed in kept[4:]]  # .obj: the memory the view lies in
+    assert len({id(buffer) for buffer in small}) <= 4  # 12 copies cut from a few pooled buffers
+    held = {id(buffer) for buffer in small}
+    del kept, small
+    again = [sealer.seal(a, b"", b.data)[1] for a, b in zip(addresses, bodies, strict=True)]
+    assert held & {id(sealed.obj) for sealed in again[4:]}  # released buffers are used again
 
 
 def sealed_tier(path: Path | None, backend: object, codec: str = "none") -> ColdTier:

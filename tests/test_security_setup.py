@@ -5,13 +5,17 @@ cannot take effect is refused with one line naming it.
 
 from __future__ import annotations
 
+import socket
+import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from conftest import pick_free_port
+from tls_certs import make_certs
 from typer.testing import CliRunner
 
 from tierkv.cli import app
@@ -83,6 +87,37 @@ def test_secrets_init_provisions_a_tls_vault_that_an_engine_restores_through(
         vault.terminate()
         output, _ = vault.communicate(timeout=30)
     assert "auth: 2 tokens, 2 tenants, TLS" in output
+
+
+def test_provisioned_certificates_pass_strict_verification(tmp_path: Path) -> None:
+    """Python 3.13 verifies with OpenSSL's X509_STRICT by default (redis-py's rediss:// among
+    others): the certificates tierkv issues carry the key identifiers and key usage it needs,
+    for the vault's side and the client's (mutual TLS)."""
+    certs = make_certs(tmp_path)
+
+    def context(purpose: ssl.Purpose, cert: Path, key: Path) -> ssl.SSLContext:
+        made = ssl.create_default_context(purpose, cafile=str(certs.ca))
+        made.verify_flags |= ssl.VERIFY_X509_STRICT
+        made.verify_mode = ssl.CERT_REQUIRED
+        made.load_cert_chain(cert, key)
+        return made
+
+    server = context(ssl.Purpose.CLIENT_AUTH, certs.server_cert, certs.server_key)
+    client = context(ssl.Purpose.SERVER_AUTH, certs.client_cert, certs.client_key)
+    server_end, client_end = socket.socketpair()
+    accepted: list[object] = []
+    side = threading.Thread(
+        target=lambda: accepted.append(server.wrap_socket(server_end, server_side=True))
+    )
+    side.start()
+    with client.wrap_socket(client_end, server_hostname="localhost") as tls:
+        side.join(10)
+        assert tls.version() is not None and accepted
+        assert tls.getpeercert()["subjectAltName"] == (
+            ("IP Address", "127.0.0.1"),
+            ("IP Address", "0:0:0:0:0:0:0:1"),
+            ("DNS", "localhost"),
+        )
 
 
 def test_secrets_init_refuses_a_bad_tenant_name(tmp_path: Path) -> None:

@@ -28,7 +28,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import proof, proving_channel
-from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE_REPLY, PUT, WELCOME
+from tierkv.vault.bulk import (
+    AUTH,
+    CHALLENGE,
+    HEADER,
+    MAGIC,
+    PROMOTE_REPLY,
+    PUT,
+    WELCOME,
+    BulkConnection,
+    BulkRefused,
+)
 from tierkv.vault.client import VaultClient
 from tierkv.vault.wire import block_checksum, encode_bulk
 
@@ -495,6 +505,74 @@ def test_a_hostile_bulk_peer_costs_a_promote_its_deadline_and_never_raises(
     finally:
         server.stop(grace=0)
         listener.close()
+
+
+PER_TENANT = 4
+"""limits.max_connections_per_tenant of the connection-hoarding test (an address may hold 8)."""
+
+
+def _closed_within(connection: BulkConnection, timeout: float) -> bool:
+    """Whether the vault closes the (idle) `connection` within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while connection.is_open():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_tenant_holding_its_bulk_connections_leaves_the_others_theirs(
+    vault_factory: Callable[..., Any], tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"attacker {ATTACKER}\nnormal {NORMAL}\n")
+    tokens.chmod(0o600)
+    config = f"""
+[limits]
+max_connections_per_client = {2 * PER_TENANT}
+max_connections_per_tenant = {PER_TENANT}
+handshake_timeout_s = 1.0
+idle_timeout_s = 2.0
+[security]
+token_file = "{tokens}"
+"""
+    handle = vault_factory(subprocess=True, config=config, token=NORMAL)
+    with VaultClient(handle.address, token=NORMAL) as probe:
+        port = probe.bulk_path()[0]
+    hoarded = [BulkConnection("127.0.0.1", port, 5.0, ATTACKER) for _ in range(PER_TENANT)]
+    try:
+        with pytest.raises(BulkRefused, match="max_connections_per_tenant"):
+            BulkConnection("127.0.0.1", port, 5.0, ATTACKER)  # one more of the same tenant
+        # The address has room for another tenant's connections, and they are not pushed to gRPC.
+        with VaultClient(handle.address, token=NORMAL) as client:
+            client.put(VICTIM_NS, key(1), 0, b"over the bulk port")
+            assert client.flush(timeout=10)
+            assert client.promote(VICTIM_NS, [key(1)], [0]) == {(0, 0): b"over the bulk port"}
+            assert (client.transport, client.bulk_refusals, client.failed_calls) == ("bulk", 0, 0)
+        # Idle authenticated connections are closed after idle_timeout_s, freeing their slots.
+        assert all(_closed_within(c, 2.0 + STALL_MARGIN_S) for c in hoarded)
+        BulkConnection("127.0.0.1", port, 5.0, ATTACKER).close()
+    finally:
+        for connection in hoarded:
+            connection.close()
+
+
+def test_a_client_refused_at_its_tenants_limit_uses_grpc_without_a_failure(
+    vault_factory: Callable[..., Any], tmp_path: Path
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"attacker {ATTACKER}\nnormal {NORMAL}\n")
+    tokens.chmod(0o600)
+    config = f'[limits]\nmax_connections_per_tenant = 1\n[security]\ntoken_file = "{tokens}"\n'
+    handle = vault_factory(subprocess=True, config=config, token=NORMAL)
+    with VaultClient(handle.address, token=ATTACKER) as client:
+        port = client.bulk_path()[0]
+        with contextlib.closing(BulkConnection("127.0.0.1", port, 5.0, ATTACKER)):  # its slot
+            assert client.bulk_path() == (port, True)  # refused with a reason: it answered
+            assert client.promote(ATTACKER_NS, [key(1)], [0]) == {}
+            counters = client.counters()
+        assert (counters["transport"], counters["bulk_refusals"]) == ("grpc", 1)
+        assert (counters["failed_calls"], client.breaker_state) == (0, "closed")
 
 
 def test_print_worst_stalls() -> None:

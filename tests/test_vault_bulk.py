@@ -7,6 +7,7 @@ import contextlib
 import os
 import random
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.tls_certs import make_certs
 from tierkv.config import LimitsConfig
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.bulk import (
@@ -183,6 +185,63 @@ def test_a_silent_peer_times_out_a_receive_by_its_deadline_or_stall_time(
         sender.close()
         receiver.close()
     assert 0.25 < time.monotonic() - started < 5
+
+
+@pytest.fixture
+def tls_pair(tmp_path: Path) -> Iterator[tuple[ssl.SSLSocket, ssl.SSLSocket]]:
+    """(sender, receiver): the two ends of a TLS connection over a socket pair."""
+    certs = make_certs(tmp_path / "certs")
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(certs.server_cert, certs.server_key)
+    client = ssl.create_default_context(cafile=str(certs.ca))
+    one, other = socket.socketpair()
+    with futures.ThreadPoolExecutor(1) as pool:
+        sender = pool.submit(server.wrap_socket, one, server_side=True)
+        receiver = client.wrap_socket(other, server_hostname="127.0.0.1")
+        pair = sender.result(), receiver
+    yield pair
+    for end in pair:
+        end.close()
+
+
+@pytest.mark.parametrize("deadline_s, stall_s", [(0.3, 30), (30, 0.3)], ids=["deadline", "stall"])
+def test_a_silent_tls_peer_times_out_a_receive_by_its_deadline_or_stall_time(
+    tls_pair: tuple[ssl.SSLSocket, ssl.SSLSocket], deadline_s: float, stall_s: float
+) -> None:
+    sender, receiver = tls_pair
+    sender.sendall(b"x" * 40_000)  # records of a part of the buffer arrive, then nothing
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        _recv_into(
+            receiver, memoryview(bytearray(1 << 20)), Deadline(started + deadline_s, stall_s)
+        )
+    assert 0.25 < time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize("deadline_s, once", [(60, True), (20, False)], ids=["far", "near"])
+def test_a_tls_receive_sets_its_timeout_again_only_when_the_deadline_is_near(
+    tls_pair: tuple[ssl.SSLSocket, ssl.SSLSocket],
+    monkeypatch: pytest.MonkeyPatch,
+    deadline_s: float,
+    once: bool,
+) -> None:
+    """Setting a timeout is a system call; one 16 KiB record arrives per receive call. While
+    the deadline is further than the stall time (30 s), the timeout set first bounds each."""
+    sender, receiver = tls_pair
+    data = random.Random(2).randbytes(1 << 20)
+    calls: list[float | None] = []
+    settimeout = receiver.settimeout
+    monkeypatch.setattr(receiver, "settimeout", lambda s: (calls.append(s), settimeout(s)))
+    view = memoryview(bytearray(len(data)))
+    with futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(sender.sendall, data)
+        _recv_into(receiver, view, Deadline(time.monotonic() + deadline_s, 30))
+        sent.result()
+    assert view == data
+    if once:
+        assert len(calls) == 1
+    else:  # nearer than the stall time: set before each of the 64 records or more
+        assert len(calls) >= 64
 
 
 def test_a_block_sent_twice_is_placed_once() -> None:

@@ -137,32 +137,32 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
 def _engine_main_with_unsupported_group(
     conn: Connection, model: str, extra: dict[str, Any], engine: dict
 ) -> None:
-    """`_engine_main` with the connector shown a sliding-window group where the model has full
-    attention (a group kind tierkv does not store); vLLM itself keeps the real one."""
+    """`_engine_main` with the connector shown a chunked local attention group where the model
+    has full attention (a group kind tierkv does not store); vLLM itself keeps the real one."""
     import dataclasses
 
     import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
     import tierkv.connectors.vllm.connector as connector_module
 
     plan_groups = connector_module.plan_groups
 
-    def plan_with_a_window(vllm_config: Any, kv_cache_config: Any, codec_name: str) -> Any:
+    def plan_with_chunks(vllm_config: Any, kv_cache_config: Any, codec_name: str) -> Any:
         group = kv_cache_config.kv_cache_groups[0]
         spec = group.kv_cache_spec
-        window = SlidingWindowSpec(
+        chunked = ChunkedLocalAttentionSpec(
             block_size=spec.block_size,
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
             dtype=torch.bfloat16,
-            sliding_window=4 * spec.block_size,
+            attention_chunk_size=4 * spec.block_size,
         )
-        groups = [dataclasses.replace(group, kv_cache_spec=window)]
+        groups = [dataclasses.replace(group, kv_cache_spec=chunked)]
         shown = dataclasses.replace(kv_cache_config, kv_cache_groups=groups)
         return plan_groups(vllm_config, shown, codec_name)
 
-    connector_module.plan_groups = plan_with_a_window
+    connector_module.plan_groups = plan_with_chunks
     _engine_main(conn, model, extra, engine)
 
 

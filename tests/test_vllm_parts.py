@@ -90,7 +90,8 @@ def test_stats_intervals_and_aggregation():
     assert "load_seconds" not in reduced
 
 
-def test_connector_counters_reach_vllms_prometheus_metrics():
+def _connector_prom_metrics(labelnames: list[str], labelvalues: list[object]) -> tuple[Any, Any]:
+    """(registry, the connector's metrics in it) for one engine, as vLLM builds them."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
     from tierkv.connectors.vllm.connector import TierKVConnector
@@ -100,21 +101,32 @@ def test_connector_counters_reach_vllms_prometheus_metrics():
         kind: functools.partial(kind, registry=registry) for kind in (Counter, Gauge, Histogram)
     }
     prom = TierKVConnector.build_prom_metrics(
-        SimpleNamespace(kv_transfer_config=None), metric_types, ["engine"], {0: ["0"]}
+        SimpleNamespace(kv_transfer_config=None), metric_types, labelnames, {0: labelvalues}
     )
+    return registry, prom
+
+
+def test_connector_counters_reach_vllms_prometheus_metrics():
+    registry, prom = _connector_prom_metrics(["engine"], ["0"])
     stats = TierKVStats()
     stats.add("loaded_blocks", 3)
     stats.add("loaded_bytes", 3 * 4096)
     stats.add("store_dropped_blocks", 2)
+    value = functools.partial(registry.get_sample_value, labels={"engine": "0"})
+    assert value("vllm:tierkv_load_failed_blocks_total") == 0  # there before the first event
+    assert value("vllm:tierkv_cold_tier_off") == 0
     interval = stats.take_interval()
     assert interval is not None
     prom.observe(interval.data, engine_idx=0)
     prom.observe(interval.data, engine_idx=0)
-    value = functools.partial(registry.get_sample_value, labels={"engine": "0"})
     assert value("vllm:tierkv_loaded_blocks_total") == 6
     assert value("vllm:tierkv_loaded_bytes_total") == 6 * 4096
     assert value("vllm:tierkv_store_dropped_blocks_total") == 4
     assert value("vllm:tierkv_load_failed_blocks_total") == 0
+    stats.add("cold_tier_off")
+    prom.observe(stats.take_interval().data, engine_idx=0)  # type: ignore[union-attr]
+    assert value("vllm:tierkv_cold_tier_off") == 1
+    assert value("vllm:tierkv_cold_tier_off_total") is None
 
 
 def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
@@ -369,14 +381,20 @@ def unsupported_attention(block_size: int = 32):
 
 def test_groups_tierkv_cannot_store_are_named():
     import torch
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        RSWASpec,
+        SinkFullAttentionSpec,
+    )
 
     from tierkv.connectors.vllm.groups import UnsupportedGroupError, plan_groups
 
-    window = SlidingWindowSpec(
-        block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=128
-    )
-    for spec in (window, unsupported_attention()):
+    shape = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+    chunked = ChunkedLocalAttentionSpec(**shape, attention_chunk_size=128)
+    # Subclasses of full attention whose blocks are not one whole prefix's KV:
+    gapped = RSWASpec(**shape, rswa_window=128)
+    sinks = SinkFullAttentionSpec(**shape, sink_len=4)
+    for spec in (chunked, gapped, sinks, unsupported_attention()):
         with pytest.raises(UnsupportedGroupError, match=r"group 1 \(") as refused:
             plan_groups(fake_vllm_config(), kv_cache_config(attention(), spec), "none")
         assert (refused.value.group_id, refused.value.kind) == (1, type(spec).__name__)
@@ -608,3 +626,27 @@ def test_a_cache_reset_drops_the_stores_not_yet_sent(vault):
     finally:
         scheduler.shutdown()
         tier.close()
+
+
+def test_the_engine_alert_rules_read_series_the_connector_exports():
+    """deploy/'s engine rules and their promtool tests name only the connector's series, with
+    the labels vLLM gives them (model_name, engine)."""
+    from tests.prometheus_files import metric_names, rule_exprs, rule_test_series
+
+    registry, _ = _connector_prom_metrics(["model_name", "engine"], ["llama", "0"])
+    exported = {
+        (sample.name, frozenset(sample.labels))
+        for metric in registry.collect()
+        for sample in metric.samples
+    }
+    engine_series = [
+        (name, labels) for name, labels in rule_test_series() if name.startswith("vllm:")
+    ]
+    assert engine_series
+    for name, labels in engine_series:
+        keys = frozenset(key for key, _ in labels) - {"job", "instance"}
+        assert (name, keys) in exported, f"{name} {sorted(keys)}: not a series of the connector"
+    read = {
+        name for expr in rule_exprs() for name in metric_names(expr) if name.startswith("vllm:")
+    }
+    assert read and read <= {name for name, _ in exported}, read

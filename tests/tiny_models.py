@@ -129,6 +129,37 @@ def build_tiny_qwen3_next(out_dir: str | Path, seed: int = 0) -> Path:
     return _save(Qwen3NextForCausalLM, config, out_dir, seed)
 
 
+GEMMA3_WINDOW = 64
+"""The tiny Gemma 3's sliding window: prompts of a few hundred tokens span several windows."""
+
+
+def build_tiny_gemma3(out_dir: str | Path, seed: int = 0, window: int = GEMMA3_WINDOW) -> Path:
+    """A 6-layer Gemma 3 text model in Gemma 3's layout: 5 sliding-window layers of `window`
+    tokens, then one full-attention layer; 2 query heads and 1 KV head of dim 64, bf16."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=window,
+        layer_types=[*["sliding_attention"] * 5, "full_attention"],
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=INIT_RANGE,
+        torch_dtype="bfloat16",
+    )
+    return _save(Gemma3ForCausalLM, config, out_dir, seed)
+
+
 IMAGE_TOKEN_ID = 2
 """The tiny BLIP-2's `<image>` token: vLLM puts IMAGE_TOKENS of them before a prompt's tokens."""
 IMAGE_TOKENS = 8

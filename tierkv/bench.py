@@ -19,12 +19,14 @@ import math
 import multiprocessing
 import os
 import resource
+import statistics
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from multiprocessing.synchronize import Barrier
 
 import numpy as np
@@ -42,10 +44,15 @@ from tierkv.seal import KEY_BYTES, Sealer, block_address
 from tierkv.tier import FIRST_PROMOTE_RUN_KEYS, PROMOTE_RUN_BYTES, sealed_payload
 from tierkv.vault.server import serve as serve_vault
 
-PHASES = ("generate", "encode", "put", "lookup", "promote", "decode")
 LINK_GBITS = (1, 10, 25)
 DECODE_THREADS = 2
 """Blocks decoded at once, as ColdTier's default decode pool does."""
+WARMUP_RUNS = 1
+"""Untimed runs of each codec before the timed ones (connections, caches, first page faults)."""
+DEFAULT_REPEAT = 3
+"""Timed runs of each codec; every phase reports their median."""
+CLEANUP_FLUSH_S = 30.0
+"""How long a bench that stops waits for its puts in flight before removing its blocks."""
 
 
 def link_restore_s(
@@ -81,9 +88,14 @@ def stored_form(codec: Codec, block: np.ndarray) -> PutPayload:
 
 @dataclass
 class BenchResult:
-    """One codec's figures; the JSON output is `asdict` of this."""
+    """One codec's figures; the JSON output is `as_json` of this. Each *_s field is the median
+    over `runs` timed runs (after `warmup_runs` untimed ones), each *_gbps one the bytes of that
+    phase over that median; a field that was not measured is None (absent from the JSON)."""
 
     tokens: int
+    """The prompt length asked for."""
+    tokens_measured: int
+    """The tokens measured: whole blocks of `block_tokens` only."""
     model_shape: str
     codec: str
     vault: str
@@ -106,6 +118,7 @@ class BenchResult:
     decode_s: float
     decode_gbps: float
     restore_s: float
+    """lookup_s + promote_s + decode_s."""
     restore_vs_memcpy: float
     snr_db: float
     cosine: float
@@ -116,34 +129,42 @@ class BenchResult:
     """A restore over each link speed: lookup, then the stored bytes on the wire with each run's
     decode overlapping the next run's transfer, as ColdTier.load does (see link_restore_s)."""
     peak_rss_bytes: int
-    workers: int = 1
-    worker_promote_gbps: list[float] = field(default_factory=list)
-    """Each concurrent worker's promote of the whole prefix (workers > 1 only)."""
-    aggregate_promote_gbps: float = 0.0
-    """Bytes all workers promoted ÷ the time from the first start to the last finish."""
-    sealed_with: str = ""
+    sealed_with: str
     """The data key the sealed run used: "data_key_file key N" or "a key made for the run"."""
-    seal_s: float = 0.0
-    seal_gbps: float = 0.0
+    seal_s: float
+    seal_gbps: float
     """Payload bytes sealed per second, on one thread."""
-    sealed_store_s: float = 0.0
-    sealed_store_gbps: float = 0.0
-    sealed_promote_s: float = 0.0
-    sealed_promote_gbps: float = 0.0
-    open_s: float = 0.0
-    open_gbps: float = 0.0
+    sealed_store_s: float
+    sealed_store_gbps: float
+    sealed_promote_s: float
+    sealed_promote_gbps: float
+    open_s: float
+    open_gbps: float
     """Payload bytes opened per second, on one thread."""
-    sealed_decode_s: float = 0.0
-    sealed_restore_s: float = 0.0
-    """lookup + sealed promote + open + decode."""
-    sealed_vs_unsealed_restore: float = 0.0
+    sealed_decode_s: float
+    sealed_restore_s: float
+    """lookup_s + sealed_promote_s + open_s + sealed_decode_s."""
+    sealed_vs_unsealed_restore: float
     """restore_s ÷ sealed_restore_s (1.0: sealing costs nothing)."""
+    runs: int = 1
+    warmup_runs: int = WARMUP_RUNS
+    spread_s: dict[str, list[float]] | None = None
+    """[min, max] over the timed runs of each *_s field (restore_s and sealed_restore_s: of
+    each run's own sum); None with a single timed run."""
+    workers: int = 1
+    worker_promote_gbps: list[float] | None = None
+    """Each concurrent worker's promote of the whole prefix (workers > 1 only)."""
+    aggregate_promote_gbps: float | None = None
+    """Bytes all workers promoted ÷ the time from the first start to the last finish (workers > 1
+    only)."""
 
     def as_json(self) -> dict[str, object]:
-        """The fields as JSON values: a non-finite figure (the SNR of a lossless codec) is null."""
+        """The fields as JSON values: one not measured (None) is left out, a non-finite figure
+        (the SNR of a lossless codec) is null."""
         return {
             name: None if isinstance(value, float) and not math.isfinite(value) else value
             for name, value in asdict(self).items()
+            if value is not None
         }
 
 
@@ -153,7 +174,10 @@ class SyntheticKV:
 
     blocks: list[np.ndarray]
     """blocks[b]: every attention layer's K and V for block b, one payload,
-    (attention_layers, 2, block_tokens, kv_heads, head_dim)."""
+    (layers, 2, block_tokens, kv_heads, head_dim): the full-attention layers, plus the
+    sliding-window layers in the blocks inside the window before the prompt's end (the only
+    ones of theirs a restore needs; the connector stores them as payloads of their own groups,
+    the same bytes)."""
     states: list[np.ndarray]
     """One array per linear-attention layer: the state after the whole prompt."""
     dtype: str
@@ -174,18 +198,26 @@ def synthetic_kv(
     rng = np.random.default_rng(seed)
     n_blocks = tokens // block_tokens
     used = n_blocks * block_tokens
-    block_shape = (shape.attention_layers, 2, block_tokens, shape.kv_heads, shape.head_dim)
-    blocks = [np.empty(block_shape, np_dtype) for _ in range(n_blocks)]
-    for index in range(shape.attention_layers):
+    windowed = n_blocks - shape.window_blocks(n_blocks, block_tokens)  # first block with them
+    full, layers = shape.attention_layers, shape.attention_layers + shape.window_layers
+    head = (shape.kv_heads, shape.head_dim)
+    blocks = [
+        np.empty((layers if b >= windowed else full, 2, block_tokens, *head), np_dtype)
+        for b in range(n_blocks)
+    ]
+    for index in range(layers):
+        first = 0 if index < full else windowed  # a window layer: only its window's blocks
+        span = used - first * block_tokens
         channel_scale = rng.lognormal(0.0, 0.3, size=(2, 1, shape.kv_heads, shape.head_dim))
         outliers = rng.choice(shape.head_dim, size=max(1, shape.head_dim // 32), replace=False)
         channel_scale[..., outliers] *= rng.uniform(10, 20, size=outliers.size)
-        drift = 0.5 * np.sin(np.linspace(0, rng.uniform(2, 8) * np.pi, used))
-        token_scale = np.exp(drift + rng.normal(0, 0.25, size=used))[None, :, None, None]
-        layer = rng.standard_normal((2, used, shape.kv_heads, shape.head_dim), dtype=np.float32)
+        drift = 0.5 * np.sin(np.linspace(0, rng.uniform(2, 8) * np.pi, span))
+        token_scale = np.exp(drift + rng.normal(0, 0.25, size=span))[None, :, None, None]
+        layer = rng.standard_normal((2, span, shape.kv_heads, shape.head_dim), dtype=np.float32)
         layer *= channel_scale * token_scale
-        for b, block in enumerate(blocks):
-            block[index] = layer[:, b * block_tokens : (b + 1) * block_tokens]
+        for b in range(first, n_blocks):
+            offset = (b - first) * block_tokens
+            blocks[b][index] = layer[:, offset : offset + block_tokens]
     states = [
         (rng.standard_normal(shape.state_elements, dtype=np.float32) * 0.5).astype(np_dtype)
         for _ in range(shape.state_layers)
@@ -196,9 +228,13 @@ def synthetic_kv(
 def raw_kv_bytes(shape: ModelShape, tokens: int, block_tokens: int, dtype: str) -> int:
     """Bytes of the KV and state `synthetic_kv` makes: full blocks only."""
     itemsize = 2 if dtype == "fp16" else 4
-    used = tokens // block_tokens * block_tokens
-    return (used * shape.kv_bytes_per_token(itemsize)) + (
-        shape.state_layers * shape.state_elements * itemsize
+    n_blocks = tokens // block_tokens
+    window_tokens = shape.window_blocks(n_blocks, block_tokens) * block_tokens
+    window_kv = shape.window_layers * 2 * shape.kv_heads * shape.head_dim * itemsize
+    return (
+        n_blocks * block_tokens * shape.kv_bytes_per_token(itemsize)
+        + window_tokens * window_kv
+        + shape.state_layers * shape.state_elements * itemsize
     )
 
 
@@ -332,11 +368,14 @@ def run_bench(
     vaults: Sequence[str] = (),
     security: SecurityConfig | None = None,
     workers: int = 1,
+    repeat: int = DEFAULT_REPEAT,
     on_phase: Callable[[str, str, int, int], None] = lambda codec, phase, done, total: None,
 ) -> list[BenchResult]:
-    """Run every phase for each codec; `on_phase(codec, phase, done, total)` reports progress
-    ("compile" first, with what is being compiled in place of the codec). `vaults` are reached
-    with the token and TLS of `security` (the embedded vault, when none is given, without).
+    """Run every phase for each codec, WARMUP_RUNS times untimed, then `repeat` times timed;
+    `on_phase(codec, phase, done, total)` reports progress ("compile" first, with what is being
+    compiled in place of the codec). `vaults` are reached with the token and TLS of `security`
+    (the embedded vault, when none is given, without). Every block the bench stores is removed
+    again however it ends (an error, a full vault, KeyboardInterrupt): none stays in a vault.
 
     ValueError: bad arguments, or more memory needed than this machine has available (checked
     before anything is generated). VaultUnavailable: a vault does not answer (checked first too).
@@ -346,10 +385,12 @@ def run_bench(
         shape = MODEL_SHAPES[model_shape]
     except KeyError:
         raise ValueError(
-            f"unknown model shape {model_shape!r}; known: {', '.join(MODEL_SHAPES)}"
+            f"--model-shape {model_shape!r} is unknown; use one of {', '.join(MODEL_SHAPES)}"
         ) from None
     if dtype not in ("fp16", "fp32"):
-        raise ValueError(f"bench dtype must be fp16 or fp32, got {dtype!r}")
+        raise ValueError(f"--dtype {dtype!r} is unknown; use fp16 or fp32")
+    if repeat < 1:
+        raise ValueError(f"--repeat {repeat}: expected at least 1 timed run")
     if tokens < block_tokens:
         raise ValueError(f"--tokens {tokens} is less than one block of {block_tokens} tokens")
     needed = bench_memory_bytes(shape, tokens, block_tokens, dtype)
@@ -361,7 +402,7 @@ def run_bench(
         )
     coded = [get_codec(name, group_size=shape.head_dim) for name in codecs]
     results = []
-    sealer, sealed_with = bench_sealer(security)
+    sealer = bench_sealer(security)
     security = security if vaults else None
     with vault_addresses(vaults) as addresses:
         # Every payload is already in memory: let the put queue hold them all, so none is dropped.
@@ -379,25 +420,61 @@ def run_bench(
             kv = synthetic_kv(shape, tokens, block_tokens, dtype)
             on_phase(codecs[0], "generate", 1, 1)
             reference_gbps = memcpy_gbps(kv.raw_bytes)
-            for codec in coded:
-                result = _bench_codec(
-                    backend,
-                    codec,
-                    kv,
-                    shape,
-                    model_shape,
-                    tokens,
-                    block_tokens,
-                    reference_gbps,
-                    on_phase,
-                    promote_workers=(addresses, client_cfg, security, workers),
-                )
-                _bench_sealed(backend, codec, kv, shape, block_tokens, sealer, result, on_phase)
-                result.sealed_with = sealed_with
-                results.append(result)
+            with removed_afterwards(backend) as held:
+                for codec in coded:
+                    results.append(
+                        _bench_codec(
+                            backend,
+                            codec,
+                            kv,
+                            (model_shape, shape),
+                            tokens,
+                            reference_gbps,
+                            held,
+                            sealer,
+                            repeat,
+                            partial(on_phase, codec.name),
+                            promote_workers=(addresses, client_cfg, security, workers),
+                        )
+                    )
         finally:
             backend.close()
     return results
+
+
+@contextmanager
+def removed_afterwards(client: Backend) -> Iterator[list[bytes]]:
+    """A list to add each namespace to before storing under it; however the block ends (an
+    exception, KeyboardInterrupt), the puts still in flight are waited for (CLEANUP_FLUSH_S at
+    most) and every namespace left in the list is cleared. A failure to clear is raised only when
+    nothing else was."""
+    held: list[bytes] = []
+    try:
+        yield held
+    except BaseException:
+        with suppress(Exception):
+            _clear(client, held, *held)
+        raise
+    _clear(client, held, *held)
+
+
+def _new_namespaces(held: list[bytes], codec: str, *kinds: str) -> list[bytes]:
+    """A namespace of this run for each of `kinds`, added to `held` (to be cleared)."""
+    run_id = uuid.uuid4().hex
+    namespaces = [
+        namespace_fingerprint({"bench": run_id, "codec": codec, "kind": kind}) for kind in kinds
+    ]
+    held.extend(namespaces)
+    return namespaces
+
+
+def _clear(client: Backend, held: list[bytes], *namespaces: bytes) -> None:
+    """Remove every block of `namespaces` from the vaults (once their puts are answered), and
+    the namespaces from `held`."""
+    client.flush(timeout=CLEANUP_FLUSH_S)
+    for namespace in namespaces:
+        client.clear(namespace)
+        held.remove(namespace)
 
 
 def bench_sealer(security: SecurityConfig | None) -> tuple[Sealer, str]:
@@ -409,116 +486,175 @@ def bench_sealer(security: SecurityConfig | None) -> tuple[Sealer, str]:
     return Sealer({1: os.urandom(KEY_BYTES)}, 1), "a key made for the run"
 
 
-def _bench_sealed(
-    client: Backend,
-    codec: Codec,
-    kv: SyntheticKV,
-    shape: ModelShape,
-    block_tokens: int,
-    sealer: Sealer,
-    result: BenchResult,
-    on_phase: Callable[[str, str, int, int], None],
-) -> None:
-    """The codec's blocks again, sealed: seal, put, lookup-free promote, open, decode, into
-    `result`'s sealed fields (the lookup is the unsealed run's). RuntimeError when a sealed block
-    is lost or does not restore bit for bit as the unsealed run did."""
-    run_id = uuid.uuid4().hex
-    kv_ns = namespace_fingerprint({"bench": run_id, "codec": codec.name, "kind": "sealed kv"})
-    state_ns = namespace_fingerprint({"bench": run_id, "codec": codec.name, "kind": "sealed st"})
-    n_blocks = len(kv.blocks)
-    keys = chain_block_keys(np.arange(n_blocks * block_tokens) % 50_000, block_tokens)
-    state_parts = list(range(shape.state_layers))
-    lossless = get_codec("none", group_size=shape.head_dim)
-    forms = {(kv_ns, keys[b], 0): stored_form(codec, block) for b, block in enumerate(kv.blocks)}
-    for part, state in enumerate(kv.states):
-        forms[(state_ns, keys[-1], part)] = stored_form(lossless, state)
-    on_phase(codec.name, "seal", 0, 1)
-    start = time.perf_counter()
-    sealed = {
-        (namespace, key, part): sealed_payload(sealer, block_address(namespace, key, part), form)
-        for (namespace, key, part), form in forms.items()
-    }
-    result.seal_s = time.perf_counter() - start
-    result.seal_gbps = sum(map(payload_bytes, forms.values())) / result.seal_s / 1e9
-    del forms
-    sealed_bytes = sum(map(payload_bytes, sealed.values()))
-    on_phase(codec.name, "sealed put", 0, 1)
-    start = time.perf_counter()
-    for (namespace, key, part), payload in sealed.items():
-        client.put(namespace, key, part, payload)
-    if not client.flush(timeout=600):
-        raise RuntimeError(f"the vault at {client.address} did not acknowledge every sealed block")
-    result.sealed_store_s = time.perf_counter() - start
-    result.sealed_store_gbps = sealed_bytes / result.sealed_store_s / 1e9
-    del sealed
-    on_phase(codec.name, "sealed promote", 0, 1)
-    start = time.perf_counter()
-    fetched = client.promote(kv_ns, keys, [0])
-    fetched_states = client.promote(state_ns, keys[-1:], state_parts) if state_parts else {}
-    result.sealed_promote_s = time.perf_counter() - start
-    result.sealed_promote_gbps = sealed_bytes / result.sealed_promote_s / 1e9
-    if len(fetched) != n_blocks or len(fetched_states) != len(state_parts):
-        raise RuntimeError("the vault returned fewer sealed blocks than it holds")
-    on_phase(codec.name, "open", 0, 1)
-    arrived = [(kv_ns, keys[b], 0, fetched[(b, 0)]) for b in range(n_blocks)]
-    arrived += [(state_ns, keys[-1], part, fetched_states[(0, part)]) for part in state_parts]
-    # Opened into memory already touched, as the tier opens into its pooled receive buffers.
-    sizes = [sealer.opened_bytes(payload) for *_, payload in arrived]
-    room = np.empty(sum(sizes), dtype=np.uint8)
-    room.fill(0)  # (np.zeros would leave the pages untouched)
-    ends = np.cumsum(sizes).tolist()
-    opened = [room.data[end - size : end] for size, end in zip(sizes, ends, strict=True)]
-    start = time.perf_counter()
-    for (namespace, key, part, payload), out in zip(arrived, opened, strict=True):
-        sealer.open_into(block_address(namespace, key, part), payload, out)
-    result.open_s = time.perf_counter() - start
-    result.open_gbps = sum(map(len, opened)) / result.open_s / 1e9
-    del fetched, fetched_states, arrived
-    restored = [np.zeros_like(block) for block in kv.blocks]
-    restored_states = [np.zeros_like(state) for state in kv.states]
-    on_phase(codec.name, "sealed decode", 0, 1)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(DECODE_THREADS) as pool:
-        list(pool.map(decode_into, opened, [*restored, *restored_states]))
-    result.sealed_decode_s = time.perf_counter() - start
-    client.clear(kv_ns)
-    client.clear(state_ns)
-    if codec.name == "none" and not all(map(np.array_equal, kv.blocks, restored)):
-        raise RuntimeError("sealed lossless blocks did not round-trip bit-exact")
-    if not all(map(np.array_equal, kv.states, restored_states)):
-        raise RuntimeError("sealed linear-attention state did not round-trip bit-exact")
-    result.sealed_restore_s = (
-        result.lookup_s + result.sealed_promote_s + result.open_s + result.sealed_decode_s
-    )
-    result.sealed_vs_unsealed_restore = result.restore_s / result.sealed_restore_s
+Report = Callable[[str, int, int], None]
+"""on_phase of one codec: (phase, done, total)."""
+RESTORE_PHASES = ("lookup_s", "promote_s", "decode_s")
+SEALED_RESTORE_PHASES = ("lookup_s", "sealed_promote_s", "open_s", "sealed_decode_s")
+
+
+@dataclass
+class _Run:
+    """One pass of a codec through every phase, unsealed and sealed."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Each *_s field of BenchResult that the pass timed."""
+    moved: dict[str, int] = field(default_factory=dict)
+    """The bytes each of those phases handled (for its GB/s)."""
 
 
 def _bench_codec(
     client: Backend,
     codec: Codec,
     kv: SyntheticKV,
-    shape: ModelShape,
-    model_shape: str,
+    model: tuple[str, ModelShape],
     tokens: int,
-    block_tokens: int,
     reference_gbps: float,
-    on_phase: Callable[[str, str, int, int], None],
+    held: list[bytes],
+    sealer: tuple[Sealer, str],
+    repeat: int,
+    report: Report,
     promote_workers: tuple[list[str], ClientConfig, SecurityConfig | None, int],
 ) -> BenchResult:
-    """One codec through every phase. Attention blocks use `codec`; linear-attention state, which
-    an engine keeps feeding forward, is stored lossless."""
-    run_id = uuid.uuid4().hex
-    kv_ns = namespace_fingerprint({"bench": run_id, "codec": codec.name, "kind": "kv"})
-    state_ns = namespace_fingerprint({"bench": run_id, "codec": codec.name, "kind": "state"})
+    """One codec through every phase, WARMUP_RUNS + `repeat` times; the median of the timed
+    runs, their spread, and the fidelity of the last. Attention blocks use `codec`;
+    linear-attention state, which an engine keeps feeding forward, is stored lossless. The
+    codec is timed against `reference_gbps`, memcpy of the same bytes."""
+    model_shape, shape = model
     n_blocks = len(kv.blocks)
-    token_ids = np.arange(n_blocks * block_tokens) % 50_000
-    keys = chain_block_keys(token_ids, block_tokens)
-    kv_parts = [0]
+    block_tokens = kv.blocks[0].shape[2]
+    keys = chain_block_keys(np.arange(n_blocks * block_tokens) % 50_000, block_tokens)
+    addresses, client_cfg, security, workers = promote_workers
+    worker_gbps: list[float] | None = None
+    aggregate_gbps: float | None = None
+    timed: list[_Run] = []
+    for index in range(WARMUP_RUNS + repeat):
+        run = _Run()
+        kv_ns, state_ns = _new_namespaces(held, codec.name, "kv", "state")
+        restored = _unsealed_pass(client, codec, kv, shape, keys, (kv_ns, state_ns), run, report)
+        if workers > 1 and index == WARMUP_RUNS + repeat - 1:
+            report("promote ×workers", 0, 1)
+            worker_gbps, aggregate_gbps = concurrent_promote(
+                addresses, client_cfg, kv_ns, keys, [0], workers, security
+            )
+            report("promote ×workers", 1, 1)
+        _clear(client, held, kv_ns, state_ns)
+        sealed_ns = _new_namespaces(held, codec.name, "sealed kv", "sealed st")
+        _sealed_pass(client, codec, kv, shape, keys, sealed_ns, sealer[0], run, report)
+        _clear(client, held, *sealed_ns)
+        if index >= WARMUP_RUNS:
+            timed.append(run)
+
+    median = {name: statistics.median(r.seconds[name] for r in timed) for name in run.seconds}
+    spread: dict[str, list[float]] | None = None
+    if len(timed) > 1:
+        per_run = {name: [r.seconds[name] for r in timed] for name in median}
+        for total, phases in (
+            ("restore_s", RESTORE_PHASES),
+            ("sealed_restore_s", SEALED_RESTORE_PHASES),
+        ):
+            per_run[total] = [sum(r.seconds[phase] for phase in phases) for r in timed]
+        spread = {name: [min(values), max(values)] for name, values in per_run.items()}
+
+    def gbps(phase: str) -> float:
+        return run.moved[phase] / median[phase] / 1e9
+
+    worst = [fidelity(ref, out) for ref, out in zip(kv.blocks, restored, strict=True)]
+    raw = kv.raw_bytes
+    stored_bytes = run.moved["store_s"]
+    restore_s = sum(median[phase] for phase in RESTORE_PHASES)
+    sealed_restore_s = sum(median[phase] for phase in SEALED_RESTORE_PHASES)
+    return BenchResult(
+        tokens=tokens,
+        tokens_measured=n_blocks * block_tokens,
+        model_shape=model_shape,
+        codec=codec.name,
+        vault=client.address,
+        dtype=kv.dtype,
+        block_tokens=block_tokens,
+        blocks=n_blocks,
+        raw_bytes=raw,
+        stored_bytes=stored_bytes,
+        ratio=raw / stored_bytes,
+        memcpy_gbps=reference_gbps,
+        encode_s=median["encode_s"],
+        encode_gbps=gbps("encode_s"),
+        store_s=median["store_s"],
+        store_gbps=gbps("store_s"),
+        lookup_s=median["lookup_s"],
+        hit_blocks=n_blocks,
+        promote_s=median["promote_s"],
+        promote_gbps=gbps("promote_s"),
+        decode_s=median["decode_s"],
+        decode_gbps=gbps("decode_s"),
+        restore_s=restore_s,
+        restore_vs_memcpy=(raw / reference_gbps / 1e9) / restore_s,
+        snr_db=min(f.snr_db for f in worst),
+        cosine=min(f.cosine for f in worst),
+        max_abs_err=max(f.max_abs_err for f in worst),
+        link_s={f"{g}GbE": stored_bytes * 8 / (g * 1e9) for g in LINK_GBITS},
+        link_restore_s={
+            f"{g}GbE": link_restore_s(
+                median["lookup_s"], stored_bytes, median["decode_s"], n_blocks, g
+            )
+            for g in LINK_GBITS
+        },
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        sealed_with=sealer[1],
+        seal_s=median["seal_s"],
+        seal_gbps=gbps("seal_s"),
+        sealed_store_s=median["sealed_store_s"],
+        sealed_store_gbps=gbps("sealed_store_s"),
+        sealed_promote_s=median["sealed_promote_s"],
+        sealed_promote_gbps=gbps("sealed_promote_s"),
+        open_s=median["open_s"],
+        open_gbps=gbps("open_s"),
+        sealed_decode_s=median["sealed_decode_s"],
+        sealed_restore_s=sealed_restore_s,
+        sealed_vs_unsealed_restore=restore_s / sealed_restore_s,
+        runs=repeat,
+        spread_s=spread,
+        workers=workers,
+        worker_promote_gbps=worker_gbps,
+        aggregate_promote_gbps=aggregate_gbps,
+    )
+
+
+def _put_all(
+    client: Backend,
+    payloads: dict[tuple[bytes, bytes, int], PutPayload],
+    report: Report,
+    phase: str,
+) -> float:
+    """Put every payload and wait for the vault's answers: the seconds it took."""
+    start = time.perf_counter()
+    for i, ((namespace, key, part), payload) in enumerate(payloads.items()):
+        client.put(namespace, key, part, payload)
+        if i % 64 == 0:
+            report(phase, i + 1, len(payloads))
+    if not client.flush(timeout=600):
+        raise RuntimeError(f"the vault at {client.address} did not acknowledge every block")
+    seconds = time.perf_counter() - start
+    report(phase, len(payloads), len(payloads))
+    return seconds
+
+
+def _unsealed_pass(
+    client: Backend,
+    codec: Codec,
+    kv: SyntheticKV,
+    shape: ModelShape,
+    keys: list[bytes],
+    namespaces: Sequence[bytes],
+    run: _Run,
+    report: Report,
+) -> list[np.ndarray]:
+    """Encode, put, lookup, promote and decode the KV under `namespaces` (kv, state), timed into
+    `run`; the restored blocks. RuntimeError when a block is missing or state is not bit-exact."""
+    kv_ns, state_ns = namespaces
+    n_blocks = len(kv.blocks)
     state_parts = list(range(shape.state_layers))
     lossless = get_codec("none", group_size=shape.head_dim)
-
-    def report(phase: str, done: int, total: int) -> None:
-        on_phase(codec.name, phase, done, total)
+    raw = kv.raw_bytes
 
     payloads: dict[tuple[bytes, bytes, int], PutPayload] = {}
     start = time.perf_counter()
@@ -527,38 +663,29 @@ def _bench_codec(
         report("encode", b + 1, n_blocks)
     for part, state in enumerate(kv.states):
         payloads[(state_ns, keys[-1], part)] = stored_form(lossless, state)
-    encode_s = time.perf_counter() - start
-    stored_bytes = sum(payload_bytes(p) for p in payloads.values())
-
-    start = time.perf_counter()
-    for i, ((namespace, key, part), payload) in enumerate(payloads.items()):
-        client.put(namespace, key, part, payload)
-        if i % 64 == 0:
-            report("put", i, len(payloads))
-    if not client.flush(timeout=600):
-        raise RuntimeError(f"the vault at {client.address} did not acknowledge every block")
-    store_s = time.perf_counter() - start
-    report("put", len(payloads), len(payloads))
+    run.seconds["encode_s"], run.moved["encode_s"] = time.perf_counter() - start, raw
+    run.moved["store_s"] = sum(payload_bytes(p) for p in payloads.values())
+    run.seconds["store_s"] = _put_all(client, payloads, report, "put")
     del payloads
 
     start = time.perf_counter()
-    hit = client.lookup(kv_ns, keys, kv_parts)
+    hit = client.lookup(kv_ns, keys, [0])
     if state_parts:
         hit = min(hit, n_blocks if client.lookup(state_ns, keys[-1:], state_parts) else 0)
-    lookup_s = time.perf_counter() - start
+    run.seconds["lookup_s"] = time.perf_counter() - start
     report("lookup", 1, 1)
     if hit != n_blocks:
         raise RuntimeError(f"the vault holds {hit} of {n_blocks} blocks just stored (is it full?)")
 
     start = time.perf_counter()
-    fetched = client.promote(kv_ns, keys, kv_parts)
+    fetched = client.promote(kv_ns, keys, [0])
     fetched_states = client.promote(state_ns, keys[-1:], state_parts) if state_parts else {}
-    promote_s = time.perf_counter() - start
+    run.seconds["promote_s"] = time.perf_counter() - start
     report("promote", 1, 1)
-    fetched_bytes = sum(len(p) for p in fetched.values()) + sum(
+    run.moved["promote_s"] = sum(len(p) for p in fetched.values()) + sum(
         len(p) for p in fetched_states.values()
     )
-    if len(fetched) != n_blocks * len(kv_parts) or len(fetched_states) != len(state_parts):
+    if len(fetched) != n_blocks or len(fetched_states) != len(state_parts):
         raise RuntimeError("the vault returned fewer blocks than it holds")
 
     # An engine decodes into its resident KV cache: touch the outputs first, so that decode is
@@ -574,61 +701,76 @@ def _bench_codec(
             report("decode", b + 1, n_blocks)
         states = [fetched_states[(0, part)] for part in state_parts]
         list(pool.map(decode_into, states, restored_states))
-    decode_s = time.perf_counter() - start
-    del fetched, fetched_states
-    addresses, client_cfg, security, workers = promote_workers
-    worker_gbps: list[float] = []
-    aggregate_gbps = 0.0
-    if workers > 1:
-        report("promote ×workers", 0, 1)
-        worker_gbps, aggregate_gbps = concurrent_promote(
-            addresses, client_cfg, kv_ns, keys, kv_parts, workers, security
-        )
-        report("promote ×workers", 1, 1)
-    client.clear(kv_ns)
-    client.clear(state_ns)
-
-    worst = [fidelity(ref, out) for ref, out in zip(kv.blocks, restored, strict=True)]
-    if not all(
-        np.array_equal(ref, out) for ref, out in zip(kv.states, restored_states, strict=True)
-    ):
+    run.seconds["decode_s"], run.moved["decode_s"] = time.perf_counter() - start, raw
+    if not all(map(np.array_equal, kv.states, restored_states)):
         raise RuntimeError("linear-attention state did not round-trip bit-exact")
-    raw = kv.raw_bytes
-    restore_s = lookup_s + promote_s + decode_s
-    return BenchResult(
-        tokens=tokens,
-        model_shape=model_shape,
-        codec=codec.name,
-        vault=client.address,
-        dtype=kv.dtype,
-        block_tokens=block_tokens,
-        blocks=n_blocks,
-        raw_bytes=raw,
-        stored_bytes=stored_bytes,
-        ratio=raw / stored_bytes,
-        memcpy_gbps=reference_gbps,
-        encode_s=encode_s,
-        encode_gbps=raw / encode_s / 1e9,
-        store_s=store_s,
-        store_gbps=stored_bytes / store_s / 1e9,
-        lookup_s=lookup_s,
-        hit_blocks=hit,
-        promote_s=promote_s,
-        promote_gbps=fetched_bytes / promote_s / 1e9,
-        decode_s=decode_s,
-        decode_gbps=raw / decode_s / 1e9,
-        restore_s=restore_s,
-        restore_vs_memcpy=(raw / reference_gbps / 1e9) / restore_s,
-        snr_db=min(f.snr_db for f in worst),
-        cosine=min(f.cosine for f in worst),
-        max_abs_err=max(f.max_abs_err for f in worst),
-        link_s={f"{g}GbE": stored_bytes * 8 / (g * 1e9) for g in LINK_GBITS},
-        link_restore_s={
-            f"{g}GbE": link_restore_s(lookup_s, stored_bytes, decode_s, n_blocks, g)
-            for g in LINK_GBITS
-        },
-        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        workers=workers,
-        worker_promote_gbps=worker_gbps,
-        aggregate_promote_gbps=aggregate_gbps,
-    )
+    return restored
+
+
+def _sealed_pass(
+    client: Backend,
+    codec: Codec,
+    kv: SyntheticKV,
+    shape: ModelShape,
+    keys: list[bytes],
+    namespaces: Sequence[bytes],
+    sealer: Sealer,
+    run: _Run,
+    report: Report,
+) -> None:
+    """The codec's blocks again, sealed, under `namespaces` (kv, state): seal, put, lookup-free
+    promote, open, decode, timed into `run` (the lookup is the unsealed pass's). RuntimeError
+    when a sealed block is lost or does not restore bit for bit as the unsealed pass did."""
+    kv_ns, state_ns = namespaces
+    n_blocks = len(kv.blocks)
+    state_parts = list(range(shape.state_layers))
+    lossless = get_codec("none", group_size=shape.head_dim)
+    forms = {(kv_ns, keys[b], 0): stored_form(codec, block) for b, block in enumerate(kv.blocks)}
+    for part, state in enumerate(kv.states):
+        forms[(state_ns, keys[-1], part)] = stored_form(lossless, state)
+    report("seal", 0, 1)
+    start = time.perf_counter()
+    sealed = {
+        (namespace, key, part): sealed_payload(sealer, block_address(namespace, key, part), form)
+        for (namespace, key, part), form in forms.items()
+    }
+    run.seconds["seal_s"] = time.perf_counter() - start
+    run.moved["seal_s"] = sum(map(payload_bytes, forms.values()))
+    del forms
+    sealed_bytes = sum(map(payload_bytes, sealed.values()))
+    run.seconds["sealed_store_s"] = _put_all(client, sealed, report, "sealed put")
+    run.moved["sealed_store_s"] = run.moved["sealed_promote_s"] = sealed_bytes
+    del sealed
+    report("sealed promote", 0, 1)
+    start = time.perf_counter()
+    fetched = client.promote(kv_ns, keys, [0])
+    fetched_states = client.promote(state_ns, keys[-1:], state_parts) if state_parts else {}
+    run.seconds["sealed_promote_s"] = time.perf_counter() - start
+    if len(fetched) != n_blocks or len(fetched_states) != len(state_parts):
+        raise RuntimeError("the vault returned fewer sealed blocks than it holds")
+    report("open", 0, 1)
+    arrived = [(kv_ns, keys[b], 0, fetched[(b, 0)]) for b in range(n_blocks)]
+    arrived += [(state_ns, keys[-1], part, fetched_states[(0, part)]) for part in state_parts]
+    # Opened into memory already touched, as the tier opens into its pooled receive buffers.
+    sizes = [sealer.opened_bytes(payload) for *_, payload in arrived]
+    room = np.empty(sum(sizes), dtype=np.uint8)
+    room.fill(0)  # (np.zeros would leave the pages untouched)
+    ends = np.cumsum(sizes).tolist()
+    opened = [room.data[end - size : end] for size, end in zip(sizes, ends, strict=True)]
+    start = time.perf_counter()
+    for (namespace, key, part, payload), out in zip(arrived, opened, strict=True):
+        sealer.open_into(block_address(namespace, key, part), payload, out)
+    run.seconds["open_s"] = time.perf_counter() - start
+    run.moved["open_s"] = sum(map(len, opened))
+    del fetched, fetched_states, arrived
+    restored = [np.zeros_like(block) for block in kv.blocks]
+    restored_states = [np.zeros_like(state) for state in kv.states]
+    report("sealed decode", 0, 1)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(DECODE_THREADS) as pool:
+        list(pool.map(decode_into, opened, [*restored, *restored_states]))
+    run.seconds["sealed_decode_s"] = time.perf_counter() - start
+    if codec.name == "none" and not all(map(np.array_equal, kv.blocks, restored)):
+        raise RuntimeError("sealed lossless blocks did not round-trip bit-exact")
+    if not all(map(np.array_equal, kv.states, restored_states)):
+        raise RuntimeError("sealed linear-attention state did not round-trip bit-exact")

@@ -7,6 +7,7 @@ type, bad size or address) raises `ConfigError` naming the file, the key and wha
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
@@ -64,14 +65,19 @@ _SIZE_UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
+SIZE_FORMS = "a size like 24GB, 512MiB or 1073741824 (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+"""What parse_size accepts, as its errors say."""
+
+
 class ConfigError(ValueError):
     """A configuration problem; the message names the source, the key and what was expected."""
 
 
-def parse_size(value: int | str) -> int:
-    """Bytes from an int or a string like "24GB" (10^9) or "512MiB" (2^20); else ValueError."""
+def parse_size(value: int | str, forms: str = SIZE_FORMS) -> int:
+    """Bytes from an int or a string like "24GB" (10^9) or "512MiB" (2^20); else ValueError,
+    saying that it expected `forms`."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"expected a size like 24GB or 512MiB, got {value!r}")
+        raise ValueError(f"expected {forms}, got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"a size cannot be negative, got {value}")
@@ -79,10 +85,7 @@ def parse_size(value: int | str) -> int:
     match = _SIZE_RE.match(value)
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(
-            f"expected a size like 24GB, 512MiB or 1073741824 (units B, KB, MB, GB, TB, KiB, MiB,"
-            f" GiB, TiB), got {value!r}"
-        )
+        raise ValueError(f"expected {forms}, got {value!r}")
     return int(float(match.group(1).replace("_", "")) * _SIZE_UNITS[unit])
 
 
@@ -247,7 +250,10 @@ class VaultConfig:
     """Cap of the disk tier; None: half of what the filesystem has free (plus what it holds)."""
     fsync: str = "interval"
     metrics_port: int | None = None
-    """TCP port of Prometheus /metrics on the listen host; None: not served."""
+    """TCP port of Prometheus /metrics; None: not served."""
+    metrics_host: str | None = None
+    """IP address /metrics listens on (it checks no token); None: the listen host where that is
+    loopback, the vault is --insecure or needs client certificates, else loopback."""
 
     def resolved_max_bytes(self) -> int:
         """The cap to use: the configured one, or default_max_bytes() (0 stays unlimited)."""
@@ -282,10 +288,15 @@ class LimitsConfig:
     """Bulk connections served at once (all clients)."""
     max_connections_per_client: int = 64
     """Bulk connections served at once per client IP address."""
+    max_connections_per_tenant: int = 32
+    """Authenticated bulk connections served at once per tenant, on a vault of several tenants
+    (more are refused after their handshake, with a reason; the client uses gRPC then), so one
+    tenant cannot hold every connection of an address or of the vault."""
     handshake_timeout_s: float = 5.0
     """A new bulk connection that has not authenticated (or sent a frame) by then is closed."""
-    idle_timeout_s: float = 300.0
-    """A bulk connection idle between frames this long is closed (clients reconnect)."""
+    idle_timeout_s: float = 30.0
+    """A bulk connection idle between frames this long is closed (clients reconnect: one
+    handshake), so idle connections hold their slots for seconds, not minutes."""
     stall_timeout_s: float = 30.0
     """A frame that makes no progress this long is dropped with its connection."""
     max_concurrent_rpcs: int = 64
@@ -462,10 +473,10 @@ def parse_max_bytes(value: int | str) -> int:
     """A vault cap: a positive size, or "unlimited" (→ UNLIMITED, 0); else ValueError."""
     if value == "unlimited":
         return UNLIMITED
-    try:
-        return _positive_size(value)
-    except ValueError as exc:
-        raise ValueError(f'{exc} (or "unlimited")') from None
+    size = parse_size(value, f'{SIZE_FORMS}, or "unlimited"')
+    if size <= 0:
+        raise ValueError(f'expected a positive size or "unlimited", got {value!r}')
+    return size
 
 
 def _string(value: Any) -> str:
@@ -502,6 +513,16 @@ def _path(value: Any) -> str:
     return str(Path(value).expanduser())
 
 
+def parse_ip_address(value: Any) -> str:
+    """`value` as an IP address (normalised); ValueError naming it when it is none."""
+    try:
+        return str(ipaddress.ip_address(value if isinstance(value, str) else ""))
+    except ValueError:
+        raise ValueError(
+            f"expected an IP address such as 127.0.0.1 or ::1, got {value!r}"
+        ) from None
+
+
 def _listen_address(value: Any) -> str:
     parse_address(value, allow_port_zero=True)
     return str(value)
@@ -522,6 +543,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "disk_max_bytes": _positive_size,
             "fsync": _one_of(FSYNC_MODES),
             "metrics_port": _port,
+            "metrics_host": parse_ip_address,
         },
     ),
     "security": (
@@ -540,6 +562,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         {
             "max_connections": _positive_int,
             "max_connections_per_client": _positive_int,
+            "max_connections_per_tenant": _positive_int,
             "handshake_timeout_s": _positive_float,
             "idle_timeout_s": _positive_float,
             "stall_timeout_s": _positive_float,

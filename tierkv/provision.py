@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +35,8 @@ from tierkv.seal import new_data_key_line
 TOKEN_BYTES = 32
 CERT_DAYS = 825
 """How long provisioned certificates are valid (the longest most TLS clients accept)."""
+
+_HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 def write_private(path: Path, data: bytes | str) -> Path:
@@ -55,6 +58,16 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
+def valid_host(host: str) -> bool:
+    """Whether `host` is an IP address or a DNS name (dot-separated labels of letters, digits
+    and inner hyphens), as a certificate may name it."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return len(host) <= 253 and all(map(_HOST_LABEL.fullmatch, host.split(".")))
+
+
 def alt_name(host: str) -> x509.GeneralName:
     """A certificate's subject alternative name for a host name or an IP address."""
     try:
@@ -70,10 +83,15 @@ def issue(
     days: int = CERT_DAYS,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """A new key and its certificate for `subject`: a CA when `issuer` is None (self-signed),
-    else signed by `issuer` (its name and key), naming `hosts`."""
+    else signed by `issuer` (its name and key), naming `hosts`. With the key identifiers and key
+    usage that strict verification (OpenSSL's X509_STRICT, Python 3.13's default) requires."""
     key = ec.generate_private_key(ec.SECP256R1())
     issuer_name, issuer_key = issuer or (_name(subject), key)
     now = datetime.datetime.now(datetime.timezone.utc)
+    ca = issuer is None
+    usage = dict.fromkeys(
+        ("content_commitment", "key_encipherment", "data_encipherment", "key_agreement"), False
+    )
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))
@@ -82,7 +100,23 @@ def issue(
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=days))
-        .add_extension(x509.BasicConstraints(ca=issuer is None, path_length=None), critical=True)
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=not ca,
+                key_cert_sign=ca,
+                crl_sign=ca,
+                encipher_only=False,
+                decipher_only=False,
+                **usage,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
+            critical=False,
+        )
     )
     if hosts:
         names = [alt_name(host) for host in hosts]

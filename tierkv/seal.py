@@ -18,6 +18,11 @@ only be equal when two draws of a prefix under one key are equal: with N draws (
 and one per 2^32 blocks sealed) that chance is below N^2 / 2^65, for N = 2^20 below 2^-25. Append
 a new key to the file (rotation) long before a key has been drawn for that often.
 
+Sealed copies are carved, one after the other, out of the pooled buffers the bulk client
+receives into (bulk.RECEIVE_BUFFERS: already mapped, huge-page aligned); a buffer returns to the
+pool once no sealed payload in it is referenced any more. Fresh memory would cost a page fault
+per page of every sealed copy, which in a VM runs the seal at a fraction of the cipher's speed.
+
 Data keys live in a file (`[security] data_key_file`) of lines `KEY_ID KEY`: KEY_ID a decimal
 1..65535, KEY 32 random bytes in URL-safe base64 (unpadded); `#` starts a comment line. Every
 key listed opens blocks, the last line's key seals new ones. Each tenant's engines hold their
@@ -39,6 +44,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tierkv.config import ConfigError
+from tierkv.vault.bulk import RECEIVE_BUFFERS
 
 MAGIC = b"TKVS"
 VERSION = 1
@@ -123,6 +129,8 @@ class Sealer:
         self._lock = threading.Lock()
         self._prefix = os.urandom(8)
         self._count = 0
+        self._arena: np.ndarray | None = None  # the pooled buffer sealed copies are cut from
+        self._arena_at = 0
 
     @classmethod
     def from_file(cls, path: str | Path) -> Sealer:
@@ -134,7 +142,7 @@ class Sealer:
         (encrypted), as two pieces: the headers, and the ciphertext with its tag in memory of
         its own (`body` may be reused at once)."""
         header = _HEADER.pack(MAGIC, VERSION, 0, self.key_id, len(head), self._nonce())
-        sealed = np.empty(len(body) + TAG_BYTES, dtype=np.uint8).data
+        sealed = self._room(len(body) + TAG_BYTES)
         self._ciphers[self.key_id].encrypt_into(
             header[-NONCE_BYTES:], body, header + head + address, sealed
         )
@@ -170,6 +178,18 @@ class Sealer:
             )
         except InvalidTag:
             raise SealError("does not open: changed, moved or sealed under another key") from None
+
+    def _room(self, size: int) -> memoryview:
+        """`size` writable bytes that nothing else uses: the next ones of the current pooled
+        buffer, of a new one when they do not fit (a larger size: memory of its own)."""
+        if size > RECEIVE_BUFFERS.buffer_bytes:
+            return np.empty(size, dtype=np.uint8).data
+        with self._lock:
+            if self._arena is None or self._arena_at + size > len(self._arena):
+                self._arena, self._arena_at = RECEIVE_BUFFERS.take(), 0
+            start = self._arena_at
+            self._arena_at += size
+            return self._arena.data[start : start + size]
 
     def _nonce(self) -> bytes:
         """The prefix and the count of this Sealer, a new prefix before the count wraps."""

@@ -3,10 +3,12 @@
 Each rank binds a pipeline shard of its own (rank r holds global layers 2r and 2r+1, so the ranks
 store different parts), spills an evicted prompt, then asks for a longer prompt twice:
 1. rank 1's lookup finds only three blocks: both ranks must restore the three blocks they agree on;
-2. rank 1's lookup raises: both ranks must recompute everything.
+2. rank 1's lookup raises: both ranks must recompute everything;
+3. rank 0 runs a plain model whose load loses the last block, rank 1 one with sliding-window
+   layers (restored at the agreed point or not at all): both ranks must recompute everything.
 Then each rank binds a tensor shard of its own (the model sharded over both ranks with mlx-lm's
 `shard`, so each rank's cache holds one of the two KV heads of every layer), spills a prompt and
-restores it (3.) into an empty prompt cache, where the hook reads the geometry from the model.
+restores it (4.) into an empty prompt cache, where the hook reads the geometry from the model.
 Prints one JSON line per rank: what each request prefilled and its tokens, and a cold run's.
 Configuration comes from TIERKV_CONFIG (a vault on loopback); with TIERKV_EXO_SRC, EXO's prompt
 cache is that real checkout's (see real_exo.py), else the fixture package's.
@@ -26,7 +28,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from fake_exo.real_exo import FIXTURE_SRC, RealExoFinder
-from fake_exo.tiny_mlx import random_tokens, tiny_llama
+from fake_exo.tiny_mlx import random_tokens, tiny_gemma3, tiny_llama
 from tierkv.connectors.exo import boot, hook
 
 READY_TIMEOUT_S = 280  # as in test_exo_hook.py
@@ -88,6 +90,21 @@ def main() -> None:
     failed = mlx_generate(model, longer, exo_cache.KVPrefixCache(group), max_tokens=4)
 
     runtime.tier.lookup = lookup  # type: ignore[method-assign]
+    mixed = tiny_llama() if rank == 0 else tiny_gemma3(window=32)
+    words = random_tokens(100, seed=5)
+    spill(mixed, words)
+    load = runtime.tier.load
+    if rank == 0:
+
+        def lossy_load(namespace: bytes, keys: list[bytes], *args: Any) -> set[int]:
+            return load(namespace, keys, *args) | {len(keys) - 1}
+
+        runtime.tier.load = lossy_load  # type: ignore[method-assign]
+    longer_words = mx.concatenate([words, random_tokens(20, seed=6)])
+    window = mlx_generate(mixed, longer_words, exo_cache.KVPrefixCache(group), max_tokens=4)
+    runtime.tier.load = load  # type: ignore[method-assign]
+    window_cold = mlx_generate(mixed, longer_words, None, max_tokens=4)
+
     bind("TensorShardMetadata", 0)
     sharded = tiny_llama()
     sharded.shard(group)
@@ -101,6 +118,7 @@ def main() -> None:
         "cold": [cold.prefilled, cold.tokens],
         "partial": [partial.prefilled, partial.tokens],
         "failed": [failed.prefilled, failed.tokens],
+        "window": [window.prefilled, window.tokens, window_cold.tokens],
         "tensor": [tensor.prefilled, tensor.tokens, tensor_cold.tokens],
     }
     print(json.dumps(result), flush=True)

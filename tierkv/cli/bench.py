@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import time
+import urllib.error
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -72,6 +74,15 @@ def bench(
         ),
     ] = 1,
     dtype: Annotated[str, typer.Option(metavar="fp16|fp32", help="KV dtype.")] = "fp16",
+    repeat: Annotated[
+        int,
+        typer.Option(
+            metavar="N",
+            help="Timed runs of each codec, after one untimed warm-up; each phase reports "
+            "their median.",
+            min=1,
+        ),
+    ] = 3,
     block_tokens: Annotated[
         int, typer.Option(metavar="N", help="Tokens per stored block.", min=1)
     ] = 256,
@@ -140,7 +151,7 @@ def bench(
     if engine is not None:
         from tierkv.bench_engines import long_prompt
 
-        prompt = prompt_file.read_text() if prompt_file else long_prompt(words=tokens)
+        prompt = _read_prompt(prompt_file) if prompt_file else long_prompt(words=tokens)
         limit = None if prompt_file else tokens
         if engine == "vllm":
             kv_bytes = _size_option("--kv-cache-bytes", kv_cache_bytes)
@@ -149,13 +160,31 @@ def bench(
             _exo_bench(engine, model, exo_api, prompt, as_json)
         return
     results = _run_bench(
-        tokens, model_shape, codec, dtype, block_tokens, vaults, cfg.security, workers, as_json
+        tokens,
+        model_shape,
+        codec,
+        dtype,
+        block_tokens,
+        repeat,
+        vaults,
+        cfg.security,
+        workers,
+        as_json,
     )
     if as_json:
         objects = [result.as_json() for result in results]
         typer.echo(json.dumps(objects if codec == "all" else objects[0], indent=2, allow_nan=False))
     else:
         Console().print(results_table(results))
+
+
+def _read_prompt(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise fail("bench", f"--prompt-file {path}: {exc.strerror or exc}", 2) from None
+    except UnicodeDecodeError:
+        raise fail("bench", f"--prompt-file {path}: not UTF-8 text", 2) from None
 
 
 def _check_address(option: str, address: str) -> None:
@@ -171,6 +200,7 @@ def _run_bench(
     codec: str,
     dtype: str,
     block_tokens: int,
+    repeat: int,
     vaults: list[str],
     security: SecurityConfig,
     workers: int,
@@ -225,6 +255,7 @@ def _run_bench(
                 vaults=vaults,
                 security=security,
                 workers=workers,
+                repeat=repeat,
                 on_phase=on_phase,
             )
         except ValueError as exc:
@@ -247,13 +278,19 @@ def results_table(results: list[BenchResult]) -> Group:
     vector width in the title line. Title and caption
     are lines of their own, so a narrow table (one codec) does not wrap them."""
     first = results[0]
+    tokens = f"{first.tokens_measured} tokens"
+    if first.tokens_measured != first.tokens:
+        tokens = f"{first.tokens_measured} of {first.tokens} tokens (whole blocks)"
     title = (
-        f"{first.tokens} tokens of {first.model_shape}, {first.dtype}, "
+        f"{tokens} of {first.model_shape}, {first.dtype}, "
         f"{first.raw_bytes / 1e6:,.0f} MB; memcpy {first.memcpy_gbps:.2f} GB/s; "
         f"kernels for {instruction_set()}"
     )
+    runs = "1 timed run" if first.runs == 1 else f"the median of {first.runs} timed runs"
     caption = (
-        "encode, decode: GB/s of raw bytes; put, promote: GB/s of stored bytes; "
+        f"each figure {runs} after {first.warmup_runs} untimed"
+        + ("" if first.spread_s is None else ", restore ± half the range of their restore s")
+        + "; encode, decode: GB/s of raw bytes; put, promote: GB/s of stored bytes; "
         "restore = lookup + promote + decode on loopback, GbE s = lookup, then the stored bytes at "
         "that line rate with decode pipelined behind them run by run as ColdTier.load does; "
         "fidelity of the worst block; sealed: the same blocks sealed (AES-256-GCM, "
@@ -270,6 +307,7 @@ def results_table(results: list[BenchResult]) -> Group:
         ("promote GB/s", lambda r: f"{r.promote_gbps:.2f}"),
         ("decode GB/s", lambda r: f"{r.decode_gbps:.2f}"),
         ("restore s", lambda r: f"{r.restore_s:.2f}"),
+        *([("restore ±", _half_range)] if first.spread_s is not None else []),
         ("seal GB/s", lambda r: f"{r.seal_gbps:.2f}"),
         ("open GB/s", lambda r: f"{r.open_gbps:.2f}"),
         ("sealed s", lambda r: f"{r.sealed_restore_s:.2f}"),
@@ -282,10 +320,10 @@ def results_table(results: list[BenchResult]) -> Group:
         ),
         ("peak MB", lambda r: f"{r.peak_rss_bytes / 1e6:,.0f}"),
     ]
-    if first.workers > 1:
+    if first.worker_promote_gbps is not None:
         rows += [
-            (f"{first.workers} workers GB/s", lambda r: _spread(r.worker_promote_gbps)),
-            ("all workers GB/s", lambda r: f"{r.aggregate_promote_gbps:.2f}"),
+            (f"{first.workers} workers GB/s", lambda r: _spread(r.worker_promote_gbps or [])),
+            ("all workers GB/s", lambda r: f"{r.aggregate_promote_gbps or 0:.2f}"),
         ]
     table.add_column("codec", no_wrap=True)
     for result in results:
@@ -298,6 +336,12 @@ def results_table(results: list[BenchResult]) -> Group:
 def _spread(values: list[float]) -> str:
     """min–max of per-worker figures."""
     return f"{min(values):.2f}–{max(values):.2f}"
+
+
+def _half_range(result: BenchResult) -> str:
+    """Half the min–max range of the timed runs' restore seconds, as a share of their median."""
+    low, high = (result.spread_s or {}).get("restore_s", (result.restore_s, result.restore_s))
+    return f"±{(high - low) / 2 / result.restore_s:.0%}"
 
 
 def _vllm_bench(
@@ -349,10 +393,20 @@ def _exo_bench(
         raise fail("bench", f"--engine {engine!r} is unknown; use vllm or exo", 2)
     if not exo_api or not model:
         raise fail("bench", "--engine exo needs --exo-api URL and --model NAME", 2)
+    url = urllib.parse.urlsplit(exo_api)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        message = f"--exo-api: expected a URL like http://127.0.0.1:52415, got {exo_api!r}"
+        raise fail("bench", message, 2)
     from tierkv.bench_engines import exo_bench
 
-    with console.status("asking EXO") as status:
-        result = exo_bench(exo_api, model, prompt, on_run=lambda label: status.update(label))
+    try:
+        with console.status("asking EXO") as status:
+            result = exo_bench(exo_api, model, prompt, on_run=lambda label: status.update(label))
+    except urllib.error.URLError as exc:
+        reason = getattr(exc.reason, "strerror", None) or exc.reason
+        raise fail("bench", f"EXO at {exo_api} did not answer: {reason}", 1) from None
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise fail("bench", f"EXO at {exo_api}: {_one_line(str(exc))}", 1) from None
     _print_engine_bench(result, as_json)
 
 

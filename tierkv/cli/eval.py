@@ -188,7 +188,9 @@ def eval_command(
         raise fail("eval", "no codec passed the gate, not even none: nothing written", 1)
     try:
         write_verdict(write_config, report, verdict, min_identical, max_kl)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise fail("eval", f"--write-config {write_config}: {exc.strerror or exc}", 1) from None
+    except ValueError as exc:
         raise fail("eval", f"--write-config {write_config}: {exc}", 1) from None
     console.print(
         f"{write_config}: [codec_verdicts] {report.fingerprint} = {verdict.codec!r}; "
@@ -228,7 +230,7 @@ def _read_prompts(path: Path, tokens: int) -> list[dict[str, Any]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise fail("eval", f"--prompts {path}: {exc}", 2) from None
+        raise fail("eval", f"--prompts {path}: {exc.strerror or exc}", 2) from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue

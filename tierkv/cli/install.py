@@ -10,7 +10,7 @@ from rich.console import Console
 
 from tierkv.cli import app
 from tierkv.cli.errors import fail
-from tierkv.patches.exo import ExoLayoutError
+from tierkv.patches.exo import ExoLayoutError, ExoPathError
 from tierkv.patches.exo import install as install_hook
 from tierkv.patches.exo import uninstall as remove_hook
 
@@ -58,7 +58,7 @@ def install(
                 exo_path, runtime_requirement=runtime_requirement, install_runtime=runtime
             )
     except ExoLayoutError as exc:
-        raise fail("install", str(exc), 1) from None
+        raise fail("install", str(exc), 2 if isinstance(exc, ExoPathError) else 1) from None
     state = "installed" if changed else "already installed (nothing changed)"
     console.print(f"tierkv hook {state} for EXO {layout.version} at {layout.root}")
     console.print(f"  {layout.pth_file}\n  {layout.runtime_dir}")

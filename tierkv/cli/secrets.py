@@ -10,6 +10,7 @@ import typer
 
 from tierkv.cli import app
 from tierkv.cli.errors import fail
+from tierkv.cli.usage import NamedArgumentsCommand
 
 secrets_app = typer.Typer(
     help="Provision tokens, data keys and TLS certificates for vaults and engines.",
@@ -18,7 +19,7 @@ secrets_app = typer.Typer(
 app.add_typer(secrets_app, name="secrets")
 
 
-@secrets_app.command("init")
+@secrets_app.command("init", cls=NamedArgumentsCommand)
 def init(
     directory: Annotated[Path, typer.Argument(metavar="DIR", help="A new or empty directory.")],
     tenant: Annotated[
@@ -41,7 +42,7 @@ def init(
     """Write DIR/vault/ (the vault's tokens and tierkv.toml), DIR/NAME/ per tenant (its token,
     data key and an engine's tierkv.toml) and, with --tls, DIR/ca/ and the vault's certificate.
     Copy vault/ to each vault and NAME/ to that tenant's engines; run tierkv in that directory."""
-    from tierkv.provision import init_secrets
+    from tierkv.provision import init_secrets, valid_host
     from tierkv.vault.auth import TENANT_RE
 
     tenants = tenant or ["default"]
@@ -50,6 +51,9 @@ def init(
             raise fail("secrets", f"--tenant {name!r}: letters, digits, _.- (not vault, ca)", 2)
     if len(set(tenants)) != len(tenants):
         raise fail("secrets", "--tenant: each tenant once", 2)
+    for host in tls or []:
+        if not valid_host(host):
+            raise fail("secrets", f"--tls {host!r}: expected a host name or an IP address", 2)
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise fail("secrets", f"{directory}: not a new or empty directory", 2)
     try:

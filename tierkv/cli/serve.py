@@ -16,32 +16,16 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from typer.core import TyperArgument, TyperCommand
 
 from tierkv.cli import app
 from tierkv.cli.errors import fail
 from tierkv.cli.status import check_vault
+from tierkv.cli.usage import NamedArgumentsCommand
 from tierkv.config import ConfigError, load_config
 
 
-class _NamedArgument(TyperArgument):
-    """An argument shown by its metavar alone: plain Typer help adds "<str>" and braces."""
-
-    def display_type_rich(self, ctx: Any) -> str | None:
-        return None
-
-    def get_usage_pieces(self, ctx: Any) -> list[str]:
-        return [self.metavar or self.name or ""]
-
-
-class _ServeCommand(TyperCommand):
+class _ServeCommand(NamedArgumentsCommand):
     """`serve`'s help: MODEL as named, and the vLLM arguments that may follow it."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        for param in self.params:
-            if isinstance(param, TyperArgument):
-                param.__class__ = _NamedArgument
 
     def collect_usage_pieces(self, ctx: Any) -> list[str]:
         return [*super().collect_usage_pieces(ctx), "[VLLM ARGS]..."]

@@ -25,6 +25,7 @@ from tierkv.config import (
     format_size,
     load_config,
     parse_address,
+    parse_ip_address,
     parse_max_bytes,
     parse_size,
     physical_ram_bytes,
@@ -88,6 +89,15 @@ def vault(
                 "loopback, --insecure or mutual TLS, else of loopback (it checks no token)."
             ),
             show_default="vault.metrics_port, else no metrics",
+        ),
+    ] = None,
+    metrics_host: Annotated[
+        str | None,
+        typer.Option(
+            metavar="IP",
+            help="Serve /metrics on this address instead, e.g. a separate management network's "
+            "(anyone who reaches it may scrape: /metrics checks no token).",
+            show_default="vault.metrics_host, else as --metrics-port says",
         ),
     ] = None,
     disk_dir: Annotated[
@@ -168,6 +178,20 @@ def vault(
             if cfg.vault.max_bytes is not None
             else f"default: {DEFAULT_RAM_FRACTION:.0%} of {format_size(physical_ram_bytes())} RAM"
         )
+    scrape_host = cfg.vault.metrics_host
+    if metrics_host is not None:
+        try:
+            scrape_host = parse_ip_address(metrics_host)
+        except ValueError as exc:
+            raise fail("vault", f"--metrics-host: {exc}", 2) from None
+    metrics = cfg.vault.metrics_port if metrics_port is None else metrics_port
+    if scrape_host is not None and metrics is None:
+        given = (
+            "--metrics-host" if metrics_host is not None else f"{cfg.source}: vault.metrics_host"
+        )
+        raise fail(
+            "vault", f"{given} without a metrics port: set --metrics-port or vault.metrics_port", 2
+        )
     from tierkv.vault.memory import freeze_startup_objects, reuse_freed_memory
     from tierkv.vault.server import VaultBindError, serve
 
@@ -176,7 +200,6 @@ def vault(
     _warn_beyond_memory(cap, origin, disk.max_bytes if disk else 0)
     try:
         bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
-        metrics = cfg.vault.metrics_port if metrics_port is None else metrics_port
         server = serve(
             listen,
             cap,
@@ -188,6 +211,7 @@ def vault(
             security=cfg.security,
             insecure=open_to_lan and not authenticated,
             metrics_port=metrics,
+            metrics_host=scrape_host,
         )
     except (VaultBindError, ConfigError) as exc:
         if disk:
@@ -260,6 +284,7 @@ def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -
     from tierkv.vault.disk import DiskLockedError, DiskTier, default_max_bytes
 
     directory = option or (Path(cfg.vault.disk_dir) if cfg.vault.disk_dir else None)
+    origin = "--disk-dir" if option else f"{cfg.source}: vault.disk_dir"
     if directory is None:
         if cap_option is not None:
             raise fail("vault", "--disk-max-bytes needs --disk-dir (or vault.disk_dir)", 2)
@@ -272,14 +297,23 @@ def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -
                 raise ValueError(f"expected a positive size, got {cap_option!r}")
         except ValueError as exc:
             raise fail("vault", f"--disk-max-bytes: {exc}", 2) from None
+    if directory.exists() and not directory.is_dir():
+        raise fail("vault", f"{origin} {directory}: not a directory", 2)
     try:
         directory.mkdir(parents=True, exist_ok=True)
         cap = cap or default_max_bytes(directory)
+        if cap <= 0:
+            raise fail(
+                "vault",
+                f"{origin} {directory}: no free space for a disk tier (free some, or set its cap "
+                "with --disk-max-bytes)",
+                1,
+            )
         disk = DiskTier(directory, cap, cfg.vault.fsync)
     except DiskLockedError as exc:
         raise fail("vault", str(exc), 1) from None
     except OSError as exc:
-        raise fail("vault", f"disk_dir {directory}: {exc.strerror or exc}", 1) from None
+        raise fail("vault", f"{origin} {directory}: {exc.strerror or exc}", 1) from None
     found = disk.recovery
     typer.echo(
         f"tierkv vault: disk tier {directory}: recovered {found.blocks} blocks "

@@ -40,6 +40,10 @@ class ExoLayoutError(ValueError):
     """The path is not an EXO checkout tierkv supports, or its venv is missing or unusable."""
 
 
+class ExoPathError(ExoLayoutError):
+    """The path given is not a directory at all (a usage error, not a problem of a checkout)."""
+
+
 @dataclass(frozen=True)
 class ExoLayout:
     """What the install needs to know about one EXO checkout."""
@@ -148,7 +152,7 @@ def find_exo(exo_path: str | Path) -> ExoLayout:
     """Check that `exo_path` is a supported EXO checkout with a venv (ExoLayoutError: why not)."""
     root = Path(exo_path).expanduser().resolve()
     if not root.is_dir():
-        raise ExoLayoutError(f"--exo-path {root} is not a directory")
+        raise ExoPathError(f"--exo-path {root}: not a directory")
     cache_py = root / CACHE_PY
     if not cache_py.is_file():
         raise ExoLayoutError(
@@ -273,7 +277,7 @@ def uninstall(exo_path: str | Path) -> list[Path]:
     """
     root = Path(exo_path).expanduser().resolve()
     if not root.is_dir():
-        raise ExoLayoutError(f"--exo-path {root} is not a directory")
+        raise ExoPathError(f"--exo-path {root}: not a directory")
     venv = root / ".venv"
     removed: list[Path] = []
     for pth in sorted(venv.glob(f"lib/python3.*/site-packages/{PTH_NAME}")):

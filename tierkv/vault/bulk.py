@@ -13,8 +13,15 @@ frame is already arriving, it is received and stored first, so the disk writes o
 the next comes in (replies keep their order).
 Each connection starts with the vault's challenge (auth.py: the client proves its token, and so
 its tenant, before any frame), over TLS when the vault has a certificate.
+Connections are limited in all and per client address from the moment they are accepted (one
+beyond is closed at once), and, on a vault of several tenants, per tenant once the handshake says
+whose they are: one beyond its tenant's limits.max_connections_per_tenant is refused with a
+reason (WELCOME's `refused`) and closed, so one tenant cannot hold every connection of an address
+or of the vault. An authenticated connection idle for limits.idle_timeout_s is closed (clients
+reconnect), one that has not authenticated within limits.handshake_timeout_s too.
 Client side: `BulkConnection(host, port, timeout_s, ...)` sends one request at a time (`put`,
-`promote`) and raises `BulkError` on any failure, after which the connection is unusable.
+`promote`) and raises `BulkError` on any failure, after which the connection is unusable
+(`BulkRefused`: the vault said why it would not serve it).
 """
 
 from __future__ import annotations
@@ -92,6 +99,11 @@ class BulkError(ConnectionError):
         self.timed_out = timed_out
 
 
+class BulkRefused(BulkError):
+    """The vault refused the connection after its handshake and said why (a connection limit):
+    a busy vault, not a failed one."""
+
+
 Payload = bytes | memoryview
 Into = Callable[[Sequence[int], Sequence[int]], dict[tuple[int, int], list[memoryview]]]
 """into(key indices, parts) -> by (key index, part), the writable buffers a promoted payload of
@@ -150,6 +162,13 @@ class Deadline:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
+    def rearm(self, sock: socket.socket) -> None:
+        """`arm` again before another operation of one receive, where needed: a TLS socket's
+        timeout (a system call to set) armed with the stall time still bounds the next
+        operation while the deadline is further away than that."""
+        if not isinstance(sock, ssl.SSLSocket) or self.at - time.monotonic() < self.stall_s:
+            self.arm(sock)
+
 
 @contextlib.contextmanager
 def _timed_out() -> Iterator[None]:
@@ -192,11 +211,18 @@ def _send_frame(
 
 
 def _recv_into(sock: socket.socket, view: memoryview, deadline: Deadline) -> None:
-    """Fill `view` from the socket by the deadline; ConnectionError when the peer closes first."""
+    """Fill `view` from the socket by the deadline; ConnectionError when the peer closes first.
+
+    A TLS socket returns one 16 KiB record per call; its timeout is set again only when the
+    deadline comes nearer than the stall time (setting it costs a system call, a third of the
+    calls per record)."""
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
     filled = 0
     while filled < len(view):
-        deadline.arm(sock)
-        flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL
+        if filled:
+            deadline.rearm(sock)
+        else:
+            deadline.arm(sock)
         with _timed_out():
             received = sock.recv_into(view[filled:], 0, flags)
         if received == 0:
@@ -368,6 +394,9 @@ class BulkServer:
         """Payload bytes of the largest PUT frame received (Hello tells clients)."""
         self._inflight = inflight
         self._slots = ConnectionSlots(limits.max_connections, limits.max_connections_per_client)
+        self._tenant_slots = ConnectionSlots(
+            limits.max_connections, limits.max_connections_per_tenant
+        )
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._stopped = False
@@ -409,6 +438,7 @@ class BulkServer:
 
     def _serve_connection(self, sock: socket.socket, address: str) -> None:
         limits = self._limits
+        tenant: Tenant | None = None  # once welcomed
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -440,12 +470,15 @@ class BulkServer:
             with self._lock:
                 self._connections.discard(sock)
                 self._slots.give_back(address)
+            if tenant is not None and tenant.prefix:
+                self._tenant_slots.give_back(tenant.name)
             sock.close()
             self._handler.metrics.connection_closed()
 
     def _handshake(self, sock: socket.socket) -> Tenant:
-        """Challenge and proof within handshake_timeout_s: the peer's tenant; ValueError when
-        its proof matches no token."""
+        """Challenge and proof within handshake_timeout_s: the peer's tenant, holding one of its
+        tenant's connection slots (on a vault of several tenants); ValueError when its proof
+        matches no token, or after a refusal when its tenant holds all of its slots."""
         timeout_s = self._limits.handshake_timeout_s
         clock = Deadline(time.monotonic() + timeout_s, timeout_s)
         nonce = os.urandom(NONCE_BYTES)
@@ -459,7 +492,21 @@ class BulkServer:
         if tenant is None:
             self._handler.metrics.auth_failed("bulk")
             raise ValueError("wrong token")
-        _send_frame(sock, WELCOME, vault_pb2.BulkChallenge(), clock)
+        if tenant.prefix and not self._tenant_slots.take(tenant.name):
+            self._handler.metrics.refused("tenant_connection_limit")
+            refusal = (
+                f"tenant {tenant.name} already holds its limit of"
+                f" {self._limits.max_connections_per_tenant} bulk connections"
+                " (limits.max_connections_per_tenant)"
+            )
+            _send_frame(sock, WELCOME, vault_pb2.BulkChallenge(refused=refusal), clock)
+            raise ValueError(refusal)
+        try:
+            _send_frame(sock, WELCOME, vault_pb2.BulkChallenge(), clock)
+        except BaseException:
+            if tenant.prefix:
+                self._tenant_slots.give_back(tenant.name)
+            raise
         return tenant
 
     def _reply(self, sock: socket.socket, put: _Unanswered) -> None:
@@ -573,14 +620,17 @@ class BulkConnection:
         self._guarded(lambda: self._authenticate(token))
 
     def _authenticate(self, token: str | None) -> None:
-        """Answer the vault's challenge; a vault that refuses closes the connection."""
+        """Answer the vault's challenge; a vault that refuses closes the connection (BulkRefused
+        when it said why)."""
         clock = Deadline(time.monotonic() + self.timeout_s, self.timeout_s)
         _, index_len, _ = _parse_header(_recv_bytes(self._sock, HEADER.size, clock), CHALLENGE)
         challenge = _parse(vault_pb2.BulkChallenge, _recv_bytes(self._sock, index_len, clock))
         answer = proof(token, challenge.nonce) if token and challenge.auth_required else b""
         _send_frame(self._sock, AUTH, vault_pb2.BulkAuth(proof=answer), clock)
         _, index_len, _ = _parse_header(_recv_bytes(self._sock, HEADER.size, clock), WELCOME)
-        _recv_bytes(self._sock, index_len, clock)
+        welcome = _parse(vault_pb2.BulkChallenge, _recv_bytes(self._sock, index_len, clock))
+        if welcome.refused:
+            raise BulkRefused(f"the vault refused the bulk connection: {welcome.refused}")
 
     def put(
         self, frames: Iterable[tuple[vault_pb2.PutIndex, Sequence[Payload]]], deadline: float
@@ -704,6 +754,9 @@ class BulkConnection:
         A reply too large to allocate (MemoryError) is a failure like any other."""
         try:
             return call()
+        except BulkRefused:
+            self.close()
+            raise
         except (OSError, ValueError, MemoryError) as exc:
             self.close()
             timed_out = isinstance(exc, TimeoutError)

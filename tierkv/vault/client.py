@@ -11,9 +11,11 @@ Put and Promote payloads travel over the vault's bulk data path (bulk.py: plain 
 pooled connections) when the vault offers one and its port answers, else over gRPC streams;
 lookups and management calls always use gRPC. A call that fails on the bulk path counts as a
 failure toward the breaker, and so does a bulk connection refused or not welcomed in time; the
-bulk path is then left alone for a cooldown. When the vault refused (a busy vault closing the
-connection, a malformed reply) rather than not answering a call in time, the call is tried
-again over gRPC in the time it has left.
+bulk path is then left alone for a cooldown. A connection the vault refuses with a reason (its
+tenant holds its limit of connections: a busy vault, not a failed one) is counted in
+`bulk_refusals` instead, and the call goes over gRPC. When the vault refused (a busy vault
+closing the connection, a malformed reply) rather than not answering a call in time, the call is
+tried again over gRPC in the time it has left.
 
 A block larger than the vault takes on any path (its Hello tells the largest bulk frame and gRPC
 message) is the caller's error, not the vault's: it is refused before it is sent, counted
@@ -43,7 +45,13 @@ from tierkv.vault.auth import (
     refuse_ineffective_settings,
     ssl_context,
 )
-from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError, Into
+from tierkv.vault.bulk import (
+    MIN_PUT_BLOCKS_PER_S,
+    BulkConnection,
+    BulkError,
+    BulkRefused,
+    Into,
+)
 from tierkv.vault.wire import (
     CHANNEL_OPTIONS,
     address_prefix,
@@ -213,6 +221,8 @@ class VaultClient:
         self.failed_calls = 0
         self.oversized_puts = 0
         """Puts refused as larger than the vault takes (the caller's error, not the vault's)."""
+        self.bulk_refusals = 0
+        """Bulk connections the vault refused with a reason (a connection limit): gRPC then."""
         self.transport = "none"
         """What carried the latest successful Put or Promote: "bulk", "grpc" or "none" yet."""
         self._queue = PutQueue(
@@ -507,6 +517,9 @@ class VaultClient:
         if port:
             try:
                 return self._connect_bulk(port, min(self.deadline_s, deadline - time.monotonic()))
+            except BulkRefused:  # at a connection limit: gRPC, no failure
+                with self._lock:
+                    self.bulk_refusals += 1
             except BulkError:  # refused, a handshake timeout, or a firewall: a failure, then gRPC
                 self._record_failure()
         self._bulk_failed(None)
@@ -594,6 +607,8 @@ class VaultClient:
             return 0, False
         try:
             self._connect_bulk(port, self.deadline_s).close()
+        except BulkRefused:
+            return port, True  # it answered: busy (at a connection limit), but reachable
         except BulkError:
             return port, False
         return port, True
@@ -614,6 +629,7 @@ class VaultClient:
                 "checksum_failures": self.checksum_failures,
                 "failed_calls": self.failed_calls,
                 "oversized_puts": self.oversized_puts,
+                "bulk_refusals": self.bulk_refusals,
                 "transport": self.transport,
             }
         return {**self._queue.counters(), **mine}

@@ -55,7 +55,7 @@ from tierkv.vault.limits import (
     block_problem,
     request_problem,
 )
-from tierkv.vault.metrics import VaultMetrics, grpc_server_ids, metrics_host
+from tierkv.vault.metrics import VaultMetrics, default_metrics_host, grpc_server_ids
 from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
     MalformedMessage,
@@ -154,7 +154,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self.max_frame_bytes = 0
         """Payload bytes of the largest bulk PUT frame (set with bulk_port); 0 = no bulk path."""
         self.started = time.monotonic()
-        self.metrics = VaultMetrics(store.stats)
+        self.metrics = VaultMetrics(store, role)
 
     def Put(
         self,
@@ -529,7 +529,7 @@ class VaultServer:
         """TCP port of the bulk data path (bulk.py); 0 = none."""
         self.metrics = servicer.metrics
         self.metrics_address = ""
-        """HOST:PORT of /metrics (metrics.metrics_host says which host); "" = not served."""
+        """HOST:PORT of /metrics (see `serve`'s metrics_host); "" = not served."""
 
     def stop(self, grace: float | None = 2.0) -> None:
         """Stop accepting calls, let running gRPC ones finish for `grace` seconds, then return.
@@ -556,6 +556,7 @@ def serve(
     security: SecurityConfig | None = None,
     insecure: bool = False,
     metrics_port: int | None = None,
+    metrics_host: str | None = None,
 ) -> VaultServer:
     """Start a vault in this process on `listen` (port 0: any free port); raise VaultBindError.
 
@@ -567,8 +568,9 @@ def serve(
     `security.tls_cert` both ports speak TLS (mutual with `security.client_ca`); `insecure` only
     tells clients (Stats) that the vault was started --insecure. Raises ConfigError for
     unreadable TLS files and settings that cannot take effect (auth.refuse_ineffective_settings).
-    With `metrics_port` (0: any free port), Prometheus metrics are served as /metrics, on the
-    same host where metrics.metrics_host allows it, else on loopback.
+    With `metrics_port` (0: any free port), Prometheus metrics are served as /metrics on
+    `metrics_host`, by default the listen host where metrics.default_metrics_host allows it, else
+    loopback.
     """
     if role not in VAULT_ROLES:
         raise ValueError(f"vault role must be one of {', '.join(VAULT_ROLES)}, got {role!r}")
@@ -636,7 +638,9 @@ def serve(
     metrics_address = ""
     if metrics_port is not None:
         mutual_tls = security.client_ca is not None
-        scrape_host = metrics_host(host, insecure=insecure, mutual_tls=mutual_tls)
+        scrape_host = metrics_host or default_metrics_host(
+            host, insecure=insecure, mutual_tls=mutual_tls
+        )
         try:
             served = servicer.metrics.serve(scrape_host, metrics_port, security)
             metrics_address = format_address(scrape_host, served)

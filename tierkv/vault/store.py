@@ -88,7 +88,8 @@ class _TenantLRU:
 class StoreStats:
     """Counters of a VaultStore; hits/misses count block parts asked of `get_many`.
 
-    entries, bytes_used, max_bytes and evictions are the RAM tier's; hits counts both tiers,
+    entries, bytes_used, payload_bytes (bytes_used less keys, namespaces and bookkeeping),
+    max_bytes and evictions are the RAM tier's; hits counts both tiers,
     ram_hits / disk_hits each, and *_reads_per_s the hits per second over the last 10 s.
     """
 
@@ -104,6 +105,7 @@ class StoreStats:
     disk_hits: int = 0
     disk_reads_per_s: float = 0.0
     disk: DiskStats | None = None
+    payload_bytes: int = 0
 
 
 class _Rate:
@@ -144,7 +146,7 @@ class VaultStore:
         self._tenant_of = tenant_of
         self._tenants: dict[bytes, _TenantLRU] = {}
         """tenant → its entries, with `tenant_of` only."""
-        self._bytes_used = 0
+        self._bytes_used = self._payload_bytes = 0
         self._hits = self._misses = self._evictions = self._rejected = 0
 
     def put(
@@ -292,6 +294,7 @@ class VaultStore:
             return StoreStats(
                 entries=len(self._entries),
                 bytes_used=self._bytes_used,
+                payload_bytes=self._payload_bytes,
                 max_bytes=self.max_bytes,
                 hits=self._hits,
                 misses=self._misses,
@@ -341,6 +344,7 @@ class VaultStore:
         space.entries += 1
         space.bytes_used += size
         self._bytes_used += size
+        self._payload_bytes += len(payload)
         if self._tenant_of is not None:
             tenant = self._tenants.setdefault(self._tenant_of(namespace), _TenantLRU())
             tenant.order[entry_key] = None
@@ -383,6 +387,7 @@ class VaultStore:
         namespace, key, part = entry_key
         size = entry_bytes(namespace, key, len(entry[0]))
         self._bytes_used -= size
+        self._payload_bytes -= len(entry[0])
         if self._tenant_of is not None:
             name = self._tenant_of(namespace)
             tenant = self._tenants[name]

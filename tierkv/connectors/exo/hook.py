@@ -15,8 +15,19 @@ The boot module hands two EXO modules here as soon as they are imported:
 Blocks are keyed by the chained hash of `block_tokens`-token blocks; part = 2 x global layer
 index (+1 for values); the namespace fingerprints model id, the weight files (where EXO's
 `build_model_path` finds them; tierkv.keys.weights_fingerprint), head slice, dtype, geometry, block
-size and FORMAT_VERSION. Only plain mlx-lm `KVCache` layers are handled; an entry with any other
-cache kind is left to EXO's normal path (reported once per kind).
+size and FORMAT_VERSION.
+
+Cache kinds: mlx-lm's plain `KVCache` and its `RotatingKVCache` (sliding-window layers: Gemma,
+gpt-oss, ...; all rotating layers of a runner must share one window). A plain layer stores every
+block of the prefix; a rotating layer only the blocks of its window before the restore point T (a
+block boundary): the `keep` first tokens and the newest ones, `max_size` in all (`Window`). A
+restored rotating layer holds those tokens oldest first, `offset` = T and `_idx` = their count:
+the state mlx-lm's own cache has after a prefill of T tokens and trimmed to its window, which
+attends to the same keys at every later step as the layer EXO had (its buffer may have been
+rotated in another order; EXO's own snapshots of rotating layers are made the same way). The
+namespace covers the window and which layers rotate, so nothing stored for one layout restores
+into another. An entry with any other cache kind (quantized, recurrent state, ...), or rotating
+layers of different windows, is left to EXO's normal path (reported once per kind).
 
 Kernels: the runner's start compiles (or loads from Numba's cache) the configured codec and the
 lossless one for bf16, MLX's usual KV dtype, single-threaded only, which is what blocks below
@@ -42,7 +53,7 @@ import functools
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -50,7 +61,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from tierkv.config import TierKVConfig, load_config, resolve_auto_codec
 from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
@@ -69,6 +80,8 @@ MAX_QUEUED_SPILLS = 8
 """Evicted entries waiting for the spill thread (each holds EXO's arrays until it is spilled)."""
 SPILL_WAIT_S = 0.5
 """How often a spill waiting for staging space checks whether the runtime is closing."""
+MAX_WINDOW_PROBES = 4
+"""Lookups a restore makes at most to find a restore point whose rotating-layer window is held."""
 
 # mlx dtype -> (codec dtype name, numpy dtype the host copy uses; bf16 travels as its bits)
 _DTYPES: dict[Any, tuple[str, type[np.generic]]] = {
@@ -106,13 +119,84 @@ class Geometry:
 
 
 @dataclass(frozen=True)
+class Window:
+    """What mlx-lm's RotatingKVCache layers keep: the `keep` first tokens of the sequence and the
+    newest ones, `max_size` in all."""
+
+    max_size: int
+    keep: int
+
+    def positions(self, tokens: int) -> np.ndarray:
+        """The token positions a rotating layer holds after `tokens` tokens, oldest first."""
+        held = min(tokens, self.max_size)
+        keep = min(self.keep, held)
+        return np.concatenate([np.arange(keep), np.arange(tokens - (held - keep), tokens)])
+
+    def blocks(self, tokens: int, block_tokens: int) -> list[int]:
+        """The blocks of `block_tokens` tokens those positions lie in, in order."""
+        return [int(i) for i in np.unique(self.positions(tokens) // block_tokens)]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which layers of a cache (indices in this runner's slice) rotate, and their window."""
+
+    window: Window | None = None
+    rotating: tuple[int, ...] = ()
+
+    def plain(self, layers: int) -> list[int]:
+        return [i for i in range(layers) if i not in self.rotating]
+
+
+PLAIN = Layout()
+"""Every layer a plain KVCache."""
+
+
+@dataclass(frozen=True)
+class _Held:
+    """Where the tokens a rotating layer holds sit in its buffer: positions [0, head) and
+    [tail, offset), oldest first, in buffer slots `slots` (mlx-lm's `_temporal_order` rule)."""
+
+    slots: np.ndarray
+    head: int
+    tail: int
+    offset: int
+
+    @classmethod
+    def of(cls, layer: Any) -> _Held:
+        size, idx, keep, offset = layer.keys.shape[2], layer._idx, layer.keep, layer.offset
+        if idx == size:  # in order (after a prefill step)
+            slots = np.arange(size)
+        elif idx < offset:  # rotated by single-token steps: the oldest tokens start at idx
+            slots = np.concatenate([np.arange(keep), np.arange(idx, size), np.arange(keep, idx)])
+        else:  # not full yet: slots past idx are unused
+            slots = np.arange(idx)
+        head = min(keep, len(slots))
+        tail = offset - (len(slots) - head)
+        return cls(slots, 0, 0, offset) if tail <= head else cls(slots, head, tail, offset)
+
+    def slots_of(self, start: int, stop: int) -> np.ndarray | None:
+        """The slots of positions [start, stop), or None if the layer no longer holds them all."""
+        if stop <= self.head:
+            return self.slots[start:stop]
+        if self.tail <= start and stop <= self.offset:
+            return self.slots[self.head + start - self.tail : self.head + stop - self.tail]
+        return None
+
+
+@dataclass(frozen=True)
 class _Spill:
     """An evicted (or written-through) entry waiting for the spill thread."""
 
     tokens: np.ndarray
     layers: list[tuple[mx.array, mx.array]]
-    cached_tokens: int
+    blocks: int
+    """Blocks of the prefix spilled (the plain layers' blocks, and the rotating layers' window
+    blocks before its end)."""
     geometry: Geometry
+    layout: Layout
+    held: dict[int, _Held]
+    """Per rotating layer, where its tokens sit."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +208,7 @@ class _Plan:
     namespace: bytes
     geometry: Geometry
     layers: int
+    layout: Layout
 
 
 _reported: set[str] = set()
@@ -440,12 +525,20 @@ class ExoRuntime:
 
     # ---- identity ----
 
-    def namespace(self, geometry: Geometry) -> bytes | None:
+    def namespace(self, geometry: Geometry, layout: Layout = PLAIN) -> bytes | None:
         if _shard is None:
             report_once("shard", "no EXO shard bound in this process; the hook stays off")
             return None
+        rotating = {}
+        if layout.window is not None:  # (absent for plain layers: their blocks stay valid)
+            rotating["rotating"] = {
+                "max_size": layout.window.max_size,
+                "keep": layout.window.keep,
+                "layers": [_shard.start_layer + i for i in layout.rotating],
+            }
         return namespace_fingerprint(
             {
+                **rotating,
                 "engine": "exo",
                 "format": FORMAT_VERSION,
                 "model": _shard.model_id,
@@ -459,9 +552,10 @@ class ExoRuntime:
             }
         )
 
-    def parts(self, layers: int) -> list[int]:
+    def parts(self, layers: Iterable[int]) -> list[int]:
+        """The parts of `layers` (indices in this runner's slice): keys, values for each."""
         start = _shard.start_layer if _shard is not None else 0
-        return [2 * (start + i) + kind for i in range(layers) for kind in (0, 1)]
+        return [2 * (start + i) + kind for i in layers for kind in (0, 1)]
 
     # ---- spill ----
 
@@ -473,12 +567,17 @@ class ExoRuntime:
         """
         if prompt_tokens is None or cache is None or not self.ready.is_set():
             return
+        layout = cache_layout(cache)
         geometry = entry_geometry(cache)
-        if geometry is None or geometry.dtype not in _DTYPES:
+        if layout is None or geometry is None or geometry.dtype not in _DTYPES:
             return
         self.kernels_ready(geometry)  # the spill's encoders wait for them if need be
-        cached = min(layer.offset for layer in cache)
-        if cached < self.block_tokens:
+        held = {i: _Held.of(cache[i]) for i in layout.rotating}
+        b = self.block_tokens
+        blocks = min(min(layer.offset for layer in cache), len(prompt_tokens)) // b
+        while blocks > 0 and not self._holds_window(layout, held, blocks):
+            blocks -= 1  # the rotating layers no longer hold the window before that point
+        if blocks == 0:
             return
         layers = []
         for layer in cache:
@@ -489,7 +588,7 @@ class ExoRuntime:
         mx.eval(layers)
         tokens = np.array(prompt_tokens, dtype=np.int64)
         try:
-            self._spills.put_nowait(_Spill(tokens, layers, cached, geometry))
+            self._spills.put_nowait(_Spill(tokens, layers, blocks, geometry, layout, held))
         except queue.Full:
             with self._lock:
                 self.dropped_spills += 1
@@ -498,6 +597,18 @@ class ExoRuntime:
                 "%d evicted entries already wait to spill: entry dropped",
                 MAX_QUEUED_SPILLS,
             )
+
+    def _holds_window(self, layout: Layout, held: dict[int, _Held], blocks: int) -> bool:
+        """Whether every rotating layer holds each whole block of its window before `blocks`."""
+        if layout.window is None:
+            return True
+        b = self.block_tokens
+        window = layout.window.blocks(blocks * b, b)
+        return all(
+            layer.slots_of(i * b, (i + 1) * b) is not None
+            for layer in held.values()
+            for i in window
+        )
 
     def _spill_loop(self) -> None:
         while (spill := self._spills.get()) is not None:
@@ -513,37 +624,47 @@ class ExoRuntime:
         """Copy the entry's filled blocks (never its spare capacity) one block of one layer at a
         time into the tier, waiting while `staging_bytes` of copies are not yet done with (encoded,
         or for a lossless block, which is sent from the copy itself, sent)."""
-        tier, namespace = self.tier, self.namespace(spill.geometry)
+        tier, namespace = self.tier, self.namespace(spill.geometry, spill.layout)
         if tier is None or namespace is None:
             return
-        blocks = min(spill.cached_tokens, len(spill.tokens)) // self.block_tokens
-        keys = chain_block_keys(spill.tokens[: blocks * self.block_tokens], self.block_tokens)
-        parts = self.parts(len(spill.layers))
-        stored = tier.lookup(namespace, keys, {VAULT: parts})
+        b, layout = self.block_tokens, spill.layout
+        keys = chain_block_keys(spill.tokens[: spill.blocks * b], b)
+        # (blocks, layers): every block of the plain layers, the window's of the rotating ones
+        groups = [(list(range(spill.blocks)), layout.plain(len(spill.layers)))]
+        if layout.window is not None:
+            groups.append((layout.window.blocks(spill.blocks * b, b), list(layout.rotating)))
         dtype = _DTYPES[spill.geometry.dtype][0]
-        window = min(self._spill_budget, tier.max_pending_encode_bytes)
-        b = self.block_tokens
+        budget = min(self._spill_budget, tier.max_pending_encode_bytes)
         views = [(np.asarray(k)[0], np.asarray(v)[0]) for k, v in spill.layers]  # no copies
-        for index in range(stored, blocks):
-            for layer, pair in enumerate(views):
-                for kind, array in enumerate(pair):
-                    view = array[:, index * b : (index + 1) * b, :]
-                    if not self._reserve(view.nbytes, window):
-                        return
-                    block = np.ascontiguousarray(view)  # the copy: one block of one layer
-                    release = functools.partial(self._release, block.nbytes)
-                    part = parts[2 * layer + kind]
-                    split = (0, block.shape[0] if kind == 0 else 0)  # all keys or all values
-                    tier.store(
-                        namespace,
-                        keys[index],
-                        part,
-                        block,
-                        dtype,
-                        VAULT,
-                        on_done=release,
-                        kv_split=split,
-                    )
+        for blocks, layers in groups:
+            if not layers:
+                continue
+            stored = tier.lookup(namespace, [keys[i] for i in blocks], {VAULT: self.parts(layers)})
+            for index in blocks[stored:]:
+                for layer in layers:
+                    held = spill.held.get(layer)  # a rotating layer's tokens sit anywhere
+                    slots = None if held is None else held.slots_of(index * b, (index + 1) * b)
+                    for kind, array in enumerate(views[layer]):
+                        heads, _, dim = array.shape
+                        if not self._reserve(heads * b * dim * array.itemsize, budget):
+                            return
+                        block = (  # the copy: one block of one layer
+                            np.ascontiguousarray(array[:, index * b : (index + 1) * b, :])
+                            if slots is None
+                            else np.take(array, slots, axis=1)
+                        )
+                        release = functools.partial(self._release, block.nbytes)
+                        split = (0, block.shape[0] if kind == 0 else 0)  # all keys or all values
+                        tier.store(
+                            namespace,
+                            keys[index],
+                            self.parts([layer])[kind],
+                            block,
+                            dtype,
+                            VAULT,
+                            on_done=release,
+                            kv_split=split,
+                        )
 
     def _reserve(self, nbytes: int, window: int) -> bool:
         """Wait until `nbytes` more copies fit in `window`; False (entry dropped, counted) when
@@ -598,7 +719,9 @@ class ExoRuntime:
         """EXO's `get_kv_cache` result, or one rebuilt from a longer prefix held by the vault.
 
         Every rank runs the same agreements (all_gather, minimum) whatever happens locally; a
-        rank that is not `allowed` to restore (or cannot) offers 0, so nobody restores.
+        rank that is not `allowed` to restore (or cannot) offers 0, so nobody restores. Rotating
+        layers are restored at the agreed point or not at all (their window is that point's):
+        when any rank has them, a rank that loaded less than agreed makes every rank recompute.
         """
         group = getattr(prefix_cache, "_group", None)
         cache, remaining = result[0], result[1]
@@ -610,34 +733,45 @@ class ExoRuntime:
         except Exception as exc:
             report_once("lookup", "vault lookup failed (%r); EXO's own cache is used", exc)
         offered = plan.tokens if plan is not None and plan.tokens > local_hit else 0
-        agreed = agree_min(offered, group)
+        (agreed,) = agree_min([offered], group)
         if agreed == 0:
             return result
+        loaded = 0
         restored: list[tuple[mx.array, mx.array]] = []
         try:
             if plan is not None:
-                restored = self._load(plan, agreed)
+                loaded, restored = self._load(plan, agreed)
         except Exception as exc:
             report_once("load", "restoring from the vault failed (%r); recomputing", exc)
-        loaded = restored[0][0].shape[2] if restored else 0
-        agreed = agree_min(loaded if loaded > local_hit else 0, group)
-        if agreed == 0:
+        rotating = plan is not None and plan.layout.window is not None
+        usable, none_rotate = agree_min(
+            [loaded if loaded > local_hit else 0, int(not rotating)], group
+        )
+        if usable < agreed and not none_rotate:
+            usable = 0
+        if usable == 0:
             return result
         for layer, (keys, values) in zip(cache, restored, strict=True):
-            layer.keys = keys[:, :, :agreed, :]
-            layer.values = values[:, :, :agreed, :]
-            layer.offset = agreed
+            if type(layer) is RotatingKVCache:
+                layer.keys, layer.values, layer._idx = keys, values, keys.shape[2]
+            else:
+                layer.keys = keys[:, :, :usable, :]
+                layer.values = values[:, :, :usable, :]
+            layer.offset = usable
         log.info(
-            "tierkv: restored %d of %d prompt tokens from the vault", agreed, len(prompt_tokens)
+            "tierkv: restored %d of %d prompt tokens from the vault", usable, len(prompt_tokens)
         )
-        rebuilt = (cache, prompt_tokens[agreed:], None, False)
+        rebuilt = (cache, prompt_tokens[usable:], None, False)
         return rebuilt[: len(result)]
 
     def _plan(
         self, prefix_cache: Any, model: Any, cache: Sequence[Any], prompt_tokens: Any, hit: int
     ) -> _Plan | None:
         tier = self.tier
-        if tier is None or not self.ready.is_set() or not all_plain(cache):
+        if tier is None or not self.ready.is_set():
+            return None
+        layout = cache_layout(cache)
+        if layout is None:
             return None
         b = self.block_tokens
         blocks = (len(prompt_tokens) - 1) // b  # leave EXO at least one token to feed
@@ -648,60 +782,118 @@ class ExoRuntime:
             return None
         if not self.kernels_ready(geometry):
             return None  # still compiling: this prompt is prefilled, the next ones restored
-        namespace = self.namespace(geometry)
+        namespace = self.namespace(geometry, layout)
         if namespace is None:
             return None
         tokens = np.array(prompt_tokens[: blocks * b], dtype=np.int64)
         keys = chain_block_keys(tokens, b)
-        found = tier.lookup(namespace, keys, {VAULT: self.parts(len(cache))})
-        return _Plan(found * b, keys[:found], namespace, geometry, len(cache))
+        plain = layout.plain(len(cache))
+        found = tier.lookup(namespace, keys, {VAULT: self.parts(plain)}) if plain else blocks
+        if layout.window is not None:
+            found = self._window_hit(namespace, keys[:found], layout, hit)
+        return _Plan(found * b, keys[:found], namespace, geometry, len(cache), layout)
 
-    def _load(self, plan: _Plan, tokens: int) -> list[tuple[mx.array, mx.array]]:
-        """Fetch and decode the first `tokens` tokens of every layer; [] when any block fails
-        (then only the blocks before the first failure are kept)."""
+    def _window_hit(self, namespace: bytes, keys: list[bytes], layout: Layout, hit: int) -> int:
+        """The most of `keys` (blocks) before whose end the vault holds the rotating layers'
+        window (at most MAX_WINDOW_PROBES lookups; 0 if none is found beyond `hit` tokens)."""
+        assert self.tier is not None and layout.window is not None
+        b, blocks = self.block_tokens, len(keys)
+        parts = {VAULT: self.parts(layout.rotating)}
+        for _ in range(MAX_WINDOW_PROBES):
+            if blocks * b <= hit:
+                break
+            window = layout.window.blocks(blocks * b, b)
+            held = self.tier.lookup(namespace, [keys[i] for i in window], parts)
+            if held == len(window):
+                return blocks
+            blocks = window[held]  # block `window[held]` is missing: the window must end before
+        return 0
+
+    def _load(self, plan: _Plan, tokens: int) -> tuple[int, list[tuple[mx.array, mx.array]]]:
+        """(tokens restored, each layer's keys and values): the first `tokens` tokens of every
+        plain layer, and the window before `tokens` of every rotating one. Without rotating
+        layers, only the blocks before the first one that fails are kept; with them, all or
+        nothing (0, [])."""
         tier = self.tier
         if tier is None:
-            return []
-        b, g = self.block_tokens, plan.geometry
+            return 0, []
+        b, layout = self.block_tokens, plan.layout
         count = tokens // b
-        keys = plan.keys[:count]
-        parts = self.parts(plan.layers)
+        arrays: dict[int, mx.array] = {}  # part -> its keys or values
+        plain = layout.plain(plan.layers)
+        usable = count
+        if plain:
+            usable, got = self._fetch(plan, plan.keys[:count], plain)
+            if usable == 0 or (usable < count and layout.window is not None):
+                return 0, []
+            arrays.update(got)
+        if layout.window is not None:
+            blocks = layout.window.blocks(count * b, b)
+            held, got = self._fetch(plan, [plan.keys[i] for i in blocks], list(layout.rotating))
+            if held < len(blocks):
+                return 0, []
+            # where each position of the window sits in the blocks fetched
+            positions = layout.window.positions(count * b)
+            at = np.searchsorted(blocks, positions // b) * b + positions % b
+            arrays.update((part, array[:, :, mx.array(at), :]) for part, array in got.items())
+        parts = self.parts(range(plan.layers))
+        restored = [(arrays[k], arrays[v]) for k, v in zip(parts[0::2], parts[1::2], strict=True)]
+        mx.eval(restored)
+        return usable * b, restored
+
+    def _fetch(
+        self, plan: _Plan, keys: list[bytes], layers: list[int]
+    ) -> tuple[int, dict[int, mx.array]]:
+        """Fetch and decode `keys` (blocks) of `layers`: how many leading blocks arrived whole,
+        and for each part those blocks side by side, (1, heads, blocks x block_tokens, dim)."""
+        assert self.tier is not None
+        b, g = self.block_tokens, plan.geometry
+        parts = self.parts(layers)
         host_dtype = _DTYPES[g.dtype][1]
-        staging = [
-            np.empty((count, g.kv_heads, b, g.value_dim if part % 2 else g.key_dim), host_dtype)
+        staging = {
+            part: np.empty(
+                (len(keys), g.kv_heads, b, g.value_dim if part % 2 else g.key_dim), host_dtype
+            )
             for part in parts
-        ]
-        by_part = dict(zip(parts, staging, strict=True))
-        failed = tier.load(plan.namespace, keys, {VAULT: parts}, lambda i, p: by_part[p][i])
-        usable = min(failed, default=count)
-        if usable == 0:
-            return []
-        arrays = []
-        for blocks in staging:
+        }
+        failed = self.tier.load(plan.namespace, keys, {VAULT: parts}, lambda i, p: staging[p][i])
+        usable = min(failed, default=len(keys))
+        got = {}
+        for part, blocks in staging.items():
             array = mx.array(blocks[:usable]).transpose(1, 0, 2, 3)
             array = array.reshape(1, g.kv_heads, usable * b, blocks.shape[-1])
-            arrays.append(array.view(g.dtype) if g.dtype == mx.bfloat16 else array)
-        restored = list(zip(arrays[0::2], arrays[1::2], strict=True))
-        mx.eval(restored)
-        return restored
+            got[part] = array.view(g.dtype) if g.dtype == mx.bfloat16 else array
+        return usable, got
 
 
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def all_plain(cache: Sequence[Any]) -> bool:
-    """Whether every layer is a plain mlx-lm KVCache (other kinds are reported once)."""
-    for layer in cache:
-        if type(layer) is not KVCache:
+def cache_layout(cache: Sequence[Any]) -> Layout | None:
+    """Which layers are mlx-lm RotatingKVCache, and their window; None if some layer is of
+    another kind than those and plain KVCache, or rotating layers differ in window (reported
+    once)."""
+    rotating, windows = [], set()
+    for i, layer in enumerate(cache):
+        if type(layer) is RotatingKVCache:
+            rotating.append(i)
+            windows.add(Window(int(layer.max_size), int(layer.keep)))
+        elif type(layer) is not KVCache:
             kind = type(layer).__name__
             report_once(f"kind:{kind}", "%s layers are left to EXO's own cache path", kind)
-            return False
-    return True
+            return None
+    if len(windows) > 1:
+        report_once(
+            "windows",
+            "RotatingKVCache layers of different windows are left to EXO's own cache path",
+        )
+        return None
+    return Layout(windows.pop(), tuple(rotating)) if windows else PLAIN
 
 
 def entry_geometry(cache: Sequence[Any]) -> Geometry | None:
-    """The geometry of a filled cache of plain layers; None if empty, mixed or not plain."""
-    if not cache or not all_plain(cache) or any(layer.keys is None for layer in cache):
+    """The geometry of a filled cache of the kinds handled; None if empty, mixed or not."""
+    if not cache or cache_layout(cache) is None or any(layer.keys is None for layer in cache):
         return None
     found = {
         Geometry(layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3], layer.keys.dtype)
@@ -737,9 +929,11 @@ def model_geometry(model: Any) -> Geometry | None:
     return Geometry(kv_heads, head_dim, head_dim, dtypes[0]) if dtypes else None
 
 
-def agree_min(value: int, group: Any) -> int:
-    """The minimum of `value` over every rank of `group` (a collective: all ranks must call it)."""
+def agree_min(values: Sequence[int], group: Any) -> list[int]:
+    """The minimum of each of `values` over every rank of `group` (a collective: all ranks must
+    call it, with as many values)."""
     if group is None or group.size() == 1:
-        return value
-    every = mx.distributed.all_gather(mx.array([float(value)], dtype=mx.float32), group=group)
-    return int(np.min(np.array(every)))
+        return list(values)
+    mine = mx.array([float(value) for value in values], dtype=mx.float32)
+    every = np.array(mx.distributed.all_gather(mine, group=group)).reshape(-1, len(values))
+    return [int(value) for value in every.min(axis=0)]

@@ -1,10 +1,12 @@
 """What tierkv stores for each of vLLM's KV-cache groups, under which namespace, in which vault.
 
 Shared by the scheduler side and the worker side, which must agree on it byte for byte: a group's
-plan names its vault ("kv" for full attention, "ssm" for Mamba / linear-attention state), the
-parts stored per block (one per layer, or one per layer and state tensor) and one namespace per
-tensor-parallel rank. The namespace fingerprints everything that makes stored bytes incompatible,
-so any difference between two engines is a cache miss, never a wrong block.
+plan names its vault ("kv" for full and sliding-window attention, "ssm" for Mamba /
+linear-attention state), the window of a sliding-window group, the parts stored per block (one per
+layer, or one per layer and state tensor) and one namespace per tensor-parallel rank. The
+namespace fingerprints everything that makes stored bytes incompatible, the whole group layout
+(every group's kind, window and layers) included, so any difference between two engines is a
+cache miss, never a wrong block.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class UnsupportedGroupError(ValueError):
     def __init__(self, group_id: int, kind: str) -> None:
         super().__init__(
             f"tierkv cannot store KV-cache group {group_id} ({kind}); "
-            "supported: full attention and Mamba / linear-attention state"
+            "supported: full attention, sliding window and Mamba / linear-attention state"
         )
         self.group_id = group_id
         self.kind = kind
@@ -55,6 +57,17 @@ class GroupPlan:
     kv_widths: tuple[int, int] = (0, 0)
     """Attention: (keys, values) values per token and head, keys first along a block's last
     axis (vLLM's [..., head_size | head_size_v]); what a K/V pair codec splits on."""
+    window: int = 0
+    """Sliding-window groups: how many tokens up to the next one vLLM keeps (its sliding_window
+    plus extra_retained_tokens); 0 for full attention and state groups."""
+
+    def window_start(self, end_block: int) -> int:
+        """The first block a hit of `end_block` blocks needs of this group: vLLM keeps, and
+        attends to, only the blocks holding the window before the next token (the earlier
+        ones are its null blocks); 0 for a group that needs the whole prefix."""
+        if not self.window:
+            return 0
+        return max(0, end_block * self.block_size - self.window + 1) // self.block_size
 
     @property
     def states_per_layer(self) -> int:
@@ -79,11 +92,16 @@ def plan_groups(
     tierkv cannot store, ValueError for groups of different block sizes."""
     from vllm import __version__ as vllm_version
     from vllm.platforms import current_platform
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
-        MambaSpec,
-        SlidingWindowSpec,
+    from vllm.v1 import kv_cache_interface
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    # Full-attention subclasses whose blocks are not the KV of one whole prefix: R-SWA drops a
+    # gap of blocks between the prompt and the decode window (null blocks mid-prefix), sink
+    # attention keeps its sink tokens apart. Refused (fail open) rather than stored as full.
+    not_full = tuple(
+        getattr(kv_cache_interface, name)
+        for name in ("RSWASpec", "SinkFullAttentionSpec")
+        if hasattr(kv_cache_interface, name)
     )
 
     model_config = vllm_config.model_config
@@ -101,34 +119,36 @@ def plan_groups(
         "codec": codec_name,
         "tp_size": parallel.tensor_parallel_size,
         "pp_size": parallel.pipeline_parallel_size,
+        # A layer's KV depends on every layer below it: a window or a group kind that differs
+        # anywhere (another checkpoint, vLLM's disable_sliding_window) changes every group's.
+        "layout": [
+            [list(group.layer_names), repr(group.kv_cache_spec)]
+            for group in kv_cache_config.kv_cache_groups
+        ],
     }
     plans = []
     for group_id, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
         if not spec.prefix_cacheable:
             continue
-        kv_widths = (0, 0)
+        kv_widths, window = (0, 0), 0
         if isinstance(spec, MambaSpec):
             vault = "ssm"
             states = tuple(
                 (tuple(shape), str(dtype).removeprefix("torch."))
                 for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
             )
-        elif isinstance(spec, FullAttentionSpec) and not isinstance(
-            spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)
+        elif isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)) and not isinstance(
+            spec, not_full
         ):
             vault, states = "kv", ()
             kv_widths = (spec.head_size, spec.head_size_v)
+            if isinstance(spec, SlidingWindowSpec):
+                window = spec.sliding_window + spec.extra_retained_tokens
         else:
             raise UnsupportedGroupError(group_id, type(spec).__name__)
-        fields = {
-            **base,
-            "group": group_id,
-            "spec": repr(spec),
-            "layers": list(group.layer_names),
-        }
         namespaces = tuple(
-            namespace_fingerprint({**fields, "tp_rank": rank})
+            namespace_fingerprint({**base, "group": group_id, "tp_rank": rank})
             for rank in range(parallel.tensor_parallel_size)
         )
         plans.append(
@@ -140,6 +160,7 @@ def plan_groups(
                 block_size=spec.block_size,
                 namespaces=namespaces,
                 kv_widths=kv_widths,
+                window=window,
             )
         )
     if len({plan.block_size for plan in plans}) > 1:

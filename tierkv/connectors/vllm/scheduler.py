@@ -3,7 +3,10 @@
 It holds no tensors. Each engine step it decides:
 - **loads**: for a new request, how many tokens beyond vLLM's own prefix cache the vaults hold
   (every group and every tensor-parallel rank present, so all ranks agree on one hit length),
-  and after vLLM has allocated blocks for them, which vault keys go into which block ids;
+  and after vLLM has allocated blocks for them, which vault keys go into which block ids. A hit
+  needs the whole prefix of full-attention groups, only the blocks inside the window before the
+  hit end of sliding-window groups (vLLM puts its null block in place of the earlier ones, as
+  for its own prefix-cache hits) and the state at the hit end of Mamba groups;
 - **stores**: which engine blocks to copy out: the cached blocks nearest the head of vLLM's
   free-block queue (the next ones its allocator will reuse), walked through the block pool vLLM
   hands every connector (`bind_gpu_block_pool`); with `store = "on_finish"` also a finished
@@ -48,7 +51,8 @@ log = logging.getLogger(__name__)
 LOOKUP_WAIT_S = 0.05
 """How long a step waits for a vault lookup before vLLM is told to ask again next step."""
 MAX_STATE_PROBES = 64
-"""How many block boundaries to try, from the longest down, when looking for stored SSM state."""
+"""How many block boundaries to try, from the longest down, when looking for stored SSM state
+or for a sliding window every group holds."""
 
 
 @dataclass
@@ -201,16 +205,27 @@ class TierScheduler:
         started = time.perf_counter()
         hit = last
         for plan in self.plans:
-            if plan.is_state:
+            if plan.is_state or plan.window:
                 continue
             for namespace in plan.namespaces:
                 found = self.tier.lookup(namespace, keys[first:hit], {plan.vault: plan.parts})
                 hit = first + found
                 if hit == first:
                     break
-        for plan in self.plans:
-            if plan.is_state and hit > first:
-                hit = self._state_hit(plan, keys, first, hit)
+        # Each rule gives the longest end <= its argument that its group can restore; every
+        # group agrees once none lowers the end any more.
+        partial = [plan for plan in self.plans if plan.is_state or plan.window]
+        for _ in range(MAX_STATE_PROBES):
+            agreed = hit
+            for plan in partial:
+                if agreed > first:
+                    rule = self._state_hit if plan.is_state else self._window_hit
+                    agreed = rule(plan, keys, first, agreed)
+            if agreed == hit:
+                break
+            hit = agreed
+        else:
+            hit = first
         seconds = time.perf_counter() - started
         return _PendingLoad(num_computed_tokens, keys, first, hit - first, last - first, seconds)
 
@@ -222,6 +237,23 @@ class TierScheduler:
                 for namespace in plan.namespaces
             ):
                 return end
+        return first
+
+    def _window_hit(self, plan: GroupPlan, keys: list[bytes], first: int, hit: int) -> int:
+        """The longest end <= hit for which every rank stored the blocks inside the window
+        (else `first`). A block missing at index m rules out every end past m: the next end
+        tried is m itself, whose window stops just before it."""
+        for _ in range(MAX_STATE_PROBES):
+            if hit <= first:
+                return first
+            start = max(first, plan.window_start(hit))
+            found = min(
+                self.tier.lookup(namespace, keys[start:hit], {plan.vault: plan.parts})
+                for namespace in plan.namespaces
+            )
+            if start + found == hit:
+                return hit
+            hit = start + found
         return first
 
     def update_state_after_alloc(
@@ -236,23 +268,23 @@ class TierScheduler:
                 f"tierkv: vLLM allocated {num_external_tokens} external tokens for request "
                 f"{request.request_id} that the vault lookup did not offer"
             )
-        num_blocks = num_external_tokens // self.block_size
         first = pending.first_block
-        block_ids = blocks.get_block_ids()
+        end = first + num_external_tokens // self.block_size
         loads = []
         for plan in self.plans:
-            ids = block_ids[plan.group_id]
+            group_blocks = blocks.blocks[plan.group_id]
             if plan.is_state:
-                end = first + num_blocks
-                loads.append(GroupLoad(plan.group_id, [pending.keys[end - 1]], [ids[end - 1]]))
-            else:
-                loads.append(
-                    GroupLoad(
-                        plan.group_id,
-                        pending.keys[first : first + num_blocks],
-                        list(ids[first : first + num_blocks]),
-                    )
+                indices = [end - 1]
+            else:  # vLLM's null blocks (outside a window) are left as they are
+                start = max(first, plan.window_start(end))
+                indices = [index for index in range(start, end) if not group_blocks[index].is_null]
+            loads.append(
+                GroupLoad(
+                    plan.group_id,
+                    [pending.keys[index] for index in indices],
+                    [group_blocks[index].block_id for index in indices],
                 )
+            )
         self._loads.append(LoadJob(request.request_id, loads, pending.sync))
         restored = [
             (load.group_id, block_id, key)

@@ -2,7 +2,8 @@
 
 Both connector sides fill one; vLLM aggregates the workers' and the scheduler's objects each step
 and logs `reduce()` with its other metrics, and `TierKVPromMetrics` adds each counter to vLLM's
-Prometheus /metrics as `vllm:tierkv_<counter>_total`.
+Prometheus /metrics as `vllm:tierkv_<counter>_total` (at zero from the start, per engine), except
+`cold_tier_off`, a state, which is the gauge `vllm:tierkv_cold_tier_off` (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -27,15 +28,21 @@ COUNTERS = (
     "sync_loads",  # ... of which ran before a forward (nothing else was running)
     "loaded_blocks",
     "loaded_bytes",
+    "loaded_window_blocks",  # ... of which into sliding-window layers (only their window)
+    "loaded_window_bytes",
     "load_failed_blocks",  # reported to vLLM as load errors and recomputed
     "load_seconds",
     "stored_blocks",
     "stored_bytes",
+    "stored_window_blocks",  # ... of which of sliding-window layers
+    "stored_window_bytes",
     "staging_dropped_blocks",  # not copied out: the step's staging budget was spent
     "store_dropped_blocks",  # copied out, then lost: encode budget, put queue or a dead vault
     "open_failed_blocks",  # sealed blocks that did not open (changed, moved, another key): misses
     "cold_tier_off",  # 1: the model has a KV-cache group kind tierkv does not store
 )
+GAUGES = ("cold_tier_off",)
+"""Counters that are states: exported as gauges (set to 1 once any engine reported one)."""
 
 
 @dataclass
@@ -87,7 +94,8 @@ class TierKVStats(KVConnectorStats):
 
 
 class TierKVPromMetrics(KVConnectorPromMetrics):
-    """Every counter of TierKVStats as a Prometheus counter of vLLM's, per engine."""
+    """Every counter of TierKVStats as a Prometheus counter of vLLM's, per engine (GAUGES as
+    gauges)."""
 
     def __init__(
         self,
@@ -107,6 +115,19 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
                 per_engine_labelvalues,
             )
             for name in COUNTERS
+            if name not in GAUGES
+        }
+        self._gauges: dict[str, dict[int, Gauge]] = {
+            name: create_metric_per_engine(  # type: ignore[misc]
+                self._gauge_cls(  # type: ignore[call-arg]
+                    name=f"vllm:tierkv_{name}",
+                    documentation=f"tierkv connector: {name.replace('_', ' ')} (1: yes)",
+                    labelnames=labelnames,
+                    multiprocess_mode="mostrecent",
+                ),
+                per_engine_labelvalues,
+            )
+            for name in GAUGES
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -114,3 +135,6 @@ class TierKVPromMetrics(KVConnectorPromMetrics):
             value = transfer_stats_data.get(name, 0)
             if value > 0:
                 counters[engine_idx].inc(value)
+        for name, gauges in self._gauges.items():
+            if transfer_stats_data.get(name, 0) > 0:
+                gauges[engine_idx].set(1)

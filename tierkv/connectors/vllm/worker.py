@@ -67,6 +67,9 @@ class _LoadResult:
     seconds: float
     nbytes: int
     """Bytes restored into the paged buffer."""
+    window_blocks: int = 0
+    window_bytes: int = 0
+    """... of which into sliding-window groups."""
 
 
 def block_parts(
@@ -208,9 +211,12 @@ class TierWorker:
                 self.stats.add("staging_dropped_blocks", len(jobs) - fit)
             if staged is None:
                 continue
+            plan = self.plans[group_id]
             self.stats.add("stored_blocks", fit)
             self.stats.add("stored_bytes", fit * mover.block_bytes)
-            plan = self.plans[group_id]
+            if plan.window:
+                self.stats.add("stored_window_blocks", fit)
+                self.stats.add("stored_window_bytes", fit * mover.block_bytes)
             if staged.done():
                 self._hand_over(plan, mover, jobs[:fit], staged)
             else:  # encoding starts once the device-to-host copy has completed
@@ -251,23 +257,20 @@ class TierWorker:
 
     def _load(self, job: LoadJob) -> _LoadResult:
         started = time.perf_counter()
-        failed_block_ids: set[int] = set()
-        nbytes = 0
+        result = _LoadResult(job.req_id, set(), sum(len(load.keys) for load in job.groups), 0, 0)
         for load in job.groups:
             try:
                 failed, restored = self._load_group(load)
-                nbytes += restored
             except Exception:
                 log.exception("tierkv: loading request %s failed; recomputing it", job.req_id)
-                failed = set(range(len(load.keys)))
-            failed_block_ids.update(load.block_ids[index] for index in failed)
-        return _LoadResult(
-            job.req_id,
-            failed_block_ids,
-            sum(len(load.keys) for load in job.groups),
-            time.perf_counter() - started,
-            nbytes,
-        )
+                failed, restored = set(range(len(load.keys))), 0
+            result.failed_block_ids.update(load.block_ids[index] for index in failed)
+            result.nbytes += restored
+            if self.plans[load.group_id].window:
+                result.window_blocks += len(load.keys) - len(failed)
+                result.window_bytes += restored
+        result.seconds = time.perf_counter() - started
+        return result
 
     def _load_group(self, load: GroupLoad) -> tuple[set[int], int]:
         """Restore one group's blocks in batches of up to half the staging; the indices (into
@@ -315,6 +318,8 @@ class TierWorker:
         self.stats.add("load_seconds", result.seconds)
         self.stats.add("loaded_blocks", result.blocks - len(result.failed_block_ids))
         self.stats.add("loaded_bytes", result.nbytes)
+        self.stats.add("loaded_window_blocks", result.window_blocks)
+        self.stats.add("loaded_window_bytes", result.window_bytes)
         self.stats.add("load_failed_blocks", len(result.failed_block_ids))
         if not result.failed_block_ids:
             return True

@@ -177,12 +177,14 @@ class DeleteReply(_message.Message):
     def __init__(self, deleted: _Optional[int] = ...) -> None: ...
 
 class BulkChallenge(_message.Message):
-    __slots__ = ("nonce", "auth_required")
+    __slots__ = ("nonce", "auth_required", "refused")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     AUTH_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
     auth_required: bool
-    def __init__(self, nonce: _Optional[bytes] = ..., auth_required: _Optional[bool] = ...) -> None: ...
+    refused: str
+    def __init__(self, nonce: _Optional[bytes] = ..., auth_required: _Optional[bool] = ..., refused: _Optional[str] = ...) -> None: ...
 
 class BulkAuth(_message.Message):
     __slots__ = ("proof",)
