@@ -26,7 +26,12 @@ touch is slow (a page fault per page, dearer in a VM), so the whole `none` encod
 0.04-0.05x memcpy while the same checked copy into memory already mapped ran at 1.2x. ColdTier
 never encodes a lossless block: it sends the block's own memory behind a header.
 
-    .venv/bin/python benchmarks/bench_codecs.py [--tokens 30000] [--codecs int8,tq3]
+The kernels are compiled for this CPU, or for the one --cpu (or NUMBA_CPU_NAME) names, e.g.
+`--cpu haswell` for AVX2 + FMA + F16C on any x86 machine; the instruction set the compiler
+emitted is printed beside memcpy. Give each CPU its own NUMBA_CACHE_DIR if you switch often
+(Numba keys its cache by CPU, so mixing them is safe but keeps both sets of files).
+
+    .venv/bin/python benchmarks/bench_codecs.py [--tokens 30000] [--codecs int8,tq3] [--cpu haswell]
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import subprocess
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,9 +50,30 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from tierkv.quant import CODEC_NAMES, decode_into, decode_many, fidelity, get_codec, warmup
-from tierkv.tier import DECODE_TASK_BYTES
-from tierkv.vault.wire import batched_by_size
+
+def _pick_cpu(argv: list[str]) -> None:
+    """Apply --cpu NAME (as NUMBA_CPU_NAME) before tierkv's kernels, and so Numba, are loaded."""
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[1] if arg.startswith("--cpu=") else None
+        if arg == "--cpu" and i + 1 < len(argv):
+            name = argv[i + 1]
+        if name:
+            os.environ["NUMBA_CPU_NAME"] = name
+
+
+_pick_cpu(sys.argv[1:])
+
+from tierkv.quant import (  # noqa: E402 (after the CPU is chosen)
+    CODEC_NAMES,
+    decode_into,
+    decode_many,
+    fidelity,
+    get_codec,
+    warmup,
+)
+from tierkv.quant.target import instruction_set  # noqa: E402
+from tierkv.tier import DECODE_TASK_BYTES  # noqa: E402
+from tierkv.vault.wire import batched_by_size  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 128
 
@@ -175,6 +203,16 @@ def measure(
     return rows
 
 
+def check_cpu(name: str) -> None:
+    """Exit with one line unless LLVM can compile for the CPU `name` (it aborts the process that
+    tries, so a child process tries first)."""
+    probe = "from tierkv.quant.target import instruction_set; instruction_set()"
+    env = {**os.environ, "NUMBA_CPU_NAME": name}
+    tried = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True)
+    if tried.returncode:
+        raise SystemExit(f"--cpu {name}: LLVM cannot compile for this CPU name on this machine")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=30_000)
@@ -183,13 +221,24 @@ def main() -> None:
     parser.add_argument("--block-tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--cpu",
+        default=os.environ.get("NUMBA_CPU_NAME"),
+        help="compile the kernels for this LLVM CPU name (e.g. haswell; default: this CPU)",
+    )
     args = parser.parse_args()
     console = Console(width=132)
     start = time.perf_counter()
+    if args.cpu:
+        check_cpu(args.cpu)
+    isa = instruction_set()
     warmup()
     console.print(f"warmup (compile or load cached kernels): {time.perf_counter() - start:.1f} s")
     kv32 = synthetic_kv(args.tokens)
-    table = Table(title=f"codecs on K+V of {args.tokens} tokens x {HEADS} heads x {HEAD_DIM}")
+    table = Table(
+        title=f"codecs on K+V of {args.tokens} tokens x {HEADS} heads x {HEAD_DIM}, kernels for "
+        f"{isa}, {args.threads} threads"
+    )
     for column in ("dtype", "codec", "mode", "encode GB/s", "x memcpy", "decode GB/s",
                    "x memcpy", "payload GB/s", "ratio", "cosine", "SNR dB"):  # fmt: skip
         table.add_column(column, justify="right")
@@ -198,7 +247,8 @@ def main() -> None:
             kv = as_dtype(kv32, dtype)
             copy = np.empty_like(kv)
             memcpy_s = best_time(lambda kv=kv, copy=copy: np.copyto(copy, kv), args.repeats)
-            table.add_row(dtype, "memcpy", "", f"{kv.nbytes / memcpy_s / 1e9:.2f}", "1.00")
+            memcpy = f"{kv.nbytes / memcpy_s / 1e9:.2f}"
+            table.add_row(dtype, "memcpy", "", memcpy, "1.00")
             for name in args.codecs.split(","):
                 for row in measure(name, kv, dtype, args, pool):
                     table.add_row(*row)

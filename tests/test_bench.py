@@ -19,6 +19,7 @@ from tierkv.cli.bench import results_table
 from tierkv.config import parse_address
 from tierkv.model_shapes import MODEL_SHAPES
 from tierkv.quant import get_codec
+from tierkv.quant.target import instruction_set
 
 # Fidelity floors per codec on the bench's KV-like data (outlier channels, drifting scales).
 MIN_COSINE = {
@@ -175,6 +176,7 @@ def test_single_codec_prints_one_object_and_the_table() -> None:
     table = runner.invoke(app, ["bench", "--tokens", "300", "--codec", "none"])
     assert table.exit_code == 0, table.output
     assert "promote" in table.stdout and "memcpy" in table.stdout
+    assert f"kernels for {instruction_set()}" in " ".join(table.stdout.split())  # vector width
     assert "256 of 300 tokens" in table.stdout and "median of 3 timed runs" in table.stdout
     assert re.search(r"restore ±\s+±\d+%", table.stdout), table.stdout
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_codecs import as_dtype, decode_task, load_tasks, split_blocks, synthetic_kv
+from bench_codecs import as_dtype, check_cpu, decode_task, load_tasks, split_blocks, synthetic_kv
 
 from tierkv.quant import decode_into, get_codec
 from tierkv.tier import DECODE_TASK_BYTES
@@ -28,3 +28,9 @@ def test_runs_decode_equals_block_by_block_decode(name: str) -> None:
     for task in tasks:
         decode_task(task, outs)
     assert outs.view(np.uint16).tobytes() == expected.view(np.uint16).tobytes()
+
+
+def test_cpu_flag_takes_haswell_and_refuses_a_name_llvm_does_not_know() -> None:
+    check_cpu("haswell")  # AVX2 + FMA + F16C: compiles on any x86 machine
+    with pytest.raises(SystemExit, match=r"^--cpu nosuchcpu: LLVM cannot compile"):
+        check_cpu("nosuchcpu")

@@ -305,7 +305,10 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
     fingerprint = weights_fingerprint(model_weights(tmp_path, monkeypatch, b"tiny").parent)
     verdicts = f'[codec_verdicts]\n"{fingerprint}" = "{verdict}"\n' if verdict else ""
     monkeypatch.setattr(config_module, "_told_auto", set())
-    with caplog.at_level(logging.INFO, logger="tierkv.config"):
+    with (
+        caplog.at_level(logging.INFO, logger="tierkv.config"),
+        caplog.at_level(logging.INFO, logger="tierkv.exo"),
+    ):
         exo = start_exo(
             tmp_path,
             monkeypatch,
@@ -318,6 +321,8 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
     assert runtime.tier is not None and runtime.tier.codec.name == (verdict or "none")
     said = "verdict for this model is k8v4" if verdict else f"no verdict for model {fingerprint}"
     assert caplog.text.count(said) == 1
+    # a lossy codec says at start which link speeds its decode sustains on this CPU
+    assert caplog.text.count("decode on this CPU") == (1 if verdict else 0)
 
     model = tiny_llama(dtype=mx.bfloat16)
     prompt = random_tokens(40, seed=3)

@@ -29,6 +29,7 @@ from tierkv.config import (
     parse_size,
 )
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
+from tierkv.quant.target import instruction_set
 
 if TYPE_CHECKING:  # numpy, gRPC and Numba are imported when a bench runs, not for --help
     from tierkv.bench import BenchResult
@@ -273,7 +274,8 @@ def _figure(value: float | None, fmt: str) -> str:
 
 def results_table(results: list[BenchResult]) -> Group:
     """One column per codec, one row per figure (fits an 80-column terminal with every codec);
-    speeds in GB/s, with numpy memcpy of the same bytes in the title line. Title and caption
+    speeds in GB/s, with numpy memcpy of the same bytes and the kernels' instruction set and
+    vector width in the title line. Title and caption
     are lines of their own, so a narrow table (one codec) does not wrap them."""
     first = results[0]
     tokens = f"{first.tokens_measured} tokens"
@@ -281,7 +283,8 @@ def results_table(results: list[BenchResult]) -> Group:
         tokens = f"{first.tokens_measured} of {first.tokens} tokens (whole blocks)"
     title = (
         f"{tokens} of {first.model_shape}, {first.dtype}, "
-        f"{first.raw_bytes / 1e6:,.0f} MB; memcpy {first.memcpy_gbps:.2f} GB/s"
+        f"{first.raw_bytes / 1e6:,.0f} MB; memcpy {first.memcpy_gbps:.2f} GB/s; "
+        f"kernels for {instruction_set()}"
     )
     runs = "1 timed run" if first.runs == 1 else f"the median of {first.runs} timed runs"
     caption = (

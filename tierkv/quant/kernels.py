@@ -9,14 +9,43 @@ Stores clamp to the largest finite value of the target type, so a decoder never 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from typing import Any, ClassVar
 
 import numpy as np
 from llvmlite import binding, ir
 from numba import njit, types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.extending import intrinsic
+
+
+def pin_features() -> None:
+    """Compile for the features of the CPU NUMBA_CPU_NAME names (e.g. `haswell`: AVX2, FMA,
+    F16C), not the host's: Numba takes the host's unless NUMBA_CPU_FEATURES is set, so a
+    `haswell` build on an AVX-512 machine would still use 512-bit registers. Runs when this
+    module is imported, before any kernel compiles."""
+    if os.environ.get("NUMBA_CPU_NAME") and "NUMBA_CPU_FEATURES" not in os.environ:
+        os.environ["NUMBA_CPU_FEATURES"] = ""
+        config.reload_config()
+
+
+def target_name() -> str:
+    """The CPU the kernels are compiled for: NUMBA_CPU_NAME, else "native"."""
+    return config.CPU_NAME or "native"
+
+
+def target_features() -> dict[str, bool]:
+    """The features the kernels are compiled with, as far as they are known: the host's, or
+    those NUMBA_CPU_FEATURES turns on and off for a named CPU (a named CPU's own features,
+    which LLVM does not list, count as absent)."""
+    if not config.CPU_NAME:
+        return dict(binding.get_host_cpu_features())
+    flags = (config.CPU_FEATURES or "").split(",")
+    return {flag[1:]: flag[0] == "+" for flag in flags if flag[:1] in "+-" and flag[1:]}
+
+
+pin_features()
 
 FP16, BF16, FP32 = 0, 1, 2
 """Dtype codes used by the kernels and in the payload header."""
@@ -151,14 +180,14 @@ def copy_u64_pair(typingctx, src, src_at, dst, dst_at):
 
 EXPAND_LANES = 512
 """Bits of the vectors expand_merge fills: one AVX-512 register."""
-_HOST_FEATURES = binding.get_host_cpu_features()
+_FEATURES = target_features()
 EXPANDS = (
-    bool(_HOST_FEATURES.get("avx512vbmi2", False)),
-    bool(_HOST_FEATURES.get("avx512f", False)),
+    bool(_FEATURES.get("avx512vbmi2", False)),
+    bool(_FEATURES.get("avx512f", False)),
 )
-"""Whether this CPU expands (fills chosen lanes from consecutive memory) and compresses (stores
-chosen lanes to consecutive memory) a vector of 16-bit words, and of 32-bit words, in one
-instruction (x86 AVX-512 VBMI2 and AVX-512F). Elsewhere LLVM turns expand_merge and
+"""Whether the CPU compiled for expands (fills chosen lanes from consecutive memory) and
+compresses (stores chosen lanes to consecutive memory) a vector of 16-bit words, and of 32-bit
+words, in one instruction (x86 AVX-512 VBMI2 and AVX-512F). Elsewhere LLVM turns expand_merge and
 compress_split into a branch per lane, far slower than a plain loop. Numba's cache is per CPU
 model and features, so code compiled with these values only runs where they hold."""
 

@@ -27,6 +27,7 @@ from tierkv.connectors.vllm.groups import UnsupportedGroupError, model_fingerpri
 from tierkv.connectors.vllm.scheduler import TierKVMetadata, TierScheduler
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import TierWorker
+from tierkv.quant.linerate import measure_line_rate
 
 if TYPE_CHECKING:
     import torch
@@ -175,6 +176,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             largest,
             seconds,
         )
+        if rate := measure_line_rate(self.tier.codec, self._kv_dtype):  # lossy codecs only
+            log.info("tierkv: %s", rate)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:
