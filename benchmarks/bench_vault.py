@@ -368,36 +368,46 @@ def direct_vs_buffered_gbps(parent: Path, size: int = 512 * MIB) -> tuple[float,
 
 
 def bench_block_size(
-    address: str, security: SecurityConfig, data: np.ndarray, block: int, rounds: int
+    address: str,
+    security: SecurityConfig,
+    data: np.ndarray,
+    block: int,
+    rounds: int,
+    sealer: Sealer | None = None,
 ) -> list[tuple[float, float]]:
-    """(put GB/s, promote GB/s) per round for `data` cut into blocks of `block` bytes."""
+    """(put GB/s, promote GB/s) per round, of payload bytes, for `data` cut into blocks of
+    `block` bytes; with `sealer`, each put is seal + put and each promote is promote + open."""
     count = len(data) // block
     total = count * block
     payloads = [data[i * block : (i + 1) * block].tobytes() for i in range(count)]
     keys = [i.to_bytes(16, "little") for i in range(count)]
+    namespace = NAMESPACE if sealer is None else SEALED_NAMESPACE
     figures = []
     with VaultClient(
-        address, deadline_s=30, promote_deadline_s=300, max_pending_bytes=total, security=security
+        address,
+        deadline_s=30,
+        promote_deadline_s=300,
+        max_pending_bytes=2 * total,
+        security=security,
     ) as client:
-
-        def put_all() -> None:
-            for key, payload in zip(keys, payloads, strict=True):
-                client.put(NAMESPACE, key, 0, payload)
-            if not client.flush(timeout=600):
-                raise RuntimeError(f"puts were lost: {client.counters()}")
-
         for _ in range(rounds):
             started = time.perf_counter()
-            put_all()
+            pieces = payloads if sealer is None else seal_all(sealer, keys, payloads)
+            for key, piece in zip(keys, pieces, strict=True):
+                client.put(namespace, key, 0, piece)
+            if not client.flush(timeout=600):
+                raise RuntimeError(f"puts were lost: {client.counters()}")
             put_s = time.perf_counter() - started
             started = time.perf_counter()
-            found = client.promote(NAMESPACE, keys, [0])
-            promote_s = time.perf_counter() - started
+            found = client.promote(namespace, keys, [0])
             if len(found) != count or client.checksum_failures:
                 raise RuntimeError(f"promote returned {len(found)} of {count} blocks")
+            if sealer is not None:
+                open_all(sealer, keys, found)
+            promote_s = time.perf_counter() - started
             del found
             figures.append((total / put_s / 1e9, total / promote_s / 1e9))
-        client.clear(NAMESPACE)
+        client.clear(namespace)
     return figures
 
 
@@ -426,38 +436,6 @@ def open_all(sealer: Sealer, keys: list[bytes], found: dict[tuple[int, int], mem
         at += size if size <= room else 0
         opened += size
     return opened
-
-
-def bench_sealed_block_size(
-    address: str, data: np.ndarray, block: int, rounds: int, sealer: Sealer
-) -> list[tuple[float, float]]:
-    """(seal + put GB/s, promote + open GB/s) per round, of payload bytes, for `data` cut into
-    blocks of `block` bytes, sealed."""
-    count = len(data) // block
-    total = count * block
-    payloads = [data[i * block : (i + 1) * block].tobytes() for i in range(count)]
-    keys = [i.to_bytes(16, "little") for i in range(count)]
-    figures = []
-    with VaultClient(
-        address, deadline_s=30, promote_deadline_s=300, max_pending_bytes=2 * total
-    ) as client:
-        for _ in range(rounds):
-            started = time.perf_counter()
-            for key, sealed in zip(keys, seal_all(sealer, keys, payloads), strict=True):
-                client.put(SEALED_NAMESPACE, key, 0, sealed)
-            if not client.flush(timeout=600):
-                raise RuntimeError(f"sealed puts were lost: {client.counters()}")
-            put_s = time.perf_counter() - started
-            started = time.perf_counter()
-            found = client.promote(SEALED_NAMESPACE, keys, [0])
-            if len(found) != count or client.checksum_failures:
-                raise RuntimeError(f"promote returned {len(found)} of {count} sealed blocks")
-            open_all(sealer, keys, found)
-            promote_s = time.perf_counter() - started
-            del found
-            figures.append((total / put_s / 1e9, total / promote_s / 1e9))
-        client.clear(SEALED_NAMESPACE)
-    return figures
 
 
 def cipher_gbps(
@@ -645,7 +623,7 @@ def main() -> int:
             if tls or args.no_seal:
                 continue
             for block in blocks:
-                figures = bench_sealed_block_size(address, data, block, args.rounds, sealer)
+                figures = bench_block_size(address, security, data, block, args.rounds, sealer)
                 add_rows(table, "sealed", format_size(block), figures, warm)
             sealing = sealing_lines(address, sealer, data, blocks, args, warm)
     for block in blocks if args.disk else []:
