@@ -37,6 +37,23 @@ def write(disk: DiskTier, i: int, size: int = 1000, part: int = 0) -> None:
     disk.write(NS, key(i), part, data, block_checksum(NS, key(i), part, data))
 
 
+def hold_writer(
+    disk: DiskTier, monkeypatch: pytest.MonkeyPatch
+) -> tuple[threading.Event, threading.Event]:
+    """Hold the disk's writer at each batch until the first event is set; the second is set
+    once the writer has taken a batch and waits."""
+    gate, taken = threading.Event(), threading.Event()
+    append = disk._append
+
+    def held_back(batch: list[Any]) -> None:
+        taken.set()
+        gate.wait(60)
+        append(batch)
+
+    monkeypatch.setattr(disk, "_append", held_back)
+    return gate, taken
+
+
 def read(disk: DiskTier, indices: list[int], part: int = 0) -> list[bytes | None]:
     found = disk.read_many(NS, [(key(i), part) for i in indices])
     return [None if f is None else bytes(f[0]) for f in found]
@@ -216,14 +233,7 @@ def test_a_put_is_acknowledged_only_once_the_disk_wrote_it(
     """Whatever fsync says, an acknowledged block is in its segment file (the page cache), so
     a crash of the vault process cannot lose it; here the writer is held back."""
     disk = DiskTier(tmp_path / "disk", 128 * MIB, "never")
-    gate = threading.Event()
-    append = disk._append
-
-    def held_back(batch: list[Any]) -> None:
-        gate.wait(60)
-        append(batch)
-
-    monkeypatch.setattr(disk, "_append", held_back)
+    gate, _ = hold_writer(disk, monkeypatch)
     blocks = [payload(i, MIB) for i in range(1, 25)]  # two bulk frames, one gRPC stream
     try:
         for bulk_port, transport in ((0, "bulk"), (None, "grpc")):
@@ -396,17 +406,7 @@ def test_a_write_that_met_a_full_disk_leaves_no_record_behind(
     and the restart served the old copy."""
     victim, other = b"A" * 16, b"B" * 16
     disk = DiskTier(tmp_path / "disk", 64 * MIB, "never")
-    gate = threading.Event()
-    append = disk._append
-
-    taken = threading.Event()
-
-    def held_back(batch: list[Any]) -> None:
-        taken.set()
-        gate.wait(60)
-        append(batch)
-
-    monkeypatch.setattr(disk, "_append", held_back)
+    gate, taken = hold_writer(disk, monkeypatch)
     write(disk, 0)  # the writer takes it alone and waits at the gate
     assert taken.wait(30)
     old, new, big = payload(1, 100), payload(2, 100), payload(3, 64 * 1024)
@@ -452,14 +452,7 @@ def test_a_clear_drops_queued_blocks_and_keeps_those_stored_after_it(
     data = payload(7)
     disk.write(other, key(7), 0, data, block_checksum(other, key(7), 0, data))
     assert disk.wait_written(disk.mark(), timeout=30)
-    gate = threading.Event()
-    append = disk._append
-
-    def held_back(batch: list[Any]) -> None:
-        gate.wait(60)
-        append(batch)
-
-    monkeypatch.setattr(disk, "_append", held_back)
+    gate, _ = hold_writer(disk, monkeypatch)
     write(disk, 3)
     write(disk, 4)  # queued behind the gate
     cleared = disk.clear(NS)
