@@ -493,3 +493,71 @@ def test_no_record_of_the_first_format_is_read_after_a_resynchronisation(disk_di
     found = disk.read_many(victim, [(key(1), 0)])[0]
     assert found is not None and bytes(found[0]) == mine
     disk.close()
+
+
+def fail_next_write(monkeypatch: pytest.MonkeyPatch, after: int = 0) -> threading.Event:
+    """The disk's next `os.pwritev` call but `after` fails with ENOSPC (a full disk); the event
+    is set once it has."""
+    import tierkv.vault.disk as disk_module
+
+    failed = threading.Event()
+    real = os.pwritev
+    calls = [0]
+
+    def pwritev(fd: int, buffers: Any, offset: int) -> int:
+        calls[0] += 1
+        if calls[0] == after + 1:
+            failed.set()
+            raise OSError(28, "No space left on device")
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk_module.os, "pwritev", pwritev)
+    return failed
+
+
+@pytest.mark.parametrize("removal", ["clear", "delete"])
+def test_a_clear_or_delete_whose_record_failed_to_write_is_not_undone_by_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, removal: str
+) -> None:
+    """A Clear or Delete takes effect (and is answered) when it is queued; a write of its
+    record that fails is tried again, else the restart brought the blocks back."""
+    disk = DiskTier(tmp_path / "disk", 64 * MIB, "never")
+    for i in range(3):
+        write(disk, i)
+    assert disk.wait_written(disk.mark(), timeout=30)
+    failed = fail_next_write(monkeypatch)
+    since = disk.mark()
+    if removal == "clear":
+        disk.clear(NS)
+    else:
+        disk.delete(NS, [key(i) for i in range(3)])
+    assert not disk.wait_written(disk.mark(), timeout=30, since=since)  # that write failed
+    assert failed.is_set() and not disk.has(NS, key(0), [0])
+    assert disk.close(timeout=30) == 0  # the record is written before the tier closes
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    assert [disk.has(NS, key(i), [0]) for i in range(3)] == [False] * 3
+    disk.close()
+
+
+def test_a_batch_that_fails_after_its_first_piece_leaves_none_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch written in two pieces (it fills a segment, the rest goes to the next one) whose
+    second piece fails: its Puts are refused, so the first piece's records must not come back
+    at a restart either."""
+    disk = DiskTier(tmp_path / "disk", 64 * MIB, "never", segment_bytes=MIB)
+    gate, taken = hold_writer(disk, monkeypatch)
+    write(disk, 0)  # the writer takes it alone and waits at the gate
+    assert taken.wait(30)
+    since = disk.mark()
+    for i in range(1, 4):
+        write(disk, i, 400 * 1024)  # 1.2 MiB: a second segment for the third block
+    failed = fail_next_write(monkeypatch, after=2)  # block 0's batch, then the first piece
+    gate.set()
+    assert not disk.wait_written(disk.mark(), timeout=30, since=since)
+    assert failed.is_set()
+    assert read(disk, [1, 2, 3]) == [None] * 3
+    disk.close()
+    disk = DiskTier(tmp_path / "disk", 64 * MIB)
+    assert read(disk, [0, 1, 2, 3]) == [payload(0), None, None, None]
+    disk.close()

@@ -266,6 +266,10 @@ class DiskTier:
         self._enqueued = self._taken = self._handled = 0  # ops queued / taken / written so far
         self._failed: deque[tuple[int, int]] = deque()  # (first, last] ops of failed batches
         self._failed_forgotten = 0  # ops up to this one may have failed unremembered
+        self._retry: list[_Op] = []
+        """Deletes and clears of failed batches, written first in the next batch: they took
+        effect (and were answered) when queued, so a failed write must not undo them at the next
+        restart."""
         started = time.monotonic()
         damaged = [problem for segment in self._segment_ids() for problem in self._scan(segment)]
         self.recovery = Recovery(
@@ -431,7 +435,9 @@ class DiskTier:
         Returns how many queued blocks did not make it to disk (0 unless the timeout hit).
         """
         with self._changed:
-            self._changed.wait_for(lambda: not self._queue and not self._busy, timeout)
+            self._changed.wait_for(
+                lambda: not self._queue and not self._busy and not self._retry, timeout
+            )
             self._closing = True
             left = sum(len(space.queued) for space in self._spaces.values())
             self._changed.notify_all()
@@ -622,7 +628,7 @@ class DiskTier:
                 self._changed.wait_for(lambda: self._queue or self._closing, FSYNC_INTERVAL_S)
                 if self._closing:
                     return
-                batch = []
+                batch, self._retry = self._retry, []  # (retried at most once per interval)
                 size = 0
                 first = self._taken
                 while self._queue and size < MAX_READ_BYTES:
@@ -644,6 +650,7 @@ class DiskTier:
             except Exception:
                 log.exception("tierkv vault: disk tier cannot write to %s", self.directory)
                 with self._lock:
+                    self._retry = [op for op in batch if op.kind != KIND_BLOCK]
                     if len(self._failed) == FAILED_RANGES:
                         self._failed_forgotten = self._failed.popleft()[1]
                     self._failed.append((first, taken))
@@ -659,33 +666,43 @@ class DiskTier:
                 log.exception("tierkv vault: disk tier cannot sync %s", self.directory)
 
     def _append(self, batch: list[_Op]) -> None:
-        """Write `batch` to the active segment(s), then index the blocks still current."""
+        """Write `batch` to the active segment(s), then index the blocks still current. A batch
+        that fails leaves nothing: its Puts are refused, and records left on disk but never
+        indexed would come back at the next restart."""
         if self._torn:
             self._roll()
             self._torn = False
         written: list[tuple[_Op, Location]] = []
+        landed: list[tuple[int, int]] = []  # (segment, start) of the pieces written so far
         iov: list[bytes | memoryview] = []
         start = offset = self._sizes[self._active]
-        for op in batch:
-            header = _header(op, self._record_key)
-            record_len = len(header) + len(op.payload)
-            if record_len > self._room:  # the store refuses such blocks (record_fits)
-                log.warning(
-                    "tierkv vault: a record of %d bytes never fits the disk tier (%d bytes)",
-                    record_len,
-                    self._room,
-                )
-                continue
-            if self._needs_room(record_len, offset - start) or len(iov) + 2 > IOV_MAX:
-                self._write_iov(iov, start)
-                iov = []
-                self._make_room(record_len)
-                start = offset = self._sizes[self._active]
-            iov += [header, op.payload]
-            loc = Location(self._active, offset, len(header), len(op.payload), op.checksum)
-            written.append((op, loc))
-            offset += record_len
-        self._write_iov(iov, start)
+        try:
+            for op in batch:
+                header = _header(op, self._record_key)
+                record_len = len(header) + len(op.payload)
+                if record_len > self._room:  # the store refuses such blocks (record_fits)
+                    log.warning(
+                        "tierkv vault: a record of %d bytes never fits the disk tier (%d bytes)",
+                        record_len,
+                        self._room,
+                    )
+                    continue
+                if self._needs_room(record_len, offset - start) or len(iov) + 2 > IOV_MAX:
+                    self._write_iov(iov, start)
+                    if iov:
+                        landed.append((self._active, start))
+                    iov = []
+                    self._make_room(record_len)
+                    start = offset = self._sizes[self._active]
+                iov += [header, op.payload]
+                loc = Location(self._active, offset, len(header), len(op.payload), op.checksum)
+                written.append((op, loc))
+                offset += record_len
+            self._write_iov(iov, start)
+        except BaseException:
+            for segment, piece_start in landed:
+                self._cut(segment, piece_start)
+            raise
         with self._changed:  # (deletes and clears took effect when they were queued)
             for op, loc in written:
                 if (
@@ -725,16 +742,28 @@ class DiskTier:
             while done < total:  # a short write: finish the rest from where it stopped
                 rest = b"".join(bytes(part) for part in iov)[done:]
                 done += os.pwrite(fd, rest, start + done)
-        except OSError:
+        except BaseException:
             # What landed of a failed write goes: the next write starts at `start`, and the
             # complete records of this batch left past its end would be replayed after it.
-            try:
-                os.ftruncate(fd, start)
-            except OSError:
-                self._torn = True  # then the next write starts a new segment
+            self._cut(self._active, start)
             raise
         with self._lock:
             self._sizes[self._active] = start + total
+
+    def _cut(self, segment: int, size: int) -> None:
+        """Cut `segment` back to `size` bytes after a failed write (if it is still there)."""
+        fd = self._fds.get(segment)
+        if fd is None:
+            return
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            log.exception("tierkv vault: disk tier cannot cut segment %d back", segment)
+            if segment == self._active:
+                self._torn = True  # then the next write starts a new segment
+            return
+        with self._lock:
+            self._sizes[segment] = size
 
     def _make_room(self, record_len: int) -> None:
         """Start a new segment when the active one is full; drop the oldest past the cap,
