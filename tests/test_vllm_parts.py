@@ -179,6 +179,58 @@ def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
         tier.close()
 
 
+def test_a_failed_load_fails_its_whole_request_where_vllm_cannot_recompute_from_the_block():
+    """Block by block only with one full-attention group in all: vLLM recomputes from the first
+    failed block, which in a sliding-window group would attend to its null blocks, and it
+    refuses per-block errors with several groups (one tierkv does not plan included)."""
+    from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
+
+    full = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),))
+    window = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),), window=8)
+    assert blockwise_load_failures([full], 1)
+    assert not blockwise_load_failures([window], 1)
+    assert not blockwise_load_failures([full], 2)  # a second group tierkv does not store
+    assert not blockwise_load_failures([full, window], 2)
+
+
+def test_a_sliding_window_load_that_loses_a_block_fails_its_request(vault):
+    """A single sliding-window group: the load of a request that loses one block is reported
+    failed as a whole (vLLM recomputes it from its own hit), never as that block alone."""
+    import torch
+
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.worker import TierWorker
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+    from tierkv.vault.client import VaultClient
+
+    plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),), window=8)
+    caches = {"layer0": torch.randn(6, 2, 4, 2, 8).to(torch.bfloat16)}
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 20, num_groups=1)
+    try:
+        worker.register_kv_caches(caches, num_blocks=6)
+        key = bytes([1]) * 16
+        worker.store_blocks(TierKVMetadata(stores=[StoreJob(0, 1, key)]))
+        assert tier.flush(10)
+        load = GroupLoad(0, [key, bytes([9]) * 16], [4, 5])
+        worker.start_loads(TierKVMetadata(loads=[LoadJob("req", [load])]))
+        deadline = time.monotonic() + 10
+        finished: set[str] = set()
+        failed: set[str] = set()
+        while "req" not in finished and time.monotonic() < deadline:
+            done, lost = worker.finished_loads()
+            finished |= done
+            failed |= lost
+            time.sleep(0.01)
+        assert (finished, failed) == ({"req"}, {"req"})
+        assert worker.take_invalid_block_ids() == set()
+    finally:
+        worker.shutdown()
+        tier.close()
+
+
 @contextlib.contextmanager
 def one_stored_block(vault: Any, key: bytes) -> Iterator[tuple[Any, dict[str, Any]]]:
     """A TierWorker over a one-layer paged buffer of 6 blocks whose block 1 is stored under

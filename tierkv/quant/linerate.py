@@ -9,6 +9,7 @@ user on a fast link with a narrow-vector CPU sees when to choose a lighter codec
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ _SAMPLE_BLOCKS = 16
 _SAMPLE_TOKENS, _SAMPLE_HEADS = 64, 8
 """Each block: [tokens, heads, group_size] values (64 x 8 x 128 fp16: 128 KB)."""
 _REPEATS = 5
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,14 @@ def measure_line_rate(codec: Codec, dtype: str, threads: int = 2) -> LineRate | 
             best = min(best, time.perf_counter() - start)
     stored = threads * len(run)
     return LineRate(codec.name, stored / best / 1e9, block.nbytes / len(payload), threads)
+
+
+def line_rate_note(codec: Codec, dtype: str) -> str | None:
+    """The start-up log line for `codec`: None for the lossless codec, and where measuring
+    fails (a log line never stops an engine from starting)."""
+    try:
+        rate = measure_line_rate(codec, dtype)
+    except Exception:
+        log.warning("tierkv: could not measure %s decode speed", codec.name, exc_info=True)
+        return None
+    return None if rate is None else f"tierkv: {rate}"

@@ -67,7 +67,7 @@ from tierkv.config import TierKVConfig, load_config, resolve_auto_codec
 from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
 from tierkv.keys import chain_block_keys, namespace_fingerprint, weights_fingerprint
 from tierkv.quant.kernels import PARALLEL_MIN_BYTES
-from tierkv.quant.linerate import measure_line_rate
+from tierkv.quant.linerate import line_rate_note
 from tierkv.tier import ColdTier
 
 log = logging.getLogger("tierkv.exo")
@@ -455,8 +455,8 @@ class ExoRuntime:
                 tier.codec.name,
                 seconds,
             )
-            if rate := measure_line_rate(tier.codec, "bf16"):  # lossy codecs only
-                log.info("tierkv: %s", rate)
+            if note := line_rate_note(tier.codec, "bf16"):  # lossy codecs only
+                log.info(note)
             log.info("tierkv: %s", codec_engine())
             with self._lock:
                 if self._closed:

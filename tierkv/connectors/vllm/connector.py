@@ -27,7 +27,6 @@ from tierkv.connectors.vllm.groups import UnsupportedGroupError, model_fingerpri
 from tierkv.connectors.vllm.scheduler import TierKVMetadata, TierScheduler
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import TierWorker
-from tierkv.quant.linerate import measure_line_rate
 
 if TYPE_CHECKING:
     import torch
@@ -136,6 +135,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 store_mode=cfg.connector.store,
                 eviction_watermark_blocks=EVICTION_WATERMARK_FACTOR * per_step,
                 num_engine_blocks=kv_cache_config.num_blocks,
+                num_groups=len(kv_cache_config.kv_cache_groups),
             )
             if self.unsupported_kind is not None:
                 self.scheduler_side.stats.add("cold_tier_off")
@@ -147,6 +147,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                 plans,
                 tp_rank=get_tensor_model_parallel_rank(),
                 staging_bytes=cfg.connector.staging_bytes,
+                num_groups=len(kv_cache_config.kv_cache_groups),
             )
 
     @property
@@ -176,8 +177,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             largest,
             seconds,
         )
-        if rate := measure_line_rate(self.tier.codec, self._kv_dtype):  # lossy codecs only
-            log.info("tierkv: %s", rate)
+        # Imported here: Numba must not be loaded while vLLM starts (see ColdTier's import).
+        from tierkv.quant.linerate import line_rate_note
+
+        if note := line_rate_note(self.tier.codec, self._kv_dtype):  # lossy codecs only
+            log.info(note)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:

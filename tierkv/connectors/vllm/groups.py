@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -167,6 +168,17 @@ def plan_groups(
         sizes = {plan.group_id: plan.block_size for plan in plans}
         raise ValueError(f"tierkv needs one block size across KV-cache groups, got {sizes}")
     return plans
+
+
+def blockwise_load_failures(plans: Sequence[GroupPlan], num_groups: int) -> bool:
+    """Whether vLLM may be told of failed loads block by block (its invalid block ids), which a
+    load before the forward (synchronous) also needs: only with one KV-cache group in all
+    (block ids are not unique across groups, and vLLM refuses per-block errors with several)
+    and that group full attention. vLLM then keeps the prefix before the first failed block and
+    recomputes from there; in a sliding-window group that recompute would attend to vLLM's null
+    blocks where its window reaches back before the restored ones. Otherwise a failed load fails
+    its whole request, which vLLM recomputes from its own hit."""
+    return num_groups == 1 and len(plans) == 1 and not plans[0].window
 
 
 def model_fingerprint(model: str, revision: str | None = None) -> str | None:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
-from tierkv.connectors.vllm.groups import GroupPlan
+from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
 from tierkv.connectors.vllm.stats import TierKVStats
 from tierkv.keys import ROOT_KEY, chain_block_keys, namespace_fingerprint
 
@@ -120,9 +120,16 @@ class TierScheduler:
         store_mode: str,
         eviction_watermark_blocks: int,
         num_engine_blocks: int,
+        num_groups: int | None = None,
     ) -> None:
+        """`num_groups`: vLLM's KV-cache groups, those tierkv does not plan included (None: as
+        many as `plans`)."""
         self.tier = tier
         self.plans = list(plans)
+        # A load runs before the forward only where its failures can be reported block by block.
+        self._sync_allowed = blockwise_load_failures(
+            plans, len(plans) if num_groups is None else num_groups
+        )
         self.block_size = plans[0].block_size if plans else 0
         self.store_mode = store_mode
         self.watermark = eviction_watermark_blocks
@@ -192,7 +199,7 @@ class TierScheduler:
             self._pending_loads[req_id] = pending
             self.stats.observe_lookup(pending.num_blocks, pending.asked_blocks, pending.seconds)
         matched = pending.num_blocks * self.block_size
-        pending.sync = len(self.plans) == 1 and self._live == {req_id}
+        pending.sync = self._sync_allowed and self._live == {req_id}
         return matched, matched > 0 and not pending.sync
 
     def _lookup(self, request: Request, num_computed_tokens: int) -> _PendingLoad:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from tierkv.config import kv_pair_codecs
-from tierkv.connectors.vllm.groups import GroupPlan
+from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
 from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
 from tierkv.movers import BlockMover, Blocks, Staged, StagingRing, codec_dtype, hand_over
@@ -114,11 +114,16 @@ class TierWorker:
         tp_rank: int,
         staging_bytes: int,
         device_decode: bool | None = None,
+        num_groups: int | None = None,
     ) -> None:
         """`device_decode`: decode loads on the KV cache's device (None: on CUDA for lossy
-        codecs, on the host otherwise)."""
+        codecs, on the host otherwise); `num_groups`: vLLM's KV-cache groups, those tierkv does
+        not plan included (None: as many as `plans`)."""
         self.tier = tier
         self.plans = {plan.group_id: plan for plan in plans}
+        self.blockwise_failures = blockwise_load_failures(
+            plans, len(plans) if num_groups is None else num_groups
+        )
         self.tp_rank = tp_rank
         self.staging_bytes = staging_bytes
         self.device_decode = device_decode
@@ -310,9 +315,8 @@ class TierWorker:
     def _account(self, result: _LoadResult) -> bool:
         """Count a load; False when the whole request must be reported failed.
 
-        With one KV-cache group, failed blocks are reported individually (vLLM keeps the valid
-        prefix); with several, block ids are not unique across groups, so the whole request is
-        reported failed and recomputed.
+        Failed blocks are reported individually where vLLM can take them so (one full-attention
+        group: `blockwise_load_failures`), else the whole request is reported failed.
         """
         self.stats.add("loads")
         self.stats.add("load_seconds", result.seconds)
@@ -330,7 +334,7 @@ class TierWorker:
             result.blocks,
             result.req_id,
         )
-        if len(self.plans) == 1:
+        if self.blockwise_failures:
             self._invalid_block_ids |= result.failed_block_ids
             return True
         return False
