@@ -29,7 +29,6 @@ from tierkv.config import (
     parse_size,
 )
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
-from tierkv.quant.target import instruction_set
 
 if TYPE_CHECKING:  # numpy, gRPC and Numba are imported when a bench runs, not for --help
     from tierkv.bench import BenchResult
@@ -277,6 +276,8 @@ def results_table(results: list[BenchResult]) -> Group:
     speeds in GB/s, with numpy memcpy of the same bytes and the kernels' instruction set and
     vector width in the title line. Title and caption
     are lines of their own, so a narrow table (one codec) does not wrap them."""
+    from tierkv.quant.target import instruction_set  # Numba: loaded by the bench already
+
     first = results[0]
     tokens = f"{first.tokens_measured} tokens"
     if first.tokens_measured != first.tokens:
