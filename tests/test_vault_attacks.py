@@ -83,11 +83,17 @@ def peak_rss_bytes(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
+def token_file(directory: Path, **tokens: str) -> Path:
+    """A vault's token file (0600, as the vault requires): one "tenant token" line each."""
+    path = directory / "tokens"
+    path.write_text("".join(f"{tenant} {token}\n" for tenant, token in tokens.items()))
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture
 def vault(vault_factory: Callable[..., Any], tmp_path: Path) -> Any:
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"victim {VICTIM}\nattacker {ATTACKER}\nnormal {NORMAL}\n")
-    tokens.chmod(0o600)
+    tokens = token_file(tmp_path, victim=VICTIM, attacker=ATTACKER, normal=NORMAL)
     config = f'{LOW_LIMITS}\n[security]\ntoken_file = "{tokens}"\n'
     handle = vault_factory(max_bytes="256MiB", subprocess=True, config=config, token=VICTIM)
     with VaultClient(handle.address, token=VICTIM) as client:
@@ -524,9 +530,7 @@ def _closed_within(connection: BulkConnection, timeout: float) -> bool:
 def test_a_tenant_holding_its_bulk_connections_leaves_the_others_theirs(
     vault_factory: Callable[..., Any], tmp_path: Path
 ) -> None:
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"attacker {ATTACKER}\nnormal {NORMAL}\n")
-    tokens.chmod(0o600)
+    tokens = token_file(tmp_path, attacker=ATTACKER, normal=NORMAL)
     config = f"""
 [limits]
 max_connections_per_client = {2 * PER_TENANT}
@@ -560,9 +564,7 @@ token_file = "{tokens}"
 def test_a_client_refused_at_its_tenants_limit_uses_grpc_without_a_failure(
     vault_factory: Callable[..., Any], tmp_path: Path
 ) -> None:
-    tokens = tmp_path / "tokens"
-    tokens.write_text(f"attacker {ATTACKER}\nnormal {NORMAL}\n")
-    tokens.chmod(0o600)
+    tokens = token_file(tmp_path, attacker=ATTACKER, normal=NORMAL)
     config = f'[limits]\nmax_connections_per_tenant = 1\n[security]\ntoken_file = "{tokens}"\n'
     handle = vault_factory(subprocess=True, config=config, token=NORMAL)
     with VaultClient(handle.address, token=ATTACKER) as client:
