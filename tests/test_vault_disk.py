@@ -272,6 +272,24 @@ def test_reads_of_adjacent_blocks_coalesce_and_keep_request_order(disk_dir: Path
     disk.close()
 
 
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_reads_keep_no_file_descriptor_open(disk_dir: Path) -> None:
+    disk = DiskTier(disk_dir, 64 * MIB)
+    for i in range(40):
+        write(disk, i, 3000 + i)
+    disk.close(timeout=30)
+    disk = DiskTier(disk_dir, 64 * MIB)
+    before = open_fds()
+    for _ in range(3):
+        found = disk.read_many(NS, [(key(i), 0) for i in range(40)])
+        assert all(found)
+    assert open_fds() == before  # (one fd per block read leaked: a vault ran out of them)
+    disk.close()
+
+
 def test_a_second_tier_on_the_same_directory_refuses(disk_dir: Path) -> None:
     disk = DiskTier(disk_dir, 64 * MIB)
     with pytest.raises(DiskLockedError, match=f"in use by another vault \\(pid {os.getpid()}\\)"):

@@ -357,7 +357,8 @@ class DiskTier:
                     found[position] = (op.payload, op.checksum)
                 elif (loc := space.index.get(block)) is not None:
                     located.append((loc, position))
-            fds = {loc.segment: os.dup(self._fds[loc.segment]) for loc, _ in located}
+            segments = {loc.segment for loc, _ in located}
+            fds = {segment: os.dup(self._fds[segment]) for segment in segments}
         try:
             located.sort()
             for run in _runs(located):
