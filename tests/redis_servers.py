@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from helpers import LOOPBACK, pick_free_port
 
-from tests.conftest import LOOPBACK, pick_free_port
 from tests.tls_certs import Certs
 
 START_TIMEOUT_S = 30.0

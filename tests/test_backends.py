@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from helpers import SLOW_BOX_MARGIN_S, VaultHandle, stop_process
 
-from tests.conftest import SLOW_BOX_MARGIN_S, VaultHandle, stop_process
 from tests.redis_servers import RedisServer, start_cluster, start_redis
 from tests.tls_certs import make_certs
 from tierkv.backends import open_backend, open_one

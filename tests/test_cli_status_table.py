@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import pick_free_port
+from helpers import pick_free_port
 from typer.testing import CliRunner
 
 from tierkv.cli import app

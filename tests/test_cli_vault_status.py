@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import pick_free_port
+from helpers import pick_free_port
 from typer.testing import CliRunner
 
 from tierkv.cli import app

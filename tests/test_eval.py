@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import VaultHandle
 from tiny_models import build_tiny_llama, build_tiny_qwen3_next, build_tokenizer
 from typer.testing import CliRunner
 
-from tests.conftest import VaultHandle
 from tierkv.bench_eval import (
     CodecEval,
     EvalReport,

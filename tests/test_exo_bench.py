@@ -18,8 +18,8 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from conftest import VaultHandle
 from fake_exo.tiny_mlx import VOCAB, tiny_llama
+from helpers import VaultHandle
 from test_exo_hook import BLOCK, READY_TIMEOUT_S, start_exo
 from typer.testing import CliRunner
 

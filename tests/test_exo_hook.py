@@ -28,10 +28,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import SLOW_BOX_MARGIN_S, VaultHandle
 from fake_exo.real_exo import RealExoFinder
 from fake_exo.tiny_mlx import random_tokens, tiny_gemma3, tiny_llama
 from fake_exo.tree import FIXTURE_SRC
+from helpers import SLOW_BOX_MARGIN_S, VaultHandle
 from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, RotatingKVCache
 from mlx_lm.models.llama import Model as LlamaModel
 from mlx_lm.models.llama import ModelArgs

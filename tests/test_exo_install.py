@@ -13,8 +13,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import VaultHandle
 from fake_exo.tree import EXO_PYTHON, SITE_PACKAGES, exo_python, make_exo_tree, tree_digest
+from helpers import VaultHandle
 from typer.testing import CliRunner
 
 import tierkv

@@ -13,7 +13,7 @@ from typing import Any
 import mlx.core as mx
 import mlx_lm
 import pytest
-from conftest import VaultHandle
+from helpers import VaultHandle
 from test_exo_hook import (  # noqa: F401 (exo_source, stop_runtime: fixtures used here)
     BLOCK,
     READY_TIMEOUT_S,

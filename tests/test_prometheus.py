@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import LOOPBACK, VaultHandle, pick_free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import LOOPBACK, VaultHandle, pick_free_port
 from tests.prometheus_files import (
     DASHBOARD,
     RULE_TESTS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import VaultHandle
 
-from tests.conftest import VaultHandle
 from tierkv.config import ConfigError, config_from_mapping, kv_pair_codecs, kv_pair_name
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import PayloadError, decode_into, encode_block, get_codec, read_header

@@ -6,9 +6,9 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from helpers import VaultHandle
 from typer.testing import CliRunner
 
-from tests.conftest import VaultHandle
 from tests.redis_servers import start_redis
 from tierkv.backends import open_backend
 from tierkv.cli import app

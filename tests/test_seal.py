@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import VaultHandle
 
-from tests.conftest import VaultHandle
 from tests.redis_servers import RedisServer, start_redis
 from tierkv.backends import open_backend
 from tierkv.backends.redis import redis_key

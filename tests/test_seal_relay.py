@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import pick_free_port, start_subprocess_vault, wait_serving
 
-from tests.conftest import _wait_serving, pick_free_port, start_subprocess_vault
 from tests.relay import BulkReplyRewriter, Relay, Tamper
 from tests.test_seal import KEYS, NS, PATTERN, key_file, pattern_blocks
 from tierkv.keys import namespace_fingerprint
@@ -72,7 +72,7 @@ def relayed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RelayedVault]:
     )
     grpc = Relay(grpc_port, VAULT_HOST)
     try:
-        _wait_serving(f"{VAULT_HOST}:{grpc_port}", process, TOKENS["alice"])
+        wait_serving(f"{VAULT_HOST}:{grpc_port}", process, TOKENS["alice"])
         keys = {name: key_file(work, 1, name=f"{name}.keys") for name in TOKENS}
         yield RelayedVault(grpc, bulk, keys)
     finally:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import pick_free_port
+from helpers import pick_free_port
 from tls_certs import make_certs
 from typer.testing import CliRunner
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+from helpers import SLOW_BOX_MARGIN_S, VaultHandle
 
-from tests.conftest import SLOW_BOX_MARGIN_S, VaultHandle
 from tierkv.config import config_from_mapping
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import NonFiniteError, get_codec

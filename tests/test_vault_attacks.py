@@ -23,8 +23,8 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import SLOW_BOX_MARGIN_S
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import SLOW_BOX_MARGIN_S
 
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import proof, proving_channel

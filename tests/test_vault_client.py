@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from conftest import SLOW_BOX_MARGIN_S, stop_process
+from helpers import SLOW_BOX_MARGIN_S, stop_process
 
 from tierkv.config import MIB, LimitsConfig
 from tierkv.vault._pb import vault_pb2

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from conftest import LOOPBACK, VaultHandle
+from helpers import LOOPBACK, VaultHandle
 from test_vault_auth import ALICE, BOB
 from test_vault_disk import forged_record
 

@@ -41,7 +41,7 @@ SETTINGS = settings(
 
 @pytest.fixture(scope="module")
 def fuzzed_vault(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from conftest import VaultHandle, _wait_serving, pick_free_port, start_subprocess_vault
+    from helpers import VaultHandle, pick_free_port, start_subprocess_vault, wait_serving
 
     port = pick_free_port()
     process, log_path = start_subprocess_vault(
@@ -49,7 +49,7 @@ def fuzzed_vault(tmp_path_factory: pytest.TempPathFactory) -> Any:
     )
     handle = VaultHandle(f"127.0.0.1:{port}", port, process=process, log_path=log_path)
     try:
-        _wait_serving(handle.address, process)
+        wait_serving(handle.address, process)
         with VaultClient(handle.address) as client:
             handle.bulk_port = client.bulk_path()[0]  # type: ignore[attr-defined]
         yield handle

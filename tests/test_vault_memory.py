@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import VaultHandle
+from helpers import VaultHandle
 
 from tierkv.config import MIB
 from tierkv.vault.client import VaultClient

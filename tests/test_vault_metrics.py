@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import pick_free_port
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import pick_free_port
 from tierkv.config import SecurityConfig
 from tierkv.vault.client import VaultClient, VaultRefused
 from tierkv.vault.metrics import default_metrics_host, rejection_reason

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import pick_free_port, start_subprocess_vault, stop_process
+from helpers import pick_free_port, start_subprocess_vault, stop_process
 from tiny_models import (
     IMAGE_SIZE,
     IMAGE_TOKEN_ID,

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import LOOPBACK
+from helpers import LOOPBACK
 from redis_servers import RedisServer, start_redis
 from test_vllm_connector import LLAMA_BLOCK, LLAMA_ENGINE, Engine, llama_fillers, prompt
 from tiny_models import build_tiny_llama

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import pick_free_port, start_subprocess_vault
+from helpers import pick_free_port, start_subprocess_vault
 from test_vllm_connector import Engine
 from typer.testing import CliRunner
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import VaultHandle, pick_free_port
+from helpers import VaultHandle, pick_free_port
 from typer.testing import CliRunner
 
 from tierkv.cli import app

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import VaultHandle, pick_free_port, start_subprocess_vault
+from helpers import VaultHandle, pick_free_port, start_subprocess_vault
 from test_vllm_connector import Engine, prompt
 from test_vllm_parts import attention, fake_request, fake_vllm_config, kv_cache_config
 from tiny_models import GEMMA3_WINDOW, build_tiny_gemma3
