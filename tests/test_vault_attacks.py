@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import SLOW_BOX_MARGIN_S
+from helpers import SLOW_BOX_MARGIN_S, key
 
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import proof, proving_channel
@@ -68,10 +68,6 @@ WORST_STALL: dict[str, float] = {}
 """Attack → the slowest normal call during it, in seconds (printed for the closing note)."""
 PEAK_RSS: dict[str, int] = {}
 """Attack → the vault's peak resident memory (VmHWM), in bytes (printed for the closing note)."""
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
 
 
 def peak_rss_bytes(pid: int) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import key
 from tls_certs import make_certs
 from typer.testing import CliRunner
 
@@ -36,10 +37,6 @@ ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef00"
 NS = b"shared-namespace"
 runner = CliRunner(env={"COLUMNS": "200"})
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
+from helpers import key
 
 from tests.tls_certs import make_certs
 from tierkv.config import LimitsConfig
@@ -41,10 +42,6 @@ from tierkv.vault.server import VaultBindError, serve
 from tierkv.vault.store import entry_bytes
 
 NS = b"b" * 16
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
 
 
 def payload(i: int, size: int) -> bytes:

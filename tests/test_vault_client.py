@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from helpers import SLOW_BOX_MARGIN_S, stop_process
+from helpers import SLOW_BOX_MARGIN_S, key, stop_process, wait_until
 
 from tierkv.config import MIB, LimitsConfig
 from tierkv.vault._pb import vault_pb2
@@ -18,19 +18,6 @@ from tierkv.vault.server import VaultServicer, serve
 
 NS = b"n" * 16
 KIB = 1024
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
-
-
-def wait_until(condition: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
 
 
 def test_killed_vault_gives_misses_in_time_and_puts_never_block(vault_factory: Callable) -> None:

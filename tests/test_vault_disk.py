@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import xxhash
+from helpers import key
 
 from tierkv.config import MIB
 from tierkv.vault.client import VaultClient
@@ -22,10 +23,6 @@ from tierkv.vault.store import VaultStore, entry_bytes
 from tierkv.vault.wire import block_checksum
 
 NS = b"n" * 16
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
 
 
 def payload(i: int, size: int = 1000) -> bytes:

@@ -15,9 +15,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from helpers import key
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_vault_disk import forged_record, key
+from test_vault_disk import forged_record
 
 from tierkv.config import MIB
 from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR, KIND_DELETE, DiskTier

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from helpers import LOOPBACK, VaultHandle
+from helpers import LOOPBACK, VaultHandle, key
 from test_vault_auth import ALICE, BOB
 from test_vault_disk import forged_record
 
@@ -29,10 +29,6 @@ from tierkv.vault.wire import block_checksum
 NS = b"disk-test-000000"
 BLOCK = 256 * 1024
 RAM_CAP = "2MiB"  # 8 blocks
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
 
 
 def payload(i: int, size: int = BLOCK) -> bytes:

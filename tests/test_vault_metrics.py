@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import pick_free_port
+from helpers import key, pick_free_port
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv.config import SecurityConfig
@@ -47,10 +47,6 @@ def scrape_until(
     while sample not in (metrics := scrape(address)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return metrics
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
 
 
 @pytest.mark.parametrize("bulk", [True, False])

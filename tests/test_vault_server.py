@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from helpers import key
 
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.client import VaultClient, VaultUnavailable
@@ -25,10 +26,6 @@ from tierkv.vault.wire import block_checksum, encode_bulk
 
 NS = b"n" * 16
 MIB = 1024 * 1024
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
 
 
 def payload_for(i: int, part: int, size: int) -> bytes:

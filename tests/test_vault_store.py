@@ -6,6 +6,7 @@ import gc
 import itertools
 import threading
 
+from helpers import key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,10 +15,6 @@ from tierkv.vault.store import LOCK_SLICE, VaultStore, entry_bytes
 from tierkv.vault.wire import HOLDING_GIL_BYTES, address_prefix, block_checksum, checksum_at
 
 NS = b"n" * 16
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "little")
 
 
 def put(store: VaultStore, i: int, size: int, part: int = 0, ns: bytes = NS) -> str | None:
