@@ -25,6 +25,8 @@ from tierkv.vault.wire import block_checksum, encode_bulk
 NAMESPACES = [b"fuzz-ns-00000000", b"fuzz-ns-11111111"]
 KEYS = [bytes([i]) * 16 for i in range(4)]
 METHODS = ["Put", "Lookup", "Promote", "Stats", "Delete", "Clear", "Hello"]
+REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
+"""How the vault answers a malformed request, or one past its limits."""
 FUZZ_LIMITS = """
 [limits]
 handshake_timeout_s = 1.0
@@ -104,17 +106,22 @@ def test_random_and_mutated_grpc_messages(
     mutation: tuple[list[tuple[int, int]], int | None],
     garbage: bytes | None,
 ) -> None:
+    """Each message is answered: done, or refused as malformed or over a limit, never an
+    exception in the vault (UNKNOWN, INTERNAL), a hang (DEADLINE_EXCEEDED) or a dead vault."""
     message = garbage if garbage is not None else mutated(valid_put_batch(*block), *mutation)
     with grpc.insecure_channel(fuzzed_vault.address) as channel:
         identity: Callable[[bytes], bytes] = lambda raw: raw  # noqa: E731
         path = f"/tierkv.v1.Vault/{method}"
-        with contextlib.suppress(grpc.RpcError):
+        try:
             if method == "Put":
                 channel.stream_unary(path, identity, identity)(iter([message]), timeout=5)
             elif method == "Promote":
                 list(channel.unary_stream(path, identity, identity)(message, timeout=5))
             else:
                 channel.unary_unary(path, identity, identity)(message, timeout=5)
+        except grpc.RpcError as error:
+            assert error.code() in REFUSALS, (method, message, error)
+    assert fuzzed_vault.process.poll() is None, "the vault died"
 
 
 def _frame(kind: int, index: bytes, data: bytes) -> bytes:
