@@ -201,8 +201,8 @@ def test_sealed_blocks_restore_the_same_tokens_in_a_fresh_runtime(
     exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
     evict_everything(exo, monkeypatch, prefix_cache)
     assert runtime.flush(10)
-    entries = list(vault.store._entries.values())
-    assert len(entries) == 24 and all(bytes(payload[:4]) == SEAL_MAGIC for payload, _ in entries)
+    payloads = list(vault.store.held().values())
+    assert len(payloads) == 24 and all(bytes(payload[:4]) == SEAL_MAGIC for payload in payloads)
     hook.shutdown()
 
     exo = start_exo(
@@ -331,8 +331,7 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
     evict_everything(exo, monkeypatch, prefix_cache)
     assert runtime.flush(10)
     stored = {
-        part: read_header(payload).codec
-        for (_, _, part), (payload, _) in vault.store._entries.items()
+        part: read_header(payload).codec for (_, _, part), payload in vault.store.held().items()
     }
     expected = {0: "int8", 1: "tq4"} if verdict else {0: "none", 1: "none"}
     assert stored == {part: expected[part % 2] for part in range(4)}  # keys even, values odd
@@ -448,7 +447,7 @@ def test_sliding_window_layers_spill_their_window_and_restore_the_same_tokens(
     evict_everything(exo, monkeypatch, prefix_cache)
     assert runtime.flush(10)
     # 98 tokens: 6 blocks; local layers (parts 0, 1, 4, 5) only the 2 of the window [64, 96)
-    blocks = Counter(part for _, _, part in vault.store._entries)
+    blocks = Counter(part for _, _, part in vault.store.held())
     assert blocks == {0: 2, 1: 2, 4: 2, 5: 2, 2: 6, 3: 6, 6: 6, 7: 6}
 
     longer = mx.concatenate([prompt, random_tokens(20, seed=51)])

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import flip_byte
 
 torch = pytest.importorskip("torch")
 
@@ -295,11 +296,8 @@ def test_a_load_receives_lossless_payloads_straight_into_block_first_engine_bloc
 
         hand_over(staged, mover.codec_dtypes, send)
         assert tier.flush(30)
-        entries = vault.store._entries
-        payload, checksum = entries[(namespace, keys[3], 0)]
-        flipped = bytearray(payload)
-        flipped[len(flipped) // 2] ^= 0xFF
-        entries[(namespace, keys[3], 0)] = (bytes(flipped), checksum)  # its checksum fails
+        payload = vault.store.held()[(namespace, keys[3], 0)]
+        flip_byte(vault.store, (namespace, keys[3], 0), len(payload) // 2)  # its checksum fails
         fp16 = get_codec("none").encode(np.zeros((2, 2, 4, 16), np.float16), "fp16")
         assert len(fp16) == len(payload)
         vault.store.put(namespace, keys[5], 0, fp16, block_checksum(namespace, keys[5], 0, fp16))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-from helpers import SLOW_BOX_MARGIN_S, VaultHandle
+from helpers import SLOW_BOX_MARGIN_S, VaultHandle, flip_byte
 
 from tierkv.config import config_from_mapping
 from tierkv.keys import chain_block_keys, namespace_fingerprint
@@ -105,12 +105,7 @@ def test_corrupted_payload_is_a_failed_block_never_data(
     tier = make_tier("none", kv, ssm)
     data = blocks()
     store_all(tier, data)
-    entries = kv.store._entries
-    entry_key = (NS, KEYS[1], 2)
-    payload, checksum = entries[entry_key]
-    flipped = bytearray(payload)
-    flipped[-1] ^= 0xFF
-    entries[entry_key] = (bytes(flipped), checksum)
+    flip_byte(kv.store, (NS, KEYS[1], 2), -1)
     failed, outs = load_all(tier, data)
     assert failed == {1}
     for slot, array in data.items():

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 import pytest
-from helpers import key
+from helpers import flip_byte, key
 
 from tests.tls_certs import make_certs
 from tierkv.config import LimitsConfig
@@ -74,9 +74,7 @@ def test_a_promote_receives_payloads_into_the_buffers_it_is_given(vault: Any) ->
         for i, size in enumerate(sizes):
             client.put(NS, key(i), 0, payload(i, size))
         assert client.flush(timeout=30)
-        entries = vault.store._entries
-        stored, checksum = entries[(NS, key(3), 0)]
-        entries[(NS, key(3), 0)] = (b"\x00" + stored[1:], checksum)
+        flip_byte(vault.store, (NS, key(3), 0), 0)
         pieces = {i: [bytearray(3), bytearray(size - 3)] for i, size in enumerate(sizes)}
         pieces[1].append(bytearray(1))  # one byte too many: not used
         del pieces[2]  # not placed

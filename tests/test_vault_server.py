@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import key
+from helpers import alias_entry, key
 
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.client import VaultClient, VaultUnavailable
@@ -92,11 +92,7 @@ def test_payload_returned_under_another_key_is_a_counted_miss(vault: Any) -> Non
     reader's checksum like corrupted ones: a miss, never another block's KV."""
     payload = b"k" * 4096
     vault.store.put(NS, key(0), 0, payload, block_checksum(NS, key(0), 0, payload))
-    store = vault.store
-    with store._lock:  # fault injection below the vault's API: key(0)'s entry also under key(1)
-        store._entries[(NS, key(1), 0)] = store._entries[(NS, key(0), 0)]
-        store._namespaces[NS].parts[key(1)] = {0}
-        store._bytes_used += entry_bytes(NS, key(1), len(payload))
+    alias_entry(vault.store, (NS, key(0), 0), key(1))  # key(0)'s entry also under key(1)
     with VaultClient(vault.address) as client:
         found = client.promote(NS, [key(0), key(1)], [0])
         assert list(found) == [(0, 0)]

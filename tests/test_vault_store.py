@@ -42,6 +42,22 @@ def test_lru_evicts_least_recently_used_and_reads_refresh() -> None:
     assert (stats.entries, stats.bytes_used, stats.evictions) == (3, 3 * cost(100), 1)
 
 
+def test_held_lists_the_ram_entries_least_recent_first_and_refreshes_none() -> None:
+    store = VaultStore(max_bytes=3 * cost(100))
+    put(store, 0, 100)
+    put(store, 1, 100, part=2, ns=b"m" * 16)
+    put(store, 2, 100)
+    store.get_many(NS, [key(0)], [0])  # 0 is now the most recent
+    assert store.held() == {
+        (b"m" * 16, key(1), 2): bytes([1]) * 100,
+        (NS, key(2), 0): bytes([2]) * 100,
+        (NS, key(0), 0): bytes([0]) * 100,
+    }
+    assert list(store.held()) == [(b"m" * 16, key(1), 2), (NS, key(2), 0), (NS, key(0), 0)]
+    assert put(store, 3, 100) is None  # evicts 1, still the least recent after held()
+    assert list(store.held()) == [(NS, key(2), 0), (NS, key(0), 0), (NS, key(3), 0)]
+
+
 def test_eviction_frees_enough_bytes_for_a_large_payload() -> None:
     store = VaultStore(max_bytes=3 * cost(100))
     for i in range(3):

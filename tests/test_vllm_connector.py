@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import pick_free_port, start_subprocess_vault, stop_process
+from helpers import flip_byte, pick_free_port, start_subprocess_vault, stop_process
 from tiny_models import (
     IMAGE_SIZE,
     IMAGE_TOKEN_ID,
@@ -421,13 +421,10 @@ def test_corrupt_payload_is_recomputed(llama_engine: Engine, kv_vault: VaultServ
     keys = chain_block_keys(tokens, LLAMA_BLOCK)
     store = kv_vault.store
     damaged = 0
-    for entry_key in list(store._entries):  # fault injection below the vault's API
+    for entry_key, payload in store.held().items():  # fault injection below the vault's API
         namespace, key, part = entry_key
-        payload, checksum = store._entries[entry_key]
         if key == keys[6]:
-            flipped = bytearray(payload)
-            flipped[len(flipped) // 2] ^= 0xFF
-            store._entries[entry_key] = (bytes(flipped), checksum)  # checksum now mismatches
+            flip_byte(store, entry_key, len(payload) // 2)  # checksum now mismatches
             damaged += 1
         if key == keys[3]:
             wrong = get_codec("none").encode(np.zeros(7, "float16"))
@@ -456,11 +453,9 @@ def test_failed_background_restore_is_recomputed_not_loaded_again(
     neighbour_cold = llama_engine.generate(neighbour)
     first = chain_block_keys(tokens, LLAMA_BLOCK)[0]
     store = kv_vault.store
-    for entry_key in [k for k in list(store._entries) if k[1] == first]:  # fault injection
-        payload, checksum = store._entries[entry_key]
-        flipped = bytearray(payload)
-        flipped[len(flipped) // 2] ^= 0xFF
-        store._entries[entry_key] = (bytes(flipped), checksum)
+    for entry_key, payload in store.held().items():  # fault injection
+        if entry_key[1] == first:
+            flip_byte(store, entry_key, len(payload) // 2)
     before = llama_engine.stats()
 
     assert llama_engine.generate_together(neighbour, tokens) == [neighbour_cold, cold]
@@ -522,11 +517,7 @@ def test_fresh_engine_process_restores_what_another_stored(
     tokens = prompt(4, 300)
     cold = llama_engine.store_and_evict(tokens, llama_fillers(4))
     keys = set(chain_block_keys(tokens, LLAMA_BLOCK))
-    stored = [
-        payload
-        for (_, key, _), (payload, _) in list(kv_vault.store._entries.items())
-        if key in keys
-    ]
+    stored = [payload for (_, key, _), payload in kv_vault.store.held().items() if key in keys]
     assert stored and all(bytes(payload[:4]) == SEAL_MAGIC for payload in stored)
     fresh = Engine(models["llama"], sealed_extra, LLAMA_ENGINE)
     try:
@@ -732,7 +723,7 @@ def test_tensor_parallel_ranks_store_apart_and_restore_together(
         hit = (len(tokens) - 1) // LLAMA_BLOCK
         cold = engine.store_and_evict(tokens, llama_fillers(16))
         stored: dict[bytes, set[bytes]] = {}
-        for namespace, key, _ in list(vault.store._entries):
+        for namespace, key, _ in vault.store.held():
             stored.setdefault(namespace, set()).add(key)
         assert len(stored) == 2  # one namespace per rank
         keys = chain_block_keys(tokens, LLAMA_BLOCK)[:hit]
@@ -784,10 +775,10 @@ def test_prompts_with_images_are_never_stored_or_restored(tmp_path: Path):
         cold = engine.store_and_evict(with_image, fillers)
         same_ids = [IMAGE_TOKEN_ID] * IMAGE_TOKENS + text
         keys = set(chain_block_keys(same_ids, LLAMA_BLOCK))
-        assert not {key for _, key, _ in list(vault.store._entries)} & keys  # never stored
+        assert not {key for _, key, _ in vault.store.held()} & keys  # never stored
 
         without_image = engine.store_and_evict(same_ids, fillers)
-        assert {key for _, key, _ in list(vault.store._entries)} >= keys  # the ids' blocks
+        assert {key for _, key, _ in vault.store.held()} >= keys  # the ids' blocks
         other_image = {"prompt_token_ids": text, "image": 255 - image}
         assert cold not in (without_image, engine.generate(other_image))
         before, hits = engine.stats(), vault_hits(vault)

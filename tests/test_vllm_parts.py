@@ -584,7 +584,7 @@ def test_a_pair_codec_gets_keys_and_values_apart_in_every_layout(
     finally:
         worker.shutdown()
         tier.close()
-    ((payload, _),) = vault.store._entries.values()
+    (payload,) = vault.store.held().values()
     header = parse_pair(payload)[0]
     assert (header.keys, header.values, header.axis, header.keys_count) == ("int8", "tq4", *split)
     block_dim = cache_shape.index(6)

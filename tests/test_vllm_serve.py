@@ -255,7 +255,7 @@ def test_serve_stores_evicts_and_restores_through_the_openai_api(
         for _filler in range(4):  # 4 x 15 blocks push the prompt's 10 out of 48
             completion(port, model, [rng.randrange(2, 500) for _ in range(450)])
         deadline = time.monotonic() + 60
-        while {key for _, key, _ in list(vault.store._entries)} < set(keys):
+        while {key for _, key, _ in vault.store.held()} < set(keys):
             assert time.monotonic() < deadline, "the prompt's blocks never reached the vault"
             time.sleep(0.2)
         hits = vault.store.stats().hits

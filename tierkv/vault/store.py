@@ -293,6 +293,13 @@ class VaultStore:
                 sum(s.evictions for s in spaces),
             )
 
+    def held(self) -> dict[EntryKey, bytes | memoryview]:
+        """The RAM tier's entries now, (namespace, key, part) → payload, least recently used
+        first (the disk tier's are not in it): a copy of the index, not of the payloads, for
+        inspection. Reads nothing, so no entry is refreshed."""
+        with self._lock:
+            return {entry_key: payload for entry_key, (payload, _) in self._entries.items()}
+
     def stats(self) -> StoreStats:
         """A consistent snapshot of the counters."""
         with self._lock:
