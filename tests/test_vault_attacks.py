@@ -70,6 +70,17 @@ PEAK_RSS: dict[str, int] = {}
 """Attack → the vault's peak resident memory (VmHWM), in bytes (printed for the closing note)."""
 
 
+@pytest.fixture(scope="module", autouse=True)
+def closing_note() -> Iterator[None]:
+    """Not a check: once this module's tests ran, the figures they measured, for the closing
+    note (run with -s); a test of its own would depend on the others having run first."""
+    yield
+    for attack, seconds in sorted(WORST_STALL.items()):
+        rss = PEAK_RSS.get(attack)
+        memory = f", vault peak RSS {rss / MIB:.0f} MiB" if rss else ""
+        print(f"{attack}: worst normal call {seconds:.2f} s{memory}")
+
+
 def peak_rss_bytes(pid: int) -> int:
     """The most resident memory process `pid` ever had (VmHWM), in bytes."""
     with open(f"/proc/{pid}/status") as status:
@@ -571,11 +582,3 @@ def test_a_client_refused_at_its_tenants_limit_uses_grpc_without_a_failure(
             counters = client.counters()
         assert (counters["transport"], counters["bulk_refusals"]) == ("grpc", 1)
         assert (counters["failed_calls"], client.breaker_state) == (0, "closed")
-
-
-def test_print_worst_stalls() -> None:
-    """Not a check: the figures for the closing note (run with -s)."""
-    for attack, seconds in sorted(WORST_STALL.items()):
-        rss = PEAK_RSS.get(attack)
-        memory = f", vault peak RSS {rss / MIB:.0f} MiB" if rss else ""
-        print(f"{attack}: worst normal call {seconds:.2f} s{memory}")
