@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
-from helpers import LOOPBACK, pick_free_port
+from helpers import LOOPBACK, pick_free_port, wait_until
 
 from tests.tls_certs import Certs
 
@@ -87,21 +86,27 @@ def start_redis(work_dir: Path, *extra: str, certs: Certs | None = None) -> Redi
     log = (node_dir / "server.log").open("wb")
     process = subprocess.Popen([*command, *extra], stdout=log, stderr=subprocess.STDOUT)
     server = RedisServer(port, process, certs)
-    deadline = time.monotonic() + START_TIMEOUT_S
     client = server.client()
-    while True:
+
+    def answers() -> bool:
+        """Whether it answers PING (or asks for a password); a dead server fails at once."""
         try:
             client.ping()
-            return server
         except (redis.AuthenticationError, redis.ResponseError):
-            return server  # up, and asks for a password
+            pass  # up, and asks for a password
         except redis.RedisError:
-            if server.process.poll() is not None or time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"redis on port {port} did not start; see {node_dir}") from None
-            time.sleep(0.05)
+            if server.process.poll() is None:
+                return False
+            server.stop()
+            raise RuntimeError(f"redis on port {port} did not start; see {node_dir}") from None
         finally:
             client.close()
+        return True
+
+    if not wait_until(answers, START_TIMEOUT_S, interval=0.05):
+        server.stop()
+        raise RuntimeError(f"redis on port {port} did not start; see {node_dir}")
+    return server
 
 
 def start_cluster(work_dir: Path, nodes: int = 3) -> list[RedisServer]:
@@ -132,14 +137,21 @@ def start_cluster(work_dir: Path, nodes: int = 3) -> list[RedisServer]:
             capture_output=True,
             timeout=START_TIMEOUT_S,
         )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        for server in servers:
-            client = server.client()
-            while client.execute_command("CLUSTER INFO").get("cluster_state") != "ok":
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the test cluster did not reach cluster_state:ok")
-                time.sleep(0.1)
-            client.close()
+        clients = [server.client() for server in servers]
+        try:
+            ok = wait_until(
+                lambda: all(
+                    client.execute_command("CLUSTER INFO").get("cluster_state") == "ok"
+                    for client in clients
+                ),
+                START_TIMEOUT_S,
+                interval=0.1,
+            )
+        finally:
+            for client in clients:
+                client.close()
+        if not ok:
+            raise RuntimeError("the test cluster did not reach cluster_state:ok")
     except BaseException:
         for server in servers:
             server.stop()

@@ -6,13 +6,12 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import pick_free_port
+from helpers import pick_free_port, wait_until
 from typer.testing import CliRunner
 
 from tierkv.cli import app
@@ -34,16 +33,18 @@ def empty_config(tmp_path: Path) -> Path:
 
 def read_line(process: subprocess.Popen[str], timeout: float = 30) -> str:
     """The first stdout line of `process` (fails the test if none comes in time)."""
-    assert process.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = process.stdout.readline()
-        if line:
-            return line
-        if process.poll() is not None:
-            break
-        time.sleep(0.05)
-    pytest.fail(f"no output from {process.args}")
+    stdout = process.stdout
+    assert stdout is not None
+    lines: list[str] = []
+
+    def read_or_exited() -> bool:
+        lines.append(stdout.readline())
+        return bool(lines[-1]) or process.poll() is not None
+
+    wait_until(read_or_exited, timeout, interval=0.05)
+    if not lines[-1]:
+        pytest.fail(f"no output from {process.args}")
+    return lines[-1]
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])

@@ -16,7 +16,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import LOOPBACK, VaultHandle, pick_free_port
+from helpers import LOOPBACK, VaultHandle, pick_free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.prometheus_files import (
@@ -201,17 +200,18 @@ def test_prometheus_scrapes_a_running_vault(scraped: Scrape, tmp_path: Path) -> 
     base = f"http://{LOOPBACK}:{port}"
     payload = 'tierkv_vault_payload_bytes{job="tierkv-vault", tier="ram"}'
     try:
-        deadline = time.monotonic() + 25
         answer: dict[str, object] = {}
-        while time.monotonic() < deadline:
+
+        def scraped_it() -> bool:
+            nonlocal answer
             assert process.poll() is None, (tmp_path / "prometheus.log").read_text()
             try:
                 answer = _query(base, payload)
-                if answer["data"]["result"]:  # type: ignore[index]
-                    break
             except OSError:  # not listening yet
-                pass
-            time.sleep(0.2)
+                return False
+            return bool(answer["data"]["result"])  # type: ignore[index]
+
+        wait_until(scraped_it, 25, interval=0.2)
         result = answer["data"]["result"]  # type: ignore[index]
         assert result, f"Prometheus never scraped the vault: {answer}"
         assert float(result[0]["value"][1]) == 3 * len(BLOCK)

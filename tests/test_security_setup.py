@@ -10,18 +10,17 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
-from helpers import pick_free_port
+from helpers import pick_free_port, wait_until
 from tls_certs import make_certs
 from typer.testing import CliRunner
 
 from tierkv.cli import app
 from tierkv.config import ConfigError, load_config
 from tierkv.vault.auth import TOKEN_ENV
-from tierkv.vault.client import VaultClient, VaultUnavailable
+from tierkv.vault.client import VaultClient, VaultStats, VaultUnavailable
 
 runner = CliRunner()
 
@@ -70,14 +69,18 @@ def test_secrets_init_provisions_a_tls_vault_that_an_engine_restores_through(
         assert cfg.security.data_key_file == "data_key"
         address = cfg.cluster.kv_cold[0].address
         with VaultClient.from_config(address, cfg.client, cfg.security) as engine:
-            deadline = time.monotonic() + 30
-            while True:
+            answers: list[VaultStats] = []
+
+            def answered() -> bool:
                 try:
-                    stats = engine.stats()
-                    break
+                    answers.append(engine.stats())
                 except VaultUnavailable:
-                    assert vault.poll() is None and time.monotonic() < deadline
-                    time.sleep(0.2)
+                    assert vault.poll() is None
+                    return False
+                return True
+
+            assert wait_until(answered, 30, interval=0.2)
+            stats = answers[0]
             assert (stats.tls, stats.auth_required, stats.tenant) == (True, True, "alice")
             engine.put(b"ns", b"k" * 16, 0, b"alice's KV" * 1000)
             assert engine.flush(timeout=10) and engine.stored_puts == 1

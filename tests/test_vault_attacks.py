@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from helpers import SLOW_BOX_MARGIN_S, key
+from helpers import SLOW_BOX_MARGIN_S, key, wait_until
 
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import proof, proving_channel
@@ -526,12 +526,7 @@ PER_TENANT = 4
 
 def _closed_within(connection: BulkConnection, timeout: float) -> bool:
     """Whether the vault closes the (idle) `connection` within `timeout`."""
-    deadline = time.monotonic() + timeout
-    while connection.is_open():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+    return wait_until(lambda: not connection.is_open(), timeout, interval=0.05)
 
 
 def test_a_tenant_holding_its_bulk_connections_leaves_the_others_theirs(

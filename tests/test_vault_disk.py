@@ -7,13 +7,12 @@ import resource
 import signal
 import struct
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import xxhash
-from helpers import key
+from helpers import key, wait_until
 
 from tierkv.config import MIB
 from tierkv.vault.client import VaultClient
@@ -331,9 +330,7 @@ def test_a_failing_disk_write_is_logged_and_the_writer_keeps_going(
     os.dup2(read_only, disk._fds[disk._active])  # writes now fail (EBADF), as on a dead disk
     os.close(read_only)
     write(disk, 1)
-    deadline = time.monotonic() + 60
-    while disk.stats().queued_bytes and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: not disk.stats().queued_bytes, 60, interval=0.01)
     assert "cannot write" in caplog.text
     assert read(disk, [1]) == [None]  # never written: a miss, not a stall
     since = disk.mark()

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from helpers import LOOPBACK, VaultHandle, key
+from helpers import LOOPBACK, VaultHandle, key, wait_until
 from test_vault_auth import ALICE, BOB
 from test_vault_disk import forged_record
 
@@ -123,10 +123,12 @@ def test_kill_9_mid_write_loses_no_acknowledged_block(
     ]
     for writer in writers:
         writer.start()
-    deadline = time.monotonic() + 120
-    while len(acknowledged) < 120:  # 30 MiB acknowledged, more in flight
-        assert time.monotonic() < deadline and all(w.is_alive() for w in writers)
-        time.sleep(0.01)
+
+    def enough_acknowledged() -> bool:  # 30 MiB acknowledged, more in flight
+        assert all(w.is_alive() for w in writers)
+        return len(acknowledged) >= 120
+
+    assert wait_until(enough_acknowledged, 120, interval=0.01)
     vault.kill()
     for writer in writers:
         writer.join()
@@ -214,10 +216,12 @@ def test_kill_9_during_puts_of_mixed_sizes_loses_no_acknowledged_block(
     ]
     for writer in writers:
         writer.start()
-    deadline = time.monotonic() + 120
-    while len(acknowledged) < 16:  # about 4 MiB acknowledged: the disk cap drops nothing yet
-        assert time.monotonic() < deadline and all(w.is_alive() for w in writers)
-        time.sleep(0.005)
+
+    def enough_acknowledged() -> bool:  # about 4 MiB acknowledged: the disk cap drops nothing yet
+        assert all(w.is_alive() for w in writers)
+        return len(acknowledged) >= 16
+
+    assert wait_until(enough_acknowledged, 120, interval=0.005)
     vault.kill()
     for writer in writers:
         writer.join()

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import key, pick_free_port
+from helpers import key, pick_free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv.config import SecurityConfig
@@ -42,10 +42,15 @@ def scrape(
 def scrape_until(
     address: str, sample: tuple[str, tuple[tuple[str, str], ...]], timeout: float = 30.0
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """`scrape(address)` once it has `sample`."""
-    deadline = time.monotonic() + timeout
-    while sample not in (metrics := scrape(address)) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    """`scrape(address)` once it has `sample` (the last scrape, should `timeout` pass)."""
+    metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+
+    def has_sample() -> bool:
+        nonlocal metrics
+        metrics = scrape(address)
+        return sample in metrics
+
+    wait_until(has_sample, timeout, interval=0.05)
     return metrics
 
 
@@ -181,15 +186,16 @@ def test_vault_command_serves_metrics(where: str, tmp_path: Path) -> None:
         assert process.stdout is not None
         line = process.stdout.readline()
         assert f"metrics on {host}:{metrics_port}" in line, line + process.stderr.read()  # type: ignore[union-attr]
-        deadline = time.monotonic() + 30
-        while True:
+
+        def listening() -> bool:
             try:
-                metrics = scrape(f"{host}:{metrics_port}")
-                break
+                scrape(f"{host}:{metrics_port}")
             except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+                return False
+            return True
+
+        assert wait_until(listening, 30, interval=0.1)
+        metrics = scrape(f"{host}:{metrics_port}")
         assert metrics[("tierkv_vault_cap_bytes", (("tier", "ram"),))] == 1 << 30
     finally:
         process.terminate()
@@ -264,9 +270,7 @@ def test_grpc_connections_and_calls_refused_by_a_concurrency_limit_are_counted()
             watch.cancel()
         stop.set()
         channels.pop().close()
-        deadline = time.monotonic() + 30
-        while scrape(server.metrics_address)[connections] > 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: scrape(server.metrics_address)[connections] <= 2, 30, interval=0.05)
         assert scrape(server.metrics_address)[connections] == 2
     finally:
         stop.set()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,8 @@ from typing import Any
 import pytest
 
 pytest.importorskip("vllm")
+
+from helpers import wait_until
 
 from tierkv.config import ConfigError, Endpoint
 from tierkv.connectors.vllm.connector import connector_config
@@ -159,11 +160,13 @@ def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
         missing = bytes([9]) * 16
         load = GroupLoad(0, [*keys, missing], [4, 5, 0, 3])
         worker.start_loads(TierKVMetadata(loads=[LoadJob("req", [load])]))
-        deadline = time.monotonic() + 10
         finished: set[str] = set()
-        while "req" not in finished and time.monotonic() < deadline:
-            finished |= worker.finished_loads()[0]
-            time.sleep(0.01)
+
+        def loaded() -> bool:
+            finished.update(worker.finished_loads()[0])
+            return "req" in finished
+
+        wait_until(loaded, 10, interval=0.01)
         assert finished == {"req"}
         assert worker.take_invalid_block_ids() == {3}
         for name, cache in caches.items():
@@ -216,14 +219,16 @@ def test_a_sliding_window_load_that_loses_a_block_fails_its_request(vault):
         assert tier.flush(10)
         load = GroupLoad(0, [key, bytes([9]) * 16], [4, 5])
         worker.start_loads(TierKVMetadata(loads=[LoadJob("req", [load])]))
-        deadline = time.monotonic() + 10
         finished: set[str] = set()
         failed: set[str] = set()
-        while "req" not in finished and time.monotonic() < deadline:
+
+        def loaded() -> bool:
             done, lost = worker.finished_loads()
-            finished |= done
-            failed |= lost
-            time.sleep(0.01)
+            finished.update(done)
+            failed.update(lost)
+            return "req" in finished
+
+        wait_until(loaded, 10, interval=0.01)
         assert (finished, failed) == ({"req"}, {"req"})
         assert worker.take_invalid_block_ids() == set()
     finally:
@@ -529,10 +534,14 @@ def test_tensor_parallel_ranks_store_apart_and_agree_on_the_shortest_hit(vault):
         assert tier.flush(10)
 
         request = fake_request(tokens, request_id="r", num_tokens=17, block_hashes=[])
-        deadline = time.monotonic() + 10
-        while (answer := scheduler.get_num_new_matched_tokens(request, 0))[0] is None:
-            assert time.monotonic() < deadline
-        assert answer[0] == 2 * 4  # the prefix both ranks hold
+        answers: list[tuple[int | None, bool]] = []
+
+        def answered() -> bool:
+            answers.append(scheduler.get_num_new_matched_tokens(request, 0))
+            return answers[-1][0] is not None
+
+        assert wait_until(answered, 10)
+        assert answers[-1][0] == 2 * 4  # the prefix both ranks hold
 
         originals = [cache["g0.layer"][:3].clone() for cache in caches]
         for worker, cache in zip(workers, caches, strict=True):
@@ -664,9 +673,12 @@ def test_a_cache_reset_drops_the_stores_not_yet_sent(vault):
             request = fake_request(
                 tokens, request_id=f"r{reset}", num_tokens=9, block_hashes=hashes
             )
-            deadline = time.monotonic() + 10
-            while scheduler.get_num_new_matched_tokens(request, 0)[0] is None:
-                assert time.monotonic() < deadline
+            assert wait_until(
+                lambda request=request: (
+                    scheduler.get_num_new_matched_tokens(request, 0)[0] is not None
+                ),
+                10,
+            )
             blocks = pool.get_new_blocks(2)
             pool.cache_full_blocks(request, blocks, 0, 2, 4, 0)  # type: ignore[arg-type]
             scheduler.request_finished(request, ([block.block_id for block in blocks],))

@@ -13,14 +13,13 @@ plans and the hit rule without an engine, against a real in-process vault.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from helpers import VaultHandle, pick_free_port, start_subprocess_vault
+from helpers import VaultHandle, pick_free_port, start_subprocess_vault, wait_until
 from test_vllm_connector import Engine, prompt
 from test_vllm_parts import attention, fake_request, fake_vllm_config, kv_cache_config
 from tiny_models import GEMMA3_WINDOW, build_tiny_gemma3
@@ -132,10 +131,14 @@ def test_a_hit_is_the_longest_end_every_group_can_restore(vault):
 
     def hit(request_id: str, computed: int = 0) -> int:
         request = fake_request(tokens, request_id=request_id, num_tokens=41, block_hashes=[])
-        deadline = time.monotonic() + 10
-        while (answer := scheduler.get_num_new_matched_tokens(request, computed))[0] is None:
-            assert time.monotonic() < deadline
-        return answer[0] // 4
+        answers: list[tuple[int | None, bool]] = []
+
+        def answered() -> bool:
+            answers.append(scheduler.get_num_new_matched_tokens(request, computed))
+            return answers[-1][0] is not None
+
+        assert wait_until(answered, 10)
+        return answers[-1][0] // 4
 
     try:
         hold(full, range(10))
