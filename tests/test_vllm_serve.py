@@ -10,13 +10,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from helpers import VaultHandle, pick_free_port
+from helpers import VaultHandle, pick_free_port, wait_until
 from typer.testing import CliRunner
 
 from tierkv.cli import app
@@ -221,16 +220,16 @@ def test_serve_stores_evicts_and_restores_through_the_openai_api(
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + 240
-        healthy = False
-        while not healthy and time.monotonic() < deadline:
+
+        def healthy() -> bool:
             assert process.poll() is None, log_path.read_text()[-3000:]
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    healthy = r.status == 200
+                    return bool(r.status == 200)
             except OSError:
-                time.sleep(1)
-        assert healthy, log_path.read_text()[-3000:]
+                return False
+
+        assert wait_until(healthy, 240, interval=1), log_path.read_text()[-3000:]
         assert log_path.read_text().count("Creating v1 connector with name: TierKVConnector") >= 2
         # `tierkv serve` became vLLM (exec, same pid) with glibc's huge-page heap asked for.
         environ = Path(f"/proc/{process.pid}/environ").read_bytes().split(b"\0")
@@ -254,10 +253,9 @@ def test_serve_stores_evicts_and_restores_through_the_openai_api(
         keys = chain_block_keys(tokens, 32)[: (len(tokens) - 1) // 32]
         for _filler in range(4):  # 4 x 15 blocks push the prompt's 10 out of 48
             completion(port, model, [rng.randrange(2, 500) for _ in range(450)])
-        deadline = time.monotonic() + 60
-        while {key for _, key, _ in vault.store.held()} < set(keys):
-            assert time.monotonic() < deadline, "the prompt's blocks never reached the vault"
-            time.sleep(0.2)
+        assert wait_until(
+            lambda: set(keys) <= {key for _, key, _ in vault.store.held()}, 60, interval=0.2
+        ), "the prompt's blocks never reached the vault"
         hits = vault.store.stats().hits
 
         assert completion(port, model, tokens) == cold
