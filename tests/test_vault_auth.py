@@ -25,7 +25,7 @@ from tls_certs import make_certs
 from typer.testing import CliRunner
 
 from tierkv.cli import app
-from tierkv.config import SecurityConfig
+from tierkv.config import ConfigError, SecurityConfig
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import TOKEN_ENV, Tokens, proof, proving_channel, read_token_file
 from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE, PROMOTE_REPLY, WELCOME
@@ -275,6 +275,21 @@ def test_insecure_is_announced_at_start_up(tmp_path: Path, free_port: int) -> No
         process.wait(timeout=15)
     assert "listening on 0.0.0.0" in lines[0] and "auth: none" in lines[0]
     assert "WARNING --insecure" in lines[1]
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "192.0.2.1:0", "no-such-host.invalid:0"])
+def test_serve_itself_refuses_a_listener_beyond_loopback_without_authentication(
+    listen: str,
+) -> None:
+    """The rule holds for every caller of serve(), not only for `tierkv vault` (refused before
+    any bind is tried, so nothing listens beyond loopback here)."""
+    with pytest.raises(ConfigError, match="beyond loopback, without authentication"):
+        serve(listen, 0)
+
+
+def test_serve_refuses_insecure_together_with_tokens() -> None:
+    with pytest.raises(ConfigError, match="--insecure together with tokens"):
+        serve("127.0.0.1:0", 0, tokens=Tokens([("default", ALICE)]), insecure=True)
 
 
 def test_status_shows_an_insecure_vault() -> None:

@@ -137,34 +137,23 @@ def vault(
     listen_origin = "--listen" if listen else f"{cfg.source}: vault.listen"
     listen = listen or cfg.vault.listen
     try:
-        host, _ = parse_address(listen, allow_port_zero=True)
+        parse_address(listen, allow_port_zero=True)
     except ValueError as exc:
         raise fail("vault", f"{listen_origin}: {exc}", 2) from None
     from tierkv.vault.auth import (
         Tokens,
         configured_tokens,
-        is_loopback,
+        listens_open,
         refuse_ineffective_settings,
     )
 
     try:
         refuse_ineffective_settings(cfg.security, vault=True)
         entries = configured_tokens(cfg.security)
+        tokens = Tokens(entries) if entries else None
+        open_to_lan = listens_open(listen, tokens, cfg.security, insecure=insecure)
     except ConfigError as exc:
         raise fail("vault", str(exc), 2) from None
-    tokens = Tokens(entries) if entries else None
-    authenticated = tokens is not None or cfg.security.client_ca is not None
-    if insecure and authenticated:
-        given = "client_ca" if tokens is None else "tokens (security.token_file or $TIERKV_TOKEN)"
-        raise fail("vault", f"--insecure together with {given}: drop one of them", 2)
-    open_to_lan = not is_loopback(host)
-    if open_to_lan and not authenticated and not insecure:
-        raise fail(
-            "vault",
-            f"refusing to listen on {listen}, beyond loopback, without authentication: set "
-            "[security] token_file (or $TIERKV_TOKEN, or client_ca), or pass --insecure",
-            2,
-        )
     if max_bytes is not None:
         try:
             cap = parse_max_bytes(max_bytes)
@@ -209,7 +198,7 @@ def vault(
             limits=cfg.limits,
             tokens=tokens,
             security=cfg.security,
-            insecure=open_to_lan and not authenticated,
+            insecure=open_to_lan,
             metrics_port=metrics,
             metrics_host=scrape_host,
         )
@@ -235,7 +224,7 @@ def vault(
         f"tierkv vault: {role} listening on {server.address} (bulk data on port "
         f"{server.bulk_port}{metrics_text}), cap {cap_text} ({origin}); {_access_text(tokens, cfg)}"
     )
-    if open_to_lan and not authenticated:
+    if open_to_lan:
         typer.echo(
             f"tierkv vault: WARNING --insecure: no authentication on {listen}; anyone who "
             "reaches it can read, overwrite and delete every block"

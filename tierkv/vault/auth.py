@@ -44,7 +44,7 @@ from typing import Any
 
 import grpc
 
-from tierkv.config import ConfigError, SecurityConfig
+from tierkv.config import ConfigError, SecurityConfig, parse_address
 from tierkv.vault.wire import block_checksum
 
 Payload = bytes | memoryview
@@ -333,6 +333,27 @@ def is_loopback(host: str) -> bool:
     return bool(found) and all(
         ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_loopback for *_, sockaddr in found
     )
+
+
+def listens_open(
+    listen: str, tokens: Tokens | None, security: SecurityConfig, *, insecure: bool
+) -> bool:
+    """The listener rule, for every caller that starts a vault: whether it would listen on
+    `listen` beyond loopback without authentication (no tokens, no client CA), which only
+    `insecure` allows. ConfigError naming the fix when it is not allowed, and for `insecure`
+    together with authentication (one of them would not mean what it says)."""
+    authenticated = tokens is not None or security.client_ca is not None
+    if insecure and authenticated:
+        given = "client_ca" if tokens is None else "tokens (security.token_file or $TIERKV_TOKEN)"
+        raise ConfigError(f"--insecure together with {given}: drop one of them")
+    host, _ = parse_address(listen, allow_port_zero=True)
+    open_to_lan = not authenticated and not is_loopback(host)
+    if open_to_lan and not insecure:
+        raise ConfigError(
+            f"refusing to listen on {listen}, beyond loopback, without authentication: set "
+            "[security] token_file (or $TIERKV_TOKEN, or client_ca), or pass --insecure"
+        )
+    return open_to_lan
 
 
 class CallProver(

@@ -41,6 +41,7 @@ from tierkv.vault.auth import (
     Tenant,
     TenantCounters,
     Tokens,
+    listens_open,
     namespace_tenant,
     refuse_ineffective_settings,
     server_credentials,
@@ -565,9 +566,11 @@ def serve(
     then use gRPC alone). With `disk`, the store spills to that disk tier (the caller closes it
     after stopping the server, through `VaultServer.store.close`). `limits` default to
     LimitsConfig(). With `tokens` every call on both ports needs one of them (auth.py); with
-    `security.tls_cert` both ports speak TLS (mutual with `security.client_ca`); `insecure` only
-    tells clients (Stats) that the vault was started --insecure. Raises ConfigError for
-    unreadable TLS files and settings that cannot take effect (auth.refuse_ineffective_settings).
+    `security.tls_cert` both ports speak TLS (mutual with `security.client_ca`). A listener
+    beyond loopback without tokens or a client CA is refused unless `insecure`
+    (auth.listens_open); an `insecure` vault without authentication tells clients so in Stats.
+    Raises ConfigError for that refusal, unreadable TLS files and settings that cannot take
+    effect (auth.refuse_ineffective_settings).
     With `metrics_port` (0: any free port), Prometheus metrics are served as /metrics on
     `metrics_host`, by default the listen host where metrics.default_metrics_host allows it, else
     loopback.
@@ -578,6 +581,7 @@ def serve(
     limits = limits or LimitsConfig()
     security = security or SecurityConfig()
     refuse_ineffective_settings(security, vault=True)
+    listens_open(listen, tokens, security, insecure=insecure)
     credentials = server_credentials(security)
     tls = ssl_context(security, server=True)
     access = Access(tokens, credentials is not None, insecure)
