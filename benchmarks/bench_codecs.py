@@ -73,7 +73,7 @@ from tierkv.quant import (  # noqa: E402 (after the CPU is chosen)
 )
 from tierkv.quant.target import instruction_set  # noqa: E402
 from tierkv.tier import DECODE_TASK_BYTES  # noqa: E402
-from tierkv.vault.wire import batched_by_size  # noqa: E402
+from tierkv.transfer import batched_by_size  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 128
 

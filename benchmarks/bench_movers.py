@@ -34,13 +34,13 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vault import running_vault
 
-from tierkv.backends.base import Into
+from tierkv.backends.vault import VaultClient
 from tierkv.config import format_size, parse_size
 from tierkv.movers import BlockMover, Blocks, StagingRing, hand_over
 from tierkv.quant import decode_into, get_codec, torch_ops
 from tierkv.quant import warmup as warmup_codecs
 from tierkv.tier import ColdTier
-from tierkv.vault.client import VaultClient
+from tierkv.transfer import Into
 
 
 def synchronize(device: torch.device) -> None:

@@ -72,15 +72,15 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from tierkv.backends.vault import VaultClient
+from tierkv.checksum import block_checksum
 from tierkv.config import MIB, SecurityConfig, format_size, parse_size
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 from tierkv.seal import KEY_BYTES, OVERHEAD_BYTES, Sealer, block_address
-from tierkv.vault.bulk import RECEIVE_BUFFERS
-from tierkv.vault.client import VaultClient
+from tierkv.transfer import RECEIVE_BUFFERS
 from tierkv.vault.disk import DiskTier
 from tierkv.vault.memory import restart_with_huge_pages, reuse_freed_memory
 from tierkv.vault.server import CHUNK_BYTES, serve
-from tierkv.vault.wire import block_checksum
 
 NAMESPACE = b"bench-vault-0000"
 SEALED_NAMESPACE = b"bench-vault-seal"

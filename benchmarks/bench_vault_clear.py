@@ -40,8 +40,8 @@ from typing import TypeVar
 
 from bench_vault import recovery_of, running_vault
 
+from tierkv.backends.vault import VaultClient
 from tierkv.config import MIB, parse_size
-from tierkv.vault.client import VaultClient
 
 HELD = b"bench-held-00000"
 CLEARED = b"bench-clear-0000"

@@ -52,7 +52,7 @@ def free_port() -> int:
 
 
 def start_vault(work: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from tierkv.vault.client import VaultClient
+    from tierkv.backends.vault import VaultClient
 
     port = free_port()
     config = work / "vault.toml"
@@ -132,8 +132,8 @@ def main() -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
+    from tierkv.backends.vault import VaultClient
     from tierkv.keys import chain_block_keys
-    from tierkv.vault.client import VaultClient
 
     console = Console(width=160)
     with tempfile.TemporaryDirectory() as tmp:

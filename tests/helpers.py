@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierkv.vault.client import VaultClient
+from tierkv.backends.vault import VaultClient
 from tierkv.vault.server import VaultServer
 from tierkv.vault.store import EntryKey, VaultStore, entry_bytes
 

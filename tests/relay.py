@@ -20,9 +20,10 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from tierkv.checksum import block_checksum
 from tierkv.vault import bulk
 from tierkv.vault._pb import vault_pb2
-from tierkv.vault.wire import block_checksum, split_payloads
+from tierkv.vault.wire import split_payloads
 
 LOOPBACK = "127.0.0.1"
 

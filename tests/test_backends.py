@@ -19,9 +19,8 @@ from tierkv.backends import open_backend, open_one
 from tierkv.backends.base import Backend
 from tierkv.backends.redis import RedisBackend, RedisClusterBackend, redis_key
 from tierkv.backends.sharded import WeightedShards
-from tierkv.backends.vault import VaultBackend
+from tierkv.backends.vault import VaultClient
 from tierkv.config import ClientConfig, Endpoint, SecurityConfig
-from tierkv.vault.client import VaultClient
 
 NS = b"test-namespace!!"
 PARTS = [0, 1]
@@ -69,7 +68,7 @@ def test_blocks_spread_over_vaults_in_proportion_to_weight(
     vault_factory: Callable[..., VaultHandle], weights: tuple[float, ...]
 ) -> None:
     vaults = [vault_factory() for _ in weights]
-    members = [VaultBackend(VaultClient(v.address)) for v in vaults]
+    members = [VaultClient(v.address) for v in vaults]
     shards = WeightedShards(list(zip(members, weights, strict=True)))
     keys = block_keys(SPREAD_BLOCKS)
     try:
@@ -88,7 +87,7 @@ def test_blocks_spread_over_vaults_in_proportion_to_weight(
         found = shards.promote(NS, keys, PARTS)
         assert len(found) == SPREAD_BLOCKS * len(PARTS)
         assert_payloads(found)
-        rows = shards.stats()
+        rows = shards.server_stats()
         assert sum(row.entries for row in rows) == SPREAD_BLOCKS * len(PARTS)
     finally:
         shards.close()
@@ -97,7 +96,7 @@ def test_blocks_spread_over_vaults_in_proportion_to_weight(
 def test_shards_receive_payloads_into_the_buffers_given_by_the_callers_key_index(
     vault_factory: Callable[..., VaultHandle],
 ) -> None:
-    members = [VaultBackend(VaultClient(vault_factory().address)) for _ in range(2)]
+    members = [VaultClient(vault_factory().address) for _ in range(2)]
     shards = WeightedShards([(member, 1.0) for member in members])
     keys = block_keys(200)
     buffers = {(i, p): bytearray(16) for i in range(len(keys)) for p in PARTS}
@@ -116,7 +115,7 @@ def test_shards_receive_payloads_into_the_buffers_given_by_the_callers_key_index
 
 
 def test_adding_a_vault_moves_only_its_share(vault_factory: Callable[..., VaultHandle]) -> None:
-    a, b, c = (VaultBackend(VaultClient(vault_factory().address)) for _ in range(3))
+    a, b, c = (VaultClient(vault_factory().address) for _ in range(3))
     keys = block_keys(2000)
     two = WeightedShards([(a, 1.0), (b, 1.0)])
     three = WeightedShards([(a, 1.0), (b, 1.0), (c, 1.0)])
@@ -184,7 +183,7 @@ def test_redis_round_trip_with_the_vault_checksums(redis_server: RedisServer) ->
         found = backend.promote(NS, keys[:2], PARTS)
         assert set(found) == {(0, 0), (0, 1), (1, 1)}
         assert backend.counters()["checksum_failures"] == 1
-        [row] = backend.stats()
+        [row] = backend.server_stats()
         # ... and the value that failed is removed, so a Lookup no longer counts it
         assert row.entries == len(keys) * len(PARTS) - 1 and row.role == "redis standalone"
         assert backend.lookup(NS, keys[:2], PARTS) == 1
@@ -264,7 +263,7 @@ def test_redis_cluster_round_trip_over_every_node(redis_cluster: list[RedisServe
     keys = block_keys(600)
     try:
         put_all(backend, keys, size=4096)
-        rows = backend.stats()
+        rows = backend.server_stats()
         assert len(rows) == 3 and all(row.entries > 0 for row in rows)
         assert sum(row.entries for row in rows) == len(keys) * len(PARTS)
         assert backend.lookup(NS, keys, PARTS) == len(keys)

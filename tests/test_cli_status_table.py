@@ -18,9 +18,9 @@ import pytest
 from helpers import pick_free_port
 from typer.testing import CliRunner
 
+from tierkv.backends.vault import VaultClient
 from tierkv.cli import app
 from tierkv.vault.auth import TOKEN_ENV, Tokens
-from tierkv.vault.client import VaultClient
 from tierkv.vault.disk import DiskTier
 from tierkv.vault.server import VaultServer, serve
 

@@ -14,8 +14,8 @@ import pytest
 from helpers import pick_free_port, wait_until
 from typer.testing import CliRunner
 
+from tierkv.backends.vault import VaultClient
 from tierkv.cli import app
-from tierkv.vault.client import VaultClient
 
 runner = CliRunner(env={"COLUMNS": "200"})
 

@@ -230,12 +230,12 @@ def worker_round_trip_ops(vault, n: int, block_first: bool) -> tuple[int, int]:
     so it runs on this thread) through a real vault; K/V-first or block-first layers (whose
     lossless payloads are received in place)."""
     pytest.importorskip("vllm")
+    from tierkv.backends.vault import VaultClient
     from tierkv.connectors.vllm.groups import GroupPlan
     from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
     from tierkv.connectors.vllm.worker import TierWorker
     from tierkv.quant import get_codec
     from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
 
     plan = GroupPlan(0, "kv", ("layer0", "layer1"), (), 4, (bytes(16),))
     shape = (2 * n, 2, 4, 2, 8) if block_first else (2, 2 * n, 4, 2, 8)
@@ -274,11 +274,11 @@ def test_a_load_receives_lossless_payloads_straight_into_block_first_engine_bloc
     """Block-first layers (vLLM CPU's layout): the bulk path receives each lossless payload's
     body straight into its engine block; one whose checksum fails, or whose header is not this
     block's (a valid payload as long, of fp16), is reported failed."""
+    from tierkv.backends.vault import VaultClient
+    from tierkv.checksum import block_checksum
     from tierkv.movers import hand_over
     from tierkv.quant import get_codec
     from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
-    from tierkv.vault.wire import block_checksum
 
     n = 10
     caches = [torch.randn(2 * n, 2, 4, 16).to(torch.bfloat16) for _ in range(2)]

@@ -39,7 +39,7 @@ from tests.prometheus_files import (
     rule_exprs,
     rule_test_series,
 )
-from tierkv.vault.client import VaultClient, VaultRefused
+from tierkv.backends.vault import VaultClient, VaultRefused
 
 JOB, INSTANCE = "tierkv-vault", "vault-a:9464"
 """The job the rules expect, and the instance the checked-in rule tests name."""

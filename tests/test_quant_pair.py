@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from helpers import VaultHandle
 
+from tierkv.backends.vault import VaultClient
 from tierkv.config import ConfigError, config_from_mapping, kv_pair_codecs, kv_pair_name
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import PayloadError, decode_into, encode_block, get_codec, read_header
 from tierkv.quant.pair import PAIR_FORMAT_VERSION, PairCodec, is_pair
 from tierkv.quant.payload import READ_VERSIONS, parse_header
 from tierkv.tier import ColdTier
-from tierkv.vault.client import VaultClient
 
 
 def kv_block(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:

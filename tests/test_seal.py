@@ -13,14 +13,14 @@ from helpers import VaultHandle
 from tests.redis_servers import RedisServer, start_redis
 from tierkv.backends import open_backend
 from tierkv.backends.redis import redis_key
+from tierkv.backends.vault import VaultClient
+from tierkv.checksum import block_checksum
 from tierkv.config import ClientConfig, ConfigError, Endpoint, config_from_mapping
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import get_codec
 from tierkv.seal import OVERHEAD_BYTES, Sealer, SealError, block_address, new_data_key_line
 from tierkv.tier import ColdTier
-from tierkv.vault.bulk import RECEIVE_BUFFERS
-from tierkv.vault.client import VaultClient
-from tierkv.vault.wire import block_checksum
+from tierkv.transfer import RECEIVE_BUFFERS
 
 NS = namespace_fingerprint({"test": "seal"})
 KEYS = chain_block_keys(list(range(4 * 16)), block_tokens=16)

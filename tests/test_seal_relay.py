@@ -21,11 +21,11 @@ from helpers import pick_free_port, start_subprocess_vault, wait_serving
 
 from tests.relay import BulkReplyRewriter, Relay, Tamper
 from tests.test_seal import KEYS, NS, PATTERN, key_file, pattern_blocks
+from tierkv.backends.vault import VaultClient
 from tierkv.keys import namespace_fingerprint
 from tierkv.quant import get_codec
 from tierkv.seal import Sealer
 from tierkv.tier import ColdTier
-from tierkv.vault.client import VaultClient
 
 VAULT_HOST = "127.0.0.2"  # loopback too, so relays on 127.0.0.1 can take the same port numbers
 TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdefgh"}

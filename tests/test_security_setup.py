@@ -17,10 +17,11 @@ from helpers import pick_free_port, wait_until
 from tls_certs import make_certs
 from typer.testing import CliRunner
 
+from tierkv.backends.base import BackendStats, BackendUnavailable
+from tierkv.backends.vault import VaultClient
 from tierkv.cli import app
 from tierkv.config import ConfigError, load_config
 from tierkv.vault.auth import TOKEN_ENV
-from tierkv.vault.client import VaultClient, VaultStats, VaultUnavailable
 
 runner = CliRunner()
 
@@ -69,12 +70,12 @@ def test_secrets_init_provisions_a_tls_vault_that_an_engine_restores_through(
         assert cfg.security.data_key_file == "data_key"
         address = cfg.cluster.kv_cold[0].address
         with VaultClient.from_config(address, cfg.client, cfg.security) as engine:
-            answers: list[VaultStats] = []
+            answers: list[BackendStats] = []
 
             def answered() -> bool:
                 try:
                     answers.append(engine.stats())
-                except VaultUnavailable:
+                except BackendUnavailable:
                     assert vault.poll() is None
                     return False
                 return True

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from helpers import SLOW_BOX_MARGIN_S, VaultHandle, flip_byte
 
+from tierkv.backends.vault import VaultClient
 from tierkv.config import config_from_mapping
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import NonFiniteError, get_codec
 from tierkv.tier import LOAD_SWITCH_INTERVAL_S, ColdTier, SwitchInterval
-from tierkv.vault.client import VaultClient
 
 NS = namespace_fingerprint({"test": "tier"})
 KEYS = chain_block_keys(list(range(4 * 32)), block_tokens=32)

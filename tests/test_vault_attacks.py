@@ -26,6 +26,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import SLOW_BOX_MARGIN_S, key, wait_until
 
+from tierkv.backends.vault import VaultClient
+from tierkv.checksum import block_checksum
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import proof, proving_channel
 from tierkv.vault.bulk import (
@@ -39,8 +41,7 @@ from tierkv.vault.bulk import (
     BulkConnection,
     BulkRefused,
 )
-from tierkv.vault.client import VaultClient
-from tierkv.vault.wire import block_checksum, encode_bulk
+from tierkv.vault.wire import encode_bulk
 
 MIB = 1024 * 1024
 CAP = 256 * MIB

@@ -21,7 +21,9 @@ import pytest
 from helpers import flip_byte, key
 
 from tests.tls_certs import make_certs
+from tierkv.backends.vault import VaultClient
 from tierkv.config import LimitsConfig
+from tierkv.transfer import ReceiveBuffers
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.bulk import (
     AUTH,
@@ -32,11 +34,9 @@ from tierkv.vault.bulk import (
     RECV_BUFFERS,
     WELCOME,
     Deadline,
-    ReceiveBuffers,
     _recv_into,
     _recv_scattered,
 )
-from tierkv.vault.client import VaultClient
 from tierkv.vault.memory import HUGE_PAGE_TUNABLE, with_huge_pages
 from tierkv.vault.server import VaultBindError, serve
 from tierkv.vault.store import entry_bytes

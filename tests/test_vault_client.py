@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from helpers import SLOW_BOX_MARGIN_S, key, stop_process, wait_until
 
+from tierkv.backends.vault import VaultClient
 from tierkv.config import MIB, LimitsConfig
 from tierkv.vault._pb import vault_pb2
-from tierkv.vault.client import VaultClient
 from tierkv.vault.server import VaultServicer, serve
 
 NS = b"n" * 16

@@ -14,12 +14,12 @@ import pytest
 import xxhash
 from helpers import key, wait_until
 
+from tierkv.backends.vault import VaultClient
+from tierkv.checksum import block_checksum
 from tierkv.config import MIB
-from tierkv.vault.client import VaultClient
 from tierkv.vault.disk import DiskLockedError, DiskTier
 from tierkv.vault.server import serve
 from tierkv.vault.store import VaultStore, entry_bytes
-from tierkv.vault.wire import block_checksum
 
 NS = b"n" * 16
 

@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_vault_disk import forged_record
 
+from tierkv.checksum import block_checksum
 from tierkv.config import MIB
 from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR, KIND_DELETE, DiskTier
-from tierkv.vault.wire import block_checksum
 
 TENANTS = [b"A" * 16, b"B" * 16]
 KEYS = 3

@@ -19,12 +19,13 @@ from helpers import LOOPBACK, VaultHandle, key, wait_until
 from test_vault_auth import ALICE, BOB
 from test_vault_disk import forged_record
 
+from tierkv.backends.base import BackendStats
+from tierkv.backends.vault import VaultClient
+from tierkv.checksum import block_checksum
 from tierkv.config import MIB
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.bulk import BulkConnection, BulkError
-from tierkv.vault.client import VaultClient, VaultStats
 from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR
-from tierkv.vault.wire import block_checksum
 
 NS = b"disk-test-000000"
 BLOCK = 256 * 1024
@@ -59,7 +60,7 @@ def read_back(
     return blocks
 
 
-def stats(address: str) -> VaultStats:
+def stats(address: str) -> BackendStats:
     with VaultClient(address) as client:
         return client.stats()
 

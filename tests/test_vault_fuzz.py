@@ -17,10 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tierkv.backends.vault import VaultClient
+from tierkv.checksum import block_checksum
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC
-from tierkv.vault.client import VaultClient
-from tierkv.vault.wire import block_checksum, encode_bulk
+from tierkv.vault.wire import encode_bulk
 
 NAMESPACES = [b"fuzz-ns-00000000", b"fuzz-ns-11111111"]
 KEYS = [bytes([i]) * 16 for i in range(4)]

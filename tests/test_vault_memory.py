@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import VaultHandle
 
+from tierkv.backends.vault import VaultClient
 from tierkv.config import MIB
-from tierkv.vault.client import VaultClient
 
 SCRIPT = """
 import resource, sys

@@ -16,8 +16,8 @@ import pytest
 from helpers import key, pick_free_port, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
+from tierkv.backends.vault import VaultClient, VaultRefused
 from tierkv.config import SecurityConfig
-from tierkv.vault.client import VaultClient, VaultRefused
 from tierkv.vault.metrics import default_metrics_host, rejection_reason
 from tierkv.vault.server import VaultBindError, serve
 

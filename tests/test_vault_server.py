@@ -12,8 +12,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import alias_entry, key
 
+from tierkv.backends.base import BackendUnavailable
+from tierkv.backends.vault import VaultClient
+from tierkv.checksum import block_checksum
 from tierkv.vault._pb import vault_pb2
-from tierkv.vault.client import VaultClient, VaultUnavailable
 from tierkv.vault.server import (
     CHUNK_BYTES,
     MAX_REPORTED_REJECTIONS,
@@ -22,7 +24,7 @@ from tierkv.vault.server import (
     serve,
 )
 from tierkv.vault.store import entry_bytes
-from tierkv.vault.wire import block_checksum, encode_bulk
+from tierkv.vault.wire import encode_bulk
 
 NS = b"n" * 16
 MIB = 1024 * 1024
@@ -244,7 +246,7 @@ def test_delete_and_clear(vault: Any) -> None:
 
 def test_management_calls_raise_vault_unavailable_when_down(free_port: int) -> None:
     client = VaultClient(f"127.0.0.1:{free_port}", deadline_s=0.5)
-    with client, pytest.raises(VaultUnavailable, match=f"127.0.0.1:{free_port}"):
+    with client, pytest.raises(BackendUnavailable, match=f"127.0.0.1:{free_port}"):
         client.stats()
 
 

@@ -10,9 +10,9 @@ from helpers import key
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tierkv.checksum import HOLDING_GIL_BYTES, address_prefix, block_checksum, checksum_at
 from tierkv.config import MIB
 from tierkv.vault.store import LOCK_SLICE, VaultStore, entry_bytes
-from tierkv.vault.wire import HOLDING_GIL_BYTES, address_prefix, block_checksum, checksum_at
 
 NS = b"n" * 16
 

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from tests.relay import Relay
+from tierkv.backends.vault import VaultClient, VaultRefused
 from tierkv.vault import auth
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import (
@@ -25,7 +26,6 @@ from tierkv.vault.auth import (
     call_proof,
     key_id,
 )
-from tierkv.vault.client import VaultClient, VaultRefused
 from tierkv.vault.server import serve
 
 TOKEN = "alice-token-0123456789abcdef"

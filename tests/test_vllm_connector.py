@@ -41,13 +41,13 @@ from tiny_models import (
     build_tiny_qwen3_next,
 )
 
+from tierkv.backends.vault import VaultClient
+from tierkv.checksum import block_checksum
 from tierkv.keys import chain_block_keys
 from tierkv.patches.vllm import kv_transfer_config
 from tierkv.seal import MAGIC as SEAL_MAGIC
 from tierkv.seal import new_data_key_line
-from tierkv.vault.client import VaultClient
 from tierkv.vault.server import VaultServer, serve
-from tierkv.vault.wire import block_checksum
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]

@@ -20,7 +20,7 @@ from tiny_models import build_tiny_llama
 
 from tierkv.backends import open_backend
 from tierkv.backends.sharded import WeightedShards
-from tierkv.backends.vault import VaultBackend
+from tierkv.backends.vault import VaultClient
 from tierkv.config import ClientConfig, Endpoint
 from tierkv.keys import chain_block_keys
 from tierkv.vault.server import VaultServer, serve
@@ -65,7 +65,7 @@ def test_second_engine_process_restores_a_session_across_vault_and_redis(
         placement = open_backend([Endpoint(a) for a in kv_cold], ClientConfig())
         assert isinstance(placement, WeightedShards)
         keys = chain_block_keys(tokens, LLAMA_BLOCK)[:restored]
-        on_vault = sum(isinstance(placement.owner(key), VaultBackend) for key in keys)
+        on_vault = sum(isinstance(placement.owner(key), VaultClient) for key in keys)
         placement.close()
         assert 0 < on_vault < restored  # the restore crossed both stores
         assert vault.store.stats().hits - vault_hits == on_vault

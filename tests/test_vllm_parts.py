@@ -136,12 +136,12 @@ def test_worker_stores_and_restores_blocks_of_a_strided_layout(vault):
     lacks is reported as a load error and nothing is written into it."""
     import torch
 
+    from tierkv.backends.vault import VaultClient
     from tierkv.connectors.vllm.groups import GroupPlan
     from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
     from tierkv.connectors.vllm.worker import TierWorker
     from tierkv.quant import get_codec
     from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
 
     plan = GroupPlan(0, "kv", ("layer0", "layer1"), (), 4, (bytes(16),))
     caches = {name: torch.randn(2, 6, 4, 2, 8).to(torch.bfloat16) for name in plan.layer_names}
@@ -201,12 +201,12 @@ def test_a_sliding_window_load_that_loses_a_block_fails_its_request(vault):
     failed as a whole (vLLM recomputes it from its own hit), never as that block alone."""
     import torch
 
+    from tierkv.backends.vault import VaultClient
     from tierkv.connectors.vllm.groups import GroupPlan
     from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
     from tierkv.connectors.vllm.worker import TierWorker
     from tierkv.quant import get_codec
     from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
 
     plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),), window=8)
     caches = {"layer0": torch.randn(6, 2, 4, 2, 8).to(torch.bfloat16)}
@@ -242,12 +242,12 @@ def one_stored_block(vault: Any, key: bytes) -> Iterator[tuple[Any, dict[str, An
     `key` (acknowledged), and that buffer."""
     import torch
 
+    from tierkv.backends.vault import VaultClient
     from tierkv.connectors.vllm.groups import GroupPlan
     from tierkv.connectors.vllm.scheduler import StoreJob, TierKVMetadata
     from tierkv.connectors.vllm.worker import TierWorker
     from tierkv.quant import get_codec
     from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
 
     plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),))
     caches = {"layer0": torch.randn(6, 2, 4, 2, 8).to(torch.bfloat16)}
@@ -322,12 +322,12 @@ def test_a_steps_loads_start_once(vault):
 def test_worker_drops_what_does_not_fit_the_staging_budget(vault):
     import torch
 
+    from tierkv.backends.vault import VaultClient
     from tierkv.connectors.vllm.groups import GroupPlan
     from tierkv.connectors.vllm.scheduler import StoreJob, TierKVMetadata
     from tierkv.connectors.vllm.worker import TierWorker
     from tierkv.quant import get_codec
     from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
 
     plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),))
     cache = torch.ones(3, 2, 4, 16, dtype=torch.float16)  # 256 bytes per block
@@ -502,6 +502,7 @@ def test_tensor_parallel_ranks_store_apart_and_agree_on_the_shortest_hit(vault):
     is not run with TP=2 here: see the closing note of issue 12.)"""
     import torch
 
+    from tierkv.backends.vault import VaultClient
     from tierkv.connectors.vllm.groups import plan_groups
     from tierkv.connectors.vllm.scheduler import (
         GroupLoad,
@@ -513,7 +514,6 @@ def test_tensor_parallel_ranks_store_apart_and_agree_on_the_shortest_hit(vault):
     from tierkv.connectors.vllm.worker import TierWorker
     from tierkv.quant import get_codec
     from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
 
     (plan,) = plan_groups(fake_vllm_config(tp=2), kv_cache_config(attention(block_size=4)), "none")
     assert len(set(plan.namespaces)) == 2
@@ -574,13 +574,13 @@ def test_a_pair_codec_gets_keys_and_values_apart_in_every_layout(
     and it restores into the engine's layout."""
     import torch
 
+    from tierkv.backends.vault import VaultClient
     from tierkv.connectors.vllm.groups import GroupPlan
     from tierkv.connectors.vllm.scheduler import StoreJob, TierKVMetadata
     from tierkv.connectors.vllm.worker import TierWorker
     from tierkv.quant import decode_into, get_codec
     from tierkv.quant.pair import parse_pair
     from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
 
     plan = GroupPlan(0, "kv", ("layer0", "layer1"), (), 4, (bytes(16),), kv_widths=kv_widths)
     caches = {name: torch.randn(cache_shape).to(torch.bfloat16) for name in plan.layer_names}
@@ -653,11 +653,11 @@ def test_a_cache_reset_drops_the_stores_not_yet_sent(vault):
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import BlockHash
 
+    from tierkv.backends.vault import VaultClient
     from tierkv.connectors.vllm.groups import GroupPlan
     from tierkv.connectors.vllm.scheduler import TierScheduler
     from tierkv.quant import get_codec
     from tierkv.tier import ColdTier
-    from tierkv.vault.client import VaultClient
 
     plan = GroupPlan(0, "kv", ("layer0",), (), 4, (bytes(16),))
     tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})

@@ -20,10 +20,10 @@ from helpers import pick_free_port, start_subprocess_vault
 from test_vllm_connector import Engine
 from typer.testing import CliRunner
 
+from tierkv.backends.vault import VaultClient
 from tierkv.bench_engines import long_prompt
 from tierkv.cli import app
 from tierkv.config import load_config
-from tierkv.vault.client import VaultClient
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.real_model, pytest.mark.timeout(600)]

@@ -24,9 +24,9 @@ from test_vllm_connector import Engine, prompt
 from test_vllm_parts import attention, fake_request, fake_vllm_config, kv_cache_config
 from tiny_models import GEMMA3_WINDOW, build_tiny_gemma3
 
+from tierkv.backends.vault import VaultClient
+from tierkv.checksum import block_checksum
 from tierkv.keys import chain_block_keys
-from tierkv.vault.client import VaultClient
-from tierkv.vault.wire import block_checksum
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]

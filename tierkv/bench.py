@@ -378,7 +378,7 @@ def run_bench(
     again however it ends (an error, a full vault, KeyboardInterrupt): none stays in a vault.
 
     ValueError: bad arguments, or more memory needed than this machine has available (checked
-    before anything is generated). VaultUnavailable: a vault does not answer (checked first too).
+    before anything is generated). BackendUnavailable: a vault does not answer (checked first too).
     RuntimeError: a vault lost or refused blocks (full?).
     """
     try:
@@ -410,7 +410,7 @@ def run_bench(
         endpoints = [Endpoint(address) for address in addresses]
         backend = open_backend(endpoints, client_cfg, security)
         try:
-            backend.stats()  # VaultUnavailable now rather than after generating the data
+            backend.server_stats()  # BackendUnavailable now rather than after generating the data
             warmup_codecs(
                 [*codecs, "none"],
                 [dtype],

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from tierkv.backends.base import Into
+    from tierkv.transfer import Into
 
 ALIGN = 256
 """Regions and parts start on multiples of this many bytes (any dtype view, DMA friendly)."""

@@ -19,7 +19,7 @@ and one per 2^32 blocks sealed) that chance is below N^2 / 2^65, for N = 2^20 be
 a new key to the file (rotation) long before a key has been drawn for that often.
 
 Sealed copies are carved, one after the other, out of the pooled buffers the bulk client
-receives into (bulk.RECEIVE_BUFFERS: already mapped, huge-page aligned); a buffer returns to the
+receives into (transfer.RECEIVE_BUFFERS: already mapped, huge-page aligned); a buffer returns to the
 pool once no sealed payload in it is referenced any more. Fresh memory would cost a page fault
 per page of every sealed copy, which in a VM runs the seal at a fraction of the cipher's speed.
 
@@ -44,7 +44,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tierkv.config import ConfigError
-from tierkv.vault.bulk import RECEIVE_BUFFERS
+from tierkv.transfer import RECEIVE_BUFFERS
 
 MAGIC = b"TKVS"
 VERSION = 1

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from tierkv.backends import open_backend
-from tierkv.backends.base import Backend, Into, renumbered
+from tierkv.backends.base import Backend, renumbered
 from tierkv.config import TierKVConfig
 from tierkv.quant import (
     DTYPES,
@@ -58,8 +58,7 @@ from tierkv.quant.lossless import LosslessCodec
 from tierkv.quant.payload import parse_header
 from tierkv.reliability import PutPayload, payload_bytes
 from tierkv.seal import OVERHEAD_BYTES, Sealer, SealError, block_address
-from tierkv.vault.bulk import RECEIVE_BUFFERS
-from tierkv.vault.wire import batched_by_size
+from tierkv.transfer import RECEIVE_BUFFERS, Into, batched_by_size
 
 log = logging.getLogger(__name__)
 

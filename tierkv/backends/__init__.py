@@ -17,9 +17,9 @@ def open_one(
     """The backend of one address: a vault "host:port" or a redis[s][+cluster]:// URL (with
     the token / TLS files of `security`)."""
     if not is_redis_url(address):
-        from tierkv.backends.vault import VaultBackend
+        from tierkv.backends.vault import VaultClient
 
-        return VaultBackend.from_config(address, client_cfg, security)
+        return VaultClient.from_config(address, client_cfg, security)
     from tierkv.backends.redis import RedisBackend, RedisClusterBackend, connection_options
 
     if "+cluster" in address.partition("://")[0]:

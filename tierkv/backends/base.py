@@ -2,7 +2,10 @@
 
 A backend stores verified payloads under (namespace, key, part) and gives them back:
 `put` never blocks, `lookup` and `promote` never raise and never wait past the client deadline
-(any failure is a miss), `flush` waits for queued puts, `stats` reports each server behind it.
+(any failure is a miss), `flush` waits for queued puts, `server_stats` reports each server
+behind it. Its own types live here or below it (tierkv.transfer's `Into`, tierkv.checksum), so
+no backend depends on another: `BackendStats` / `StorageTierStats` (what a server reports),
+`BackendUnavailable` (a management call found a server down).
 
 The reliability parts every backend shares (the circuit breaker and the put queue) are written
 once, in tierkv/reliability.py.
@@ -12,13 +15,54 @@ once, in tierkv/reliability.py.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 from tierkv.reliability import PutPayload
-from tierkv.vault.bulk import Into
-from tierkv.vault.client import VaultStats, VaultUnavailable
+from tierkv.transfer import Into
 
-__all__ = ["Backend", "Into", "VaultStats", "VaultUnavailable", "renumbered"]
+
+class BackendUnavailable(RuntimeError):
+    """A server behind a backend did not answer a management call (stats, delete, clear)."""
+
+
+class StorageTierStats(NamedTuple):
+    """One storage tier of a server, RAM or disk (see TierStats in vault.proto)."""
+
+    entries: int
+    bytes_used: int
+    max_bytes: int
+    hits: int
+    reads_per_s: float
+    evictions: int
+    corrupt: int
+    queued_bytes: int
+    kept: int
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """What one server behind a backend reports about itself, plus the round trip the call took
+    (fields a store does not know stay at their defaults)."""
+
+    address: str
+    role: str
+    entries: int
+    bytes_used: int
+    max_bytes: int  # 0 = unlimited
+    hits: int
+    misses: int
+    evictions: int
+    rejected: int
+    uptime_s: float
+    version: str
+    rtt_s: float
+    ram: StorageTierStats | None = None
+    disk: StorageTierStats | None = None  # None: the server has no disk tier
+    auth_required: bool = False  # the server needs a token (and accepted ours)
+    insecure: bool = False  # a vault started --insecure beyond loopback: anyone on the LAN may call
+    tls: bool = False
+    tenant: str = ""  # ours, on a vault of several tenants (the counters are its own)
 
 
 class Backend(Protocol):
@@ -59,11 +103,11 @@ class Backend(Protocol):
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for queued puts; False on timeout or when a put was lost since the last flush."""
 
-    def stats(self) -> list[VaultStats]:
-        """One row per server behind this backend; raises VaultUnavailable when one is down."""
+    def server_stats(self) -> list[BackendStats]:
+        """One row per server behind this backend; raises BackendUnavailable when one is down."""
 
     def clear(self, namespace: bytes) -> int:
-        """Remove all of `namespace`; the entries removed. Raises VaultUnavailable."""
+        """Remove all of `namespace`; the entries removed. Raises BackendUnavailable."""
 
     def counters(self) -> dict[str, int | str]:
         """Client-side counters (dropped / failed / stored puts, breaker state...)."""

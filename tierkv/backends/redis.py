@@ -1,7 +1,7 @@
 """Valkey / Redis as a Backend: blocks stored directly in the server, no tierkv process needed.
 
 A block part is the string key ``tierkv:<namespace hex>:{<block key hex>}:<part>`` holding the
-8-byte little-endian checksum (wire.block_checksum, as on the vault) followed by the payload.
+8-byte little-endian checksum (checksum.block_checksum, as on the vault) followed by the payload.
 The block key is the hash tag, so in a cluster all parts of a block share one slot (one node).
 Reads are pipelined (one round trip per batch), bounded by the client deadline per read and by
 the promote deadline in all; puts go through the shared PutQueue; the breaker is the shared one.
@@ -31,11 +31,12 @@ from redis.cluster import key_slot
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
-from tierkv.backends.base import Backend, Into, VaultStats, VaultUnavailable
+from tierkv.backends.base import Backend, BackendStats, BackendUnavailable
 from tierkv.backends.sharded import ShardedBackend
+from tierkv.checksum import block_checksum
 from tierkv.config import ClientConfig, SecurityConfig, format_address, redact
 from tierkv.reliability import CircuitBreaker, PendingPut, PutPayload, PutQueue
-from tierkv.vault.wire import block_checksum
+from tierkv.transfer import Into
 
 log = logging.getLogger(__name__)
 
@@ -215,15 +216,15 @@ class RedisBackend:
     def flush(self, timeout: float | None = None) -> bool:
         return self._queue.flush(timeout)
 
-    def stats(self) -> list[VaultStats]:
+    def server_stats(self) -> list[BackendStats]:
         started = time.monotonic()
         try:
             info = self._client.info()
         except _FAILURES as exc:
-            raise VaultUnavailable(f"redis at {self.address} did not answer: {exc}") from None
+            raise BackendUnavailable(f"redis at {self.address} did not answer: {exc}") from None
         keyspace = info.get(f"db{self._client.connection_pool.connection_kwargs.get('db', 0)}")
         return [
-            VaultStats(
+            BackendStats(
                 address=self.address,
                 role=f"redis {info.get('redis_mode', 'standalone')}",
                 entries=int(keyspace["keys"]) if isinstance(keyspace, dict) else 0,
@@ -248,7 +249,7 @@ class RedisBackend:
                 pipe.unlink(key)
             removed = sum(int(count) for count in pipe.execute())
         except _FAILURES as exc:
-            raise VaultUnavailable(f"redis at {self.address} did not answer: {exc}") from None
+            raise BackendUnavailable(f"redis at {self.address} did not answer: {exc}") from None
         return removed
 
     def counters(self) -> dict[str, int | str]:

@@ -19,9 +19,10 @@ from typing import TypeVar
 
 import xxhash
 
-from tierkv.backends.base import Backend, Into, VaultStats, renumbered
+from tierkv.backends.base import Backend, BackendStats, renumbered
 from tierkv.config import redact
 from tierkv.reliability import PutPayload
+from tierkv.transfer import Into
 
 _TWO_64 = float(2**64)
 T = TypeVar("T")
@@ -112,8 +113,8 @@ class ShardedBackend:
             lost, self._unrouted_since_flush = self._unrouted_since_flush, False
         return flushed and not lost
 
-    def stats(self) -> list[VaultStats]:
-        return [row for backend in self.members() for row in backend.stats()]
+    def server_stats(self) -> list[BackendStats]:
+        return [row for backend in self.members() for row in backend.server_stats()]
 
     def clear(self, namespace: bytes) -> int:
         return sum(backend.clear(namespace) for backend in self.members())

@@ -208,7 +208,7 @@ def _run_bench(
     """run_bench with live progress on a terminal (one row per codec), plain lines elsewhere."""
     from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-    from tierkv.backends.base import VaultUnavailable
+    from tierkv.backends.base import BackendUnavailable
     from tierkv.bench import run_bench
 
     live = console.is_terminal and not quiet
@@ -259,7 +259,7 @@ def _run_bench(
             )
         except ValueError as exc:
             raise fail("bench", str(exc), 2) from None
-        except (VaultUnavailable, RuntimeError, OSError) as exc:
+        except (BackendUnavailable, RuntimeError, OSError) as exc:
             raise fail("bench", _one_line(str(exc)), 1) from None
 
 

@@ -50,7 +50,7 @@ from tierkv.config import (
 from tierkv.patches.exo import hook_state
 
 if TYPE_CHECKING:  # gRPC and the backends are imported when a check runs, not for --help
-    from tierkv.vault.client import TierStats, VaultStats
+    from tierkv.backends.base import BackendStats, StorageTierStats
 
 FULL_SHARE = 0.95
 """A tier holding this share of its cap or more is full: each new block evicts an old one."""
@@ -150,10 +150,9 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     row; `bulk_port` is None for Valkey / Redis.
     """
     from tierkv.backends import open_one
-    from tierkv.backends.base import VaultUnavailable
-    from tierkv.backends.vault import VaultBackend
+    from tierkv.backends.base import BackendUnavailable
+    from tierkv.backends.vault import VaultClient, VaultRefused
     from tierkv.vault.auth import client_token
-    from tierkv.vault.client import VaultRefused
 
     row: dict[str, Any] = {
         "name": name,
@@ -170,16 +169,16 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     bulk_port: int | None = None
     bulk_reachable = False
     try:
-        backend.stats()  # connects; the second call measures the round trip alone
-        nodes = backend.stats()
-        if isinstance(backend, VaultBackend):
-            bulk_port, bulk_reachable = backend.client.bulk_path()
+        backend.server_stats()  # connects; the second call measures the round trip alone
+        nodes = backend.server_stats()
+        if isinstance(backend, VaultClient):
+            bulk_port, bulk_reachable = backend.bulk_path()
     except VaultRefused:  # up, but not for us: unusable all the same
         given = "ours was refused" if client_token(cfg.security) else "we have none ($TIERKV_TOKEN)"
         reason = f"answers, but requires a token and {given}"
         row |= {"up": False, "reachable": True, "verdict": "refused", "reason": reason}
         return row | {"auth": "required, refused"}
-    except VaultUnavailable as exc:
+    except BackendUnavailable as exc:
         reason = (
             str(exc)
             if is_redis_url(address)
@@ -242,11 +241,11 @@ def _verdict(row: dict[str, Any], role: str | None) -> dict[str, Any]:
     return {"verdict": "up"}
 
 
-def _auth(backend: object, stats: VaultStats) -> str:
+def _auth(backend: object, stats: BackendStats) -> str:
     """Whether the vault wants a token (ours was accepted, or stats would have failed)."""
-    from tierkv.backends.vault import VaultBackend
+    from tierkv.backends.vault import VaultClient
 
-    if not isinstance(backend, VaultBackend):
+    if not isinstance(backend, VaultClient):
         return "n/a (redis)"
     return "required, accepted" if stats.auth_required else "none"
 
@@ -319,14 +318,14 @@ def check_exo_hook(exo_path: Path) -> CheckResult:
     return CheckResult("exo", columns, [row], state.installed)
 
 
-def _tier_sum(tiers: list[TierStats | None]) -> dict[str, Any] | None:
+def _tier_sum(tiers: list[StorageTierStats | None]) -> dict[str, Any] | None:
     """One tier's figures summed over the nodes that have it (None where none has)."""
-    from tierkv.vault.client import TierStats
+    from tierkv.backends.base import StorageTierStats
 
     present = [tier for tier in tiers if tier is not None]
     if not present:
         return None
-    return {name: sum(getattr(tier, name) for tier in present) for name in TierStats._fields}
+    return {name: sum(getattr(tier, name) for tier in present) for name in StorageTierStats._fields}
 
 
 def short_size(size: int) -> str:

@@ -1,2 +1,3 @@
-"""The vault: a RAM-only, byte-capped store of KV blocks (store.py), its gRPC server (server.py)
-and the engine-side client (client.py), speaking proto/tierkv/v1/vault.proto."""
+"""The vault, the server side: a byte-capped RAM store of KV blocks (store.py) over an optional
+disk tier (disk.py), served over gRPC (server.py) and the bulk data path (bulk.py), speaking
+proto/tierkv/v1/vault.proto. Its client is a backend: tierkv/backends/vault.py."""

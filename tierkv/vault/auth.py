@@ -44,8 +44,8 @@ from typing import Any
 
 import grpc
 
+from tierkv.checksum import block_checksum
 from tierkv.config import ConfigError, SecurityConfig, parse_address
-from tierkv.vault.wire import block_checksum
 
 Payload = bytes | memoryview
 

@@ -45,11 +45,12 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from tierkv.config import KIB, MIB, LimitsConfig
+from tierkv.transfer import CLIENT_RUN_BYTES, RECEIVE_BUFFERS, Into, batched_by_size
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.auth import NONCE_BYTES, OPEN, Access, Tenant, proof
 from tierkv.vault.limits import ByteBudget, ConnectionSlots, request_problem
 from tierkv.vault.metrics import VaultMetrics
-from tierkv.vault.wire import batched_by_size, split_payloads
+from tierkv.vault.wire import split_payloads
 
 MAGIC = b"TKVB"
 HEADER = struct.Struct("<4sBIQ")
@@ -68,15 +69,10 @@ SEND_BUFFERS = 512
 """Buffers per sendmsg call (the kernel takes at most IOV_MAX, 1024 on Linux)."""
 RECV_BUFFERS = 256
 """Buffers per recvmsg_into call (the kernel takes at most IOV_MAX)."""
-CLIENT_RUN_BYTES = 8 * MIB
-"""The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
 RECEIVED_BYTES = 4 * MIB
 """A Promote hands on the payloads it received in groups of about this many bytes, so they are
 checked while the next group is on the wire. Each group is one receive call, and so one release
 of the GIL, which a thread busy in Python may keep for a switch interval (5 ms)."""
-MAX_POOLED_BYTES = 1024 * MIB
-"""The client keeps at most this many bytes of receive buffers for reuse (per process)."""
-HUGE_PAGE_BYTES = 2 * MIB
 MAX_AUTH_BYTES = 1024
 """Larger AUTH frames are protocol errors (a proof is 32 bytes)."""
 MIN_FRAME_BYTES_PER_S = 1e6
@@ -105,10 +101,6 @@ class BulkRefused(BulkError):
 
 
 Payload = bytes | memoryview
-Into = Callable[[Sequence[int], Sequence[int]], dict[tuple[int, int], list[memoryview]]]
-"""into(key indices, parts) -> by (key index, part), the writable buffers a promoted payload of
-that block is received straight into, in order; a block not given, or whose buffers do not add
-up to its payload's length, goes into the client's own (see BulkConnection.promote)."""
 T = TypeVar("T")
 MessageT = TypeVar("MessageT", bound=Message)
 
@@ -282,44 +274,6 @@ def _check_lengths(lengths: Sequence[int], data_len: int) -> None:
 def _empty_buffer(size: int) -> memoryview:
     """Writable uninitialised memory (no zero-filling pass, unlike bytearray)."""
     return np.empty(size, dtype=np.uint8).data
-
-
-def _huge_page_aligned(size: int) -> np.ndarray:
-    """Uninitialised bytes starting on a 2 MiB boundary, so huge pages can back all of them."""
-    raw = np.empty(size + HUGE_PAGE_BYTES, dtype=np.uint8)
-    start = -raw.ctypes.data % HUGE_PAGE_BYTES
-    return raw[start : start + size]
-
-
-class ReceiveBuffers:
-    """Fixed-size receive buffers, each reused once no payload view of it is alive any more.
-
-    Fresh memory costs a page fault per page and, below 4 MiB, comes in 4 KiB pages that a VM
-    walks slowly; pooled buffers are already mapped and aligned to whole huge pages (numpy advises
-    them). A buffer is free when only the pool refers to it: every view the caller was given has
-    been released.
-    """
-
-    def __init__(self, buffer_bytes: int, max_bytes: int) -> None:
-        self.buffer_bytes = buffer_bytes
-        self.max_buffers = max_bytes // buffer_bytes
-        self._lock = threading.Lock()
-        self._buffers: list[np.ndarray] = []
-
-    def take(self) -> np.ndarray:
-        """A buffer of `buffer_bytes` that nobody else uses (pooled when the pool has room)."""
-        with self._lock:
-            for buf in self._buffers:
-                # References: the pool's list, this loop's name and getrefcount's argument.
-                if sys.getrefcount(buf) == 3:
-                    return buf
-            buf = _huge_page_aligned(self.buffer_bytes)
-            if len(self._buffers) < self.max_buffers:
-                self._buffers.append(buf)
-            return buf
-
-
-RECEIVE_BUFFERS = ReceiveBuffers(CLIENT_RUN_BYTES, MAX_POOLED_BYTES)
 
 
 # ---- vault side --------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 No gRPC and no RAM LRU here (store.py owns those). Each record in a segment is a header (magic,
 kind, namespace and key lengths, part, payload length, payload checksum; then namespace, key and
 a MAC of all of that under the directory's record key) followed by the payload. The payload
-checksum is `wire.block_checksum`, seeded with the block's address, so a damaged or misfiled
+checksum is `checksum.block_checksum`, seeded with the block's address, so a damaged or misfiled
 payload is a miss when read, never served. Deletes and clears are records too (kinds DELETE,
 CLEAR), so a restart does not bring back what was removed. The index is kept per namespace, so
 a clear drops its namespace's index at once, live and when its record is replayed at start-up:
@@ -57,8 +57,8 @@ from typing import NamedTuple
 
 import xxhash
 
+from tierkv.checksum import block_checksum
 from tierkv.config import FSYNC_MODES, MIB
-from tierkv.vault.wire import block_checksum
 
 log = logging.getLogger(__name__)
 

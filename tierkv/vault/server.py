@@ -34,6 +34,7 @@ from tierkv.config import (
     format_address,
     parse_address,
 )
+from tierkv.transfer import batched_by_size
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import (
     Access,
@@ -61,7 +62,6 @@ from tierkv.vault.store import StoredBlock, VaultStore
 from tierkv.vault.wire import (
     MalformedMessage,
     already_encoded,
-    batched_by_size,
     decode_bulk,
     encode_bulk,
     split_payloads,

@@ -1,6 +1,6 @@
 """The vault's memory: a byte-capped, thread-safe LRU of (namespace, key, part) → payload.
 
-No gRPC here. Writers' checksums (`wire.block_checksum`, bound to the block's address) are
+No gRPC here. Writers' checksums (`checksum.block_checksum`, bound to the block's address) are
 verified on `put` (a mismatch is rejected, never stored); payloads are hashed outside the lock,
 which guards only the index and never a payload copy, so many clients can store and read at
 once, and a big request takes the lock in slices of LOCK_SLICE (key, part) steps, so it never
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import NamedTuple
 
+from tierkv.checksum import block_checksum
 from tierkv.config import UNLIMITED
 from tierkv.vault.disk import DiskStats, DiskTier
-from tierkv.vault.wire import block_checksum
 
 RATE_WINDOW_S = 10.0
 DURABLE_WAIT_S = 30.0

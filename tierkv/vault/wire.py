@@ -4,19 +4,14 @@ Byte-compatible with the generated protobuf classes: `encode_bulk` writes field 
 index, serialised by protobuf) and then field 2 (the payloads, concatenated with one copy);
 `decode_bulk` parses the index with protobuf and returns the payload area as a memoryview of the
 received buffer, so payloads are sliced out without copying. A message whose fields come in
-another order (another writer) is parsed by the generated class instead. `block_checksum` is the
-checksum every payload travels with, on the gRPC and the bulk path alike.
+another order (another writer) is parsed by the generated class instead.
 """
 
 from __future__ import annotations
 
-import struct
-import sys
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from functools import lru_cache
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
-import xxhash
 from google.protobuf.message import DecodeError, Message
 
 CHANNEL_OPTIONS = [
@@ -31,54 +26,6 @@ _DATA_TAG = 0x12  # field 2, length-delimited
 
 IndexT = TypeVar("IndexT", bound=Message)
 ItemT = TypeVar("ItemT")
-
-
-HOLDING_GIL_BYTES = 64 * 1024
-"""xxhash gives the GIL back while it hashes more than this in one call."""
-
-
-def block_checksum(
-    namespace: bytes,
-    key: bytes,
-    part: int,
-    payload: bytes | memoryview,
-    *more: bytes | memoryview,
-    hold_gil: bool = False,
-) -> int:
-    """The checksum a payload travels and is stored with: xxh3_64 of the payload, seeded with
-    its address, so a payload filed or returned under another (namespace, key, part) fails its
-    check exactly like a corrupted one. A payload received in pieces: `payload, *more`.
-
-    `hold_gil` (in an engine's process) hashes in slices of HOLDING_GIL_BYTES, so the GIL is
-    never given back: each time it is, a thread busy in Python may keep it for a switch
-    interval (5 ms), per block. A vault gives it back, so its other threads run meanwhile."""
-    return checksum_at(address_prefix(namespace, part) + key, (payload, *more), hold_gil)
-
-
-def checksum_at(
-    address: bytes, pieces: Sequence[bytes | memoryview], hold_gil: bool = False
-) -> int:
-    """block_checksum of the payload in `pieces` at `address`, which is
-    `address_prefix(namespace, part) + key` (a caller checking many blocks of a part makes the
-    prefix once)."""
-    seed = xxhash.xxh3_64_intdigest(address)
-    if len(pieces) == 1 and (not hold_gil or len(pieces[0]) <= HOLDING_GIL_BYTES):
-        return xxhash.xxh3_64_intdigest(pieces[0], seed=seed)
-    hasher = xxhash.xxh3_64(seed=seed)
-    for piece in pieces:
-        if not hold_gil or len(piece) <= HOLDING_GIL_BYTES:
-            hasher.update(piece)
-            continue
-        view = memoryview(piece).cast("B")
-        for start in range(0, len(view), HOLDING_GIL_BYTES):
-            hasher.update(view[start : start + HOLDING_GIL_BYTES])
-    return hasher.intdigest()
-
-
-@lru_cache(maxsize=256)
-def address_prefix(namespace: bytes, part: int) -> bytes:
-    """What a block's address starts with: the same for every key of a namespace's part."""
-    return struct.pack("<II", len(namespace), part) + namespace
 
 
 class MalformedMessage(ValueError):
@@ -156,32 +103,3 @@ def split_payloads(data: memoryview, lengths: Sequence[int]) -> list[memoryview]
         slices.append(data[offset : offset + length])
         offset += length
     return slices
-
-
-def batched_by_size(
-    items: Iterable[ItemT],
-    size_of: Callable[[ItemT], int],
-    max_bytes: int,
-    group_of: Callable[[ItemT], Hashable] | None = None,
-    max_items: int = sys.maxsize,
-) -> Iterator[list[ItemT]]:
-    """Consecutive runs of `items` (of one `group_of`, when given), each about `max_bytes` (an
-    oversize item alone) and of at most `max_items`. One call of each function per item: this
-    runs once per block on a restore's path."""
-    batch: list[ItemT] = []
-    size = 0
-    group: Hashable = None
-    for item in items:
-        item_size = size_of(item)
-        item_group = group_of(item) if group_of is not None else None
-        if batch and (
-            size + item_size > max_bytes or len(batch) >= max_items or item_group != group
-        ):
-            yield batch
-            batch, size = [], 0
-        if not batch:
-            group = item_group
-        batch.append(item)
-        size += item_size
-    if batch:
-        yield batch

@@ -53,8 +53,8 @@ from tierkv.connectors.vllm.stats import TierKVStats
 from tierkv.movers import BlockMover, Blocks, Staged, StagingRing, codec_dtype, hand_over
 
 if TYPE_CHECKING:
-    from tierkv.backends.base import Into
     from tierkv.tier import ColdTier
+    from tierkv.transfer import Into
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,98 @@
+"""How promoted payloads are received and handed on, shared by every backend and the tier.
+
+`Into` is how a caller offers its own buffers for a Promote; `RECEIVE_BUFFERS` is the
+process's pool of receive buffers (already mapped, huge-page aligned) that the vault's bulk
+client, the tier and the seal's opened copies take runs from; `batched_by_size` cuts a stream of
+blocks into runs of about a size.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import TypeVar
+
+import numpy as np
+
+from tierkv.config import MIB
+
+ItemT = TypeVar("ItemT")
+
+Into = Callable[[Sequence[int], Sequence[int]], dict[tuple[int, int], list[memoryview]]]
+"""into(key indices, parts) -> by (key index, part), the writable buffers a promoted payload of
+that block is received straight into, in order; a block not given, or whose buffers do not add
+up to its payload's length, goes into the client's own (a vault's bulk path:
+vault.bulk.BulkConnection.promote)."""
+CLIENT_RUN_BYTES = 8 * MIB
+"""The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
+MAX_POOLED_BYTES = 1024 * MIB
+"""The client keeps at most this many bytes of receive buffers for reuse (per process)."""
+HUGE_PAGE_BYTES = 2 * MIB
+
+
+def _huge_page_aligned(size: int) -> np.ndarray:
+    """Uninitialised bytes starting on a 2 MiB boundary, so huge pages can back all of them."""
+    raw = np.empty(size + HUGE_PAGE_BYTES, dtype=np.uint8)
+    start = -raw.ctypes.data % HUGE_PAGE_BYTES
+    return raw[start : start + size]
+
+
+class ReceiveBuffers:
+    """Fixed-size receive buffers, each reused once no payload view of it is alive any more.
+
+    Fresh memory costs a page fault per page and, below 4 MiB, comes in 4 KiB pages that a VM
+    walks slowly; pooled buffers are already mapped and aligned to whole huge pages (numpy advises
+    them). A buffer is free when only the pool refers to it: every view the caller was given has
+    been released.
+    """
+
+    def __init__(self, buffer_bytes: int, max_bytes: int) -> None:
+        self.buffer_bytes = buffer_bytes
+        self.max_buffers = max_bytes // buffer_bytes
+        self._lock = threading.Lock()
+        self._buffers: list[np.ndarray] = []
+
+    def take(self) -> np.ndarray:
+        """A buffer of `buffer_bytes` that nobody else uses (pooled when the pool has room)."""
+        with self._lock:
+            for buf in self._buffers:
+                # References: the pool's list, this loop's name and getrefcount's argument.
+                if sys.getrefcount(buf) == 3:
+                    return buf
+            buf = _huge_page_aligned(self.buffer_bytes)
+            if len(self._buffers) < self.max_buffers:
+                self._buffers.append(buf)
+            return buf
+
+
+RECEIVE_BUFFERS = ReceiveBuffers(CLIENT_RUN_BYTES, MAX_POOLED_BYTES)
+
+
+def batched_by_size(
+    items: Iterable[ItemT],
+    size_of: Callable[[ItemT], int],
+    max_bytes: int,
+    group_of: Callable[[ItemT], Hashable] | None = None,
+    max_items: int = sys.maxsize,
+) -> Iterator[list[ItemT]]:
+    """Consecutive runs of `items` (of one `group_of`, when given), each about `max_bytes` (an
+    oversize item alone) and of at most `max_items`. One call of each function per item: this
+    runs once per block on a restore's path."""
+    batch: list[ItemT] = []
+    size = 0
+    group: Hashable = None
+    for item in items:
+        item_size = size_of(item)
+        item_group = group_of(item) if group_of is not None else None
+        if batch and (
+            size + item_size > max_bytes or len(batch) >= max_items or item_group != group
+        ):
+            yield batch
+            batch, size = [], 0
+        if not batch:
+            group = item_group
+        batch.append(item)
+        size += item_size
+    if batch:
+        yield batch
