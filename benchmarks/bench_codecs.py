@@ -63,6 +63,7 @@ def _pick_cpu(argv: list[str]) -> None:
 
 _pick_cpu(sys.argv[1:])
 
+from tierkv.load import DECODE_TASK_BYTES  # noqa: E402
 from tierkv.quant import (  # noqa: E402 (after the CPU is chosen)
     CODEC_NAMES,
     decode_into,
@@ -72,7 +73,6 @@ from tierkv.quant import (  # noqa: E402 (after the CPU is chosen)
     warmup,
 )
 from tierkv.quant.target import instruction_set  # noqa: E402
-from tierkv.tier import DECODE_TASK_BYTES  # noqa: E402
 from tierkv.transfer import batched_by_size  # noqa: E402
 
 HEADS, HEAD_DIM = 8, 128

@@ -10,8 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_codecs import as_dtype, check_cpu, decode_task, load_tasks, split_blocks, synthetic_kv
 
+from tierkv.load import DECODE_TASK_BYTES
 from tierkv.quant import decode_into, get_codec
-from tierkv.tier import DECODE_TASK_BYTES
 
 
 @pytest.mark.parametrize("name", ["none", "int8", "tq4", "tq3.5"])

@@ -248,77 +248,6 @@ def test_counters_tell_queued_from_acknowledged_rejected_and_dropped(
     tier.close()
 
 
-class RecordingVault:
-    """A real VaultClient that records each Promote's key count (and can fail from call N on,
-    or answer each call `delay_s` late, as a slow vault does)."""
-
-    def __init__(self, client: VaultClient, fail_from_call: int | None = None) -> None:
-        self.client = client
-        self.calls: list[int] = []
-        self.fail_from_call = fail_from_call
-        self.delay_s = 0.0
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self.client, name)
-
-    def promote(self, namespace: bytes, keys: list[bytes], parts: list[int], into=None) -> dict:
-        self.calls.append(len(keys))
-        time.sleep(self.delay_s)
-        if self.fail_from_call is not None and len(self.calls) >= self.fail_from_call:
-            return {}
-        return self.client.promote(namespace, keys, parts, into)
-
-
-def test_a_load_promotes_in_runs_and_a_run_that_returns_nothing_ends_it(
-    vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import tierkv.tier
-
-    block = 2 * 32 * 2 * 64 * 2  # bytes of one fp16 part
-    monkeypatch.setattr(tierkv.tier, "PROMOTE_RUN_BYTES", 5 * len(KV_PARTS) * block // 2)
-    monkeypatch.setattr(tierkv.tier, "FIRST_PROMOTE_RUN_KEYS", 1)
-    data = {slot: array for slot, array in blocks().items() if slot[1] == "kv"}
-    recorder = RecordingVault(VaultClient(vault.address))
-    tier = ColdTier(get_codec("none"), {"kv": recorder})  # type: ignore[dict-item]
-    store_all(tier, data)
-    outs = {slot: np.zeros_like(array) for slot, array in data.items()}
-    assert tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)]) == set()
-    assert recorder.calls == [1, 2, 1]  # 4 keys: a first run of one, then runs of 2 keys' bytes
-    for slot, array in data.items():
-        np.testing.assert_array_equal(outs[slot], array)
-
-    vault.store.delete(NS, [KEYS[2]])  # a key of the second run, keys 1 and 2, is gone
-    recorder.calls = []
-    failed = tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)])
-    assert failed == {2} and recorder.calls == [1, 2, 1]
-
-    recorder.calls, recorder.fail_from_call = [], 2
-    failed = tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)])
-    assert failed == {1, 2, 3} and recorder.calls == [1, 2]  # no third call after an empty run
-    tier.close()
-
-
-def test_no_promote_run_starts_after_the_load_deadline(
-    vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A vault that answers every run slowly, but within its deadline, must not hold a load for
-    # one deadline per run: after load_deadline_s no further run starts and the rest is a miss.
-    import tierkv.tier
-
-    monkeypatch.setattr(tierkv.tier, "PROMOTE_RUN_BYTES", 1)  # one key per run: 4 runs
-    monkeypatch.setattr(tierkv.tier, "FIRST_PROMOTE_RUN_KEYS", 1)
-    data = {slot: array for slot, array in blocks().items() if slot[1] == "kv"}
-    recorder = RecordingVault(VaultClient(vault.address))
-    tier = ColdTier(get_codec("none"), {"kv": recorder}, load_deadline_s=0.5)  # type: ignore[dict-item]
-    store_all(tier, data)
-    recorder.delay_s = 0.4
-    outs = {slot: np.zeros_like(array) for slot, array in data.items()}
-    failed = tier.load(NS, KEYS, {"kv": KV_PARTS}, lambda i, p: outs[(i, "kv", p)])
-    assert len(recorder.calls) <= 2  # runs 1 and (if run 1 ended by 0.5 s) 2, never 3 or 4
-    assert failed == set(range(len(recorder.calls), len(KEYS)))
-    tier.close()
-
-
 @pytest.mark.parametrize(
     ("state", "min_cosine", "lossless"),
     [(False, 0.0, False), (True, 0.0, True), (False, 0.5, True)],
@@ -342,31 +271,6 @@ def test_warm_up_compiles_the_lossless_encoder_only_when_something_is_stored_los
     )
     codecs = ("int8", "none") if lossless else ("int8",)
     assert done.stdout.split("\n")[-2] == f"{codecs} {lossless}"
-
-
-def test_load_blocks_hands_each_key_whole_to_the_consumer_and_a_raising_one_fails_its_keys(
-    vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import tierkv.tier
-
-    monkeypatch.setattr(tierkv.tier, "DECODE_TASK_BYTES", 1)  # a call per key
-    data = {slot: array for slot, array in blocks().items() if slot[1] == "kv"}
-    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
-    store_all(tier, data)
-    calls: list[list[tuple[int, int]]] = []
-
-    def consume(arrived: list[tuple[int, int, memoryview]]) -> set[int]:
-        calls.append([(index, part) for index, part, _ in arrived])
-        if any(index == 2 for index, _, _ in arrived):
-            raise RuntimeError("the engine buffer went away")
-        return {1} if any(index == 1 for index, _, _ in arrived) else set()
-
-    assert tier.load_blocks(NS, KEYS, {"kv": KV_PARTS}, consume) == {1, 2}
-    assert sorted(sorted(call) for call in calls) == [[(i, p) for p in KV_PARTS] for i in range(4)]
-    stats = tier.stats()
-    assert (stats["loaded_blocks"], stats["load_failures"]) == (2, 2)
-    assert stats["loaded_payload_bytes"] > 0
-    tier.close()
 
 
 def test_a_load_runs_with_a_short_switch_interval_and_puts_it_back(vault: VaultHandle) -> None:

@@ -35,13 +35,14 @@ from tierkv.backends import open_backend
 from tierkv.backends.base import Backend
 from tierkv.config import ClientConfig, Endpoint, SecurityConfig
 from tierkv.keys import chain_block_keys, namespace_fingerprint
+from tierkv.load import FIRST_PROMOTE_RUN_KEYS, PROMOTE_RUN_BYTES
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES, ModelShape
 from tierkv.quant import Codec, decode_into, fidelity, get_codec
 from tierkv.quant import warmup as warmup_codecs
 from tierkv.quant.lossless import LosslessCodec
 from tierkv.reliability import PutPayload, payload_bytes
 from tierkv.seal import KEY_BYTES, Sealer, block_address
-from tierkv.tier import FIRST_PROMOTE_RUN_KEYS, PROMOTE_RUN_BYTES, sealed_payload
+from tierkv.tier import sealed_payload
 from tierkv.vault.server import serve as serve_vault
 
 LINK_GBITS = (1, 10, 25)

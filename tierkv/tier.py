@@ -28,12 +28,10 @@ would compound instead of staying in one block.
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import operator
 import sys
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
@@ -42,8 +40,9 @@ from typing import Any
 import numpy as np
 
 from tierkv.backends import open_backend
-from tierkv.backends.base import Backend, renumbered
+from tierkv.backends.base import Backend
 from tierkv.config import TierKVConfig
+from tierkv.load import Block, Consume, Load
 from tierkv.quant import (
     DTYPES,
     Codec,
@@ -63,18 +62,6 @@ from tierkv.transfer import RECEIVE_BUFFERS, Into, batched_by_size
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PENDING_ENCODE_BYTES = 256 * 1024 * 1024
-PROMOTE_RUN_BYTES = 8 * 1024 * 1024
-"""A load asks each vault for runs of keys of about this many payload bytes, one after the other,
-so the blocks of one run decode while the next is on the wire."""
-FIRST_PROMOTE_RUN_KEYS = 4
-"""Keys of a load's first run (short, so decoding starts early; it also measures payload size)."""
-PLACED_RUN_BYTES = 64 * 1024 * 1024
-"""Runs of a load that receives payloads in place (`into`) are about this many payload bytes:
-there is nothing to overlap them with, so fewer round trips are all that counts. The first one
-is sized from the payload bytes per key of the tier's previous load."""
-DECODE_TASK_BYTES = 2 * 1024 * 1024
-"""Arrived payloads are decoded in tasks of about this many bytes (spread over the threads)."""
-
 LOAD_SWITCH_INTERVAL_S = 0.0001
 """Python's switch interval while a load runs (it is 5 ms unless set). A load's threads give the
 GIL back at every receive, checksum run and kernel, and each time they want it again a thread
@@ -83,14 +70,6 @@ blocks of 512 KB (int8) restored in 355 ms at 5 ms, 87 ms at 0.1 ms (idle: about
 TLS (a receive per 16 KiB record) 15.7 s and 0.58 s; and the busy thread lost less of its own
 progress per restore at 0.1 ms (about 45 ms of its time against 110 ms; over TLS 65 ms against
 0.8 s). The interval only matters while threads contend for the GIL."""
-
-Block = tuple[int, int, memoryview]
-"""(key index, part, payload) of a block a load received."""
-Sizes = dict[int, tuple[memoryview, int]]
-"""id(first buffer) -> (that buffer, bytes of all its block's buffers), for the blocks a load
-asked `into` to place (the buffer is kept alive, so its id names no other object)."""
-Consume = Callable[[list[Block]], set[int]]
-"""consume(blocks) -> the key indices it could not restore (see ColdTier.load_blocks)."""
 
 
 @dataclass
@@ -326,83 +305,25 @@ class ColdTier:
         consume: Consume,
         into: Into | None,
     ) -> set[int]:
-        sizes: Sizes = {}  # see _measured
         if self.sealer is not None:
             consume = functools.partial(self._open_then, self.sealer, namespace, keys, consume)
             into = None
-        if into is not None:
-            into = _measured(into, sizes)
-        consumed: list[tuple[Future[set[int] | None], list[list[Block]]]] = []
-        consumed_here: list[set[int]] = []  # what consume refused, of calls on a promoting thread
-        wanted = sum(len(parts) for parts in parts_by_vault.values())
-        waiting: dict[int, list[Block]] = {}
-        waiting_lock = threading.Lock()
-
-        def arrived(blocks: list[Block]) -> None:
-            """Hand on the keys whose every part has now arrived (a partial key is recomputed
-            anyway, decoding it would be wasted work)."""
-            whole: list[list[Block]] = []
-            if wanted > 1:
-                with waiting_lock:
-                    for block in blocks:
-                        parts = waiting.setdefault(block[0], [])
-                        parts.append(block)
-                        if len(parts) == wanted:
-                            whole.append(waiting.pop(block[0]))
-                blocks = [block for parts in whole for block in parts]
-            if not blocks:
-                return
-            if _payload_bytes(blocks) <= DECODE_TASK_BYTES:
-                # Little to do (a short run, or payloads placed in their destination): here,
-                # at once, costs less than waking a decode thread (milliseconds when busy).
-                consumed_here.append(self._consume(blocks, consume, sizes))
-                return
-            whole = whole or [[block] for block in blocks]
-            for batch in batched_by_size(whole, _payload_bytes, DECODE_TASK_BYTES):
-                claim = [[block for parts in batch for block in parts]]
-                consumed.append(
-                    (self._decoders.submit(self._claimed, claim, consume, sizes), claim)
-                )
-
-        # The first vault is promoted from on this thread (no hand-off before the first
-        # request leaves), any others on the promote threads meanwhile.
-        others = list(parts_by_vault)[1:]
-        promotes = {
-            vault: self._promoters.submit(
-                self._promote_runs,
-                self._client(vault),
-                namespace,
-                keys,
-                parts,
-                arrived,
-                into,
-                sizes,
-            )
-            for vault, parts in parts_by_vault.items()
-            if vault in others
-        }
-        failed: set[int] = set()
-        for vault, parts in parts_by_vault.items():
-            try:
-                failed |= (
-                    promotes[vault].result()
-                    if vault in promotes
-                    else self._promote_runs(
-                        self._client(vault), namespace, keys, parts, arrived, into, sizes
-                    )
-                )
-            except Exception:
-                log.exception("tierkv: promote from the %s vault failed; recomputing", vault)
-                failed.update(range(len(keys)))
-        # Every promote has returned, nothing is submitted any more: this thread runs the
-        # calls no decode thread has started (waking one costs milliseconds on a busy machine).
-        mine = [self._claimed(claim, consume, sizes) for _, claim in consumed]
-        for (future, _), result in zip(consumed, mine, strict=True):
-            failed |= result if result is not None else (future.result() or set())
-        failed = failed.union(*consumed_here)
+        load = Load(
+            namespace,
+            keys,
+            parts_by_vault,
+            consume,
+            into,
+            decoders=self._decoders,
+            promoters=self._promoters,
+            deadline_s=self.load_deadline_s,
+            key_bytes=self._key_bytes,
+        )
+        failed = load.run({vault: self._client(vault) for vault in parts_by_vault})
         with self._lock:
             self._stats.loaded_blocks += len(keys) - len(failed)
             self._stats.load_failures += len(failed)
+            self._stats.loaded_payload_bytes += load.restored_bytes
         return failed
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -538,94 +459,6 @@ class ColdTier:
                 opened.append((index, part, out.toreadonly()))
         return failed | (consume(opened) if opened else set())
 
-    def _promote_runs(
-        self,
-        backend: Backend,
-        namespace: bytes,
-        keys: Sequence[bytes],
-        parts: Sequence[int],
-        arrived: Callable[[list[Block]], None],
-        into: Into | None,
-        sizes: Sizes,
-    ) -> set[int]:
-        """Promote `keys` run by run, handing each run's payloads to `arrived`, until a run
-        returns nothing or the load deadline has passed; the indices of the keys with a part
-        that did not arrive (`sizes`: see _measured)."""
-        missing: set[int] = set()
-        received = 0
-        run_bytes = PROMOTE_RUN_BYTES if into is None else PLACED_RUN_BYTES
-        start, run = 0, FIRST_PROMOTE_RUN_KEYS
-        if into is not None and self._key_bytes.get(id(backend)):
-            run = max(1, run_bytes // self._key_bytes[id(backend)])
-        deadline = time.monotonic() + self.load_deadline_s
-        while start < len(keys):
-            if time.monotonic() > deadline:
-                log.warning(
-                    "tierkv: load of %d blocks passed its %.1f s deadline after %d; "
-                    "recomputing the rest",
-                    len(keys),
-                    self.load_deadline_s,
-                    start,
-                )
-                break
-            stop = min(len(keys), start + run)
-            run_into = renumbered(into, range(start, stop)) if start else into
-            found = backend.promote(namespace, keys[start:stop], parts, run_into)
-            if not found:
-                break
-            if len(found) < (stop - start) * len(parts):  # it holds only (index, part) asked for
-                missing.update(
-                    start + index
-                    for index, part in itertools.product(range(stop - start), parts)
-                    if (index, part) not in found
-                )
-            blocks = [(start + index, part, payload) for (index, part), payload in found.items()]
-            received += sum([_size(sizes, payload) for _, _, payload in blocks])
-            arrived(blocks)
-            start = stop
-            run = max(1, run_bytes * start // max(1, received))
-        if received:
-            self._key_bytes[id(backend)] = received // start
-        missing.update(range(start, len(keys)))
-        return missing
-
-    def _claimed(
-        self,
-        claim: list[list[Block]],
-        consume: Consume,
-        sizes: Sizes,
-    ) -> set[int] | None:
-        """`_consume` the blocks in `claim` unless another thread took them first (None):
-        list.pop is atomic, so each call of a load runs once, on a decode thread or on the
-        loading thread."""
-        try:
-            blocks = claim.pop()
-        except IndexError:
-            return None
-        return self._consume(blocks, consume, sizes)
-
-    def _consume(
-        self,
-        blocks: list[Block],
-        consume: Consume,
-        sizes: Sizes,
-    ) -> set[int]:
-        """`consume(blocks)`, counting the payload bytes of the keys it restored; every key
-        fails when it raises."""
-        try:
-            failed = consume(blocks)
-        except Exception:
-            log.exception(
-                "tierkv: restoring %d arrived blocks failed; recomputing them", len(blocks)
-            )
-            failed = {index for index, _, _ in blocks}
-        restored = sum(
-            [_size(sizes, payload) for index, _, payload in blocks if index not in failed]
-        )
-        with self._lock:
-            self._stats.loaded_payload_bytes += restored
-        return failed
-
 
 def sealed_payload(sealer: Sealer, address: bytes, payload: PutPayload) -> PutPayload:
     """`payload` (a codec's, or a lossless block's header and memory) sealed for `address`: its
@@ -690,28 +523,3 @@ def decode_each(
             log.exception("tierkv: decoding block %d part %d failed; recomputing it", index, part)
             failed.add(index)
     return failed
-
-
-def _payload_bytes(blocks: list[Block]) -> int:
-    return sum(len(payload) for _, _, payload in blocks)
-
-
-def _measured(into: Into, sizes: Sizes) -> Into:
-    """`into` that notes in `sizes`, for each block it places, its first buffer and the bytes
-    of all (the payload's length when the backend placed it)."""
-
-    def placing(
-        indices: Sequence[int], parts: Sequence[int]
-    ) -> dict[tuple[int, int], list[memoryview]]:
-        placement = into(indices, parts)
-        for buffers in placement.values():
-            sizes[id(buffers[0])] = (buffers[0], sum(map(len, buffers)))
-        return placement
-
-    return placing
-
-
-def _size(sizes: Sizes, payload: memoryview) -> int:
-    """Bytes of an arrived payload (`sizes`: of the blocks `into` was asked to place)."""
-    placed = sizes.get(id(payload))
-    return len(payload) if placed is None else placed[1]
