@@ -26,6 +26,7 @@ too old to tell ends RESOURCE_EXHAUSTED for a message larger than its maximum.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -517,26 +518,7 @@ class VaultClient:
         """The vault's counters; raises BackendUnavailable when it does not answer in time."""
         started = time.monotonic()
         reply = self._management_call(self._stub.Stats, vault_pb2.StatsRequest())
-        return BackendStats(
-            address=self.address,
-            role=reply.role,
-            entries=reply.entries,
-            bytes_used=reply.bytes_used,
-            max_bytes=reply.max_bytes,
-            hits=reply.hits,
-            misses=reply.misses,
-            evictions=reply.evictions,
-            rejected=reply.rejected,
-            uptime_s=reply.uptime_s,
-            version=reply.version,
-            rtt_s=time.monotonic() - started,
-            ram=_tier_stats(reply.ram) if reply.HasField("ram") else None,
-            disk=_tier_stats(reply.disk) if reply.HasField("disk") else None,
-            auth_required=reply.auth_required,
-            insecure=reply.insecure,
-            tls=reply.tls,
-            tenant=reply.tenant,
-        )
+        return backend_stats(self.address, reply, time.monotonic() - started)
 
     def server_stats(self) -> list[BackendStats]:
         """The Backend protocol's view of `stats`: this vault's one row."""
@@ -696,15 +678,18 @@ def _put_batches(stream: list[PendingPut]) -> Iterator[bytes]:
         yield encode_bulk(_put_index(batch), [piece for p in batch for piece in p.pieces])
 
 
-def _tier_stats(reply: vault_pb2.TierStats) -> StorageTierStats:
-    return StorageTierStats(
-        reply.entries,
-        reply.bytes_used,
-        reply.max_bytes,
-        reply.hits,
-        reply.reads_per_s,
-        reply.evictions,
-        reply.corrupt,
-        reply.queued_bytes,
-        reply.kept,
-    )
+def backend_stats(address: str, reply: vault_pb2.StatsReply, rtt_s: float) -> BackendStats:
+    """BackendStats of a vault's StatsReply: every field of the same name (vault.proto and
+    BackendStats / StorageTierStats agree on the names), an absent tier None."""
+    found: dict[str, Any] = {"address": address, "rtt_s": rtt_s}
+    for field in dataclasses.fields(BackendStats):
+        if field.name in ("ram", "disk"):
+            tier = getattr(reply, field.name)
+            found[field.name] = (
+                StorageTierStats(*(getattr(tier, name) for name in StorageTierStats._fields))
+                if reply.HasField(field.name)
+                else None
+            )
+        elif field.name not in found:
+            found[field.name] = getattr(reply, field.name)
+    return BackendStats(**found)
