@@ -8,7 +8,6 @@ type, bad size or address) raises `ConfigError` naming the file, the key and wha
 from __future__ import annotations
 
 import ipaddress
-import logging
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -17,7 +16,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-log = logging.getLogger(__name__)
+from tierkv.errors import TierKVError
+from tierkv.logs import get_logger
+
+log = get_logger(__name__)
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -69,7 +71,7 @@ SIZE_FORMS = "a size like 24GB, 512MiB or 1073741824 (units B, KB, MB, GB, TB, K
 """What parse_size accepts, as its errors say."""
 
 
-class ConfigError(ValueError):
+class ConfigError(TierKVError, ValueError):
     """A configuration problem; the message names the source, the key and what was expected."""
 
 
@@ -712,15 +714,13 @@ def resolve_auto_codec(
         _told_auto.add(fingerprint)
         if verdict is None:
             log.warning(
-                "tierkv: codec = auto, but %s holds no verdict for model %s; storing lossless "
+                "codec = auto, but %s holds no verdict for model %s; storing lossless "
                 "(run `tierkv eval --write-config` to record one)",
                 cfg.source,
                 fingerprint or "(weights not found)",
             )
         else:
-            log.warning(
-                "tierkv: codec = auto: %s's verdict for this model is %s", cfg.source, verdict
-            )
+            log.warning("codec = auto: %s's verdict for this model is %s", cfg.source, verdict)
     codec = verdict or "none"
     turbo = replace(cfg.turbo_quant, codec=codec, enabled=codec != "none")
     return replace(cfg, turbo_quant=turbo)

@@ -22,16 +22,16 @@ documents it for callers):
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 
 from tierkv.backends.base import Backend, renumbered
+from tierkv.logs import get_logger
 from tierkv.transfer import Into, batched_by_size
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 PROMOTE_RUN_BYTES = 8 * 1024 * 1024
 """A load asks each vault for runs of keys of about this many payload bytes, one after the other,
@@ -113,7 +113,7 @@ class Load:
                     else self._promote_runs(backends[vault], self.parts_by_vault[vault])
                 )
             except Exception:
-                log.exception("tierkv: promote from the %s vault failed; recomputing", vault)
+                log.exception("promote from the %s vault failed; recomputing", vault)
                 failed.update(range(len(self.keys)))
         # Every promote has returned, nothing is submitted any more: this thread runs the
         # calls no decode thread has started (waking one costs milliseconds on a busy machine).
@@ -136,8 +136,7 @@ class Load:
         while start < len(keys):
             if time.monotonic() > self._deadline:
                 log.warning(
-                    "tierkv: load of %d blocks passed its %.1f s deadline after %d; "
-                    "recomputing the rest",
+                    "load of %d blocks passed its %.1f s deadline after %d; recomputing the rest",
                     len(keys),
                     self._deadline_s,
                     start,
@@ -203,9 +202,7 @@ class Load:
         try:
             failed = self._consume_blocks(blocks)
         except Exception:
-            log.exception(
-                "tierkv: restoring %d arrived blocks failed; recomputing them", len(blocks)
-            )
+            log.exception("restoring %d arrived blocks failed; recomputing them", len(blocks))
             failed = {index for index, _, _ in blocks}
         restored = sum([self._size(payload) for index, _, payload in blocks if index not in failed])
         with self._lock:

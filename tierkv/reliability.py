@@ -11,14 +11,15 @@ nothing here knows a transport.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
-log = logging.getLogger(__name__)
+from tierkv.logs import get_logger
+
+log = get_logger(__name__)
 
 SEND_BATCH_BYTES = 16 * 1024 * 1024
 """At most this many payload bytes per `send` call of a PutQueue, unless told otherwise."""
@@ -270,7 +271,7 @@ class PutQueue:
             try:
                 rejected = self._send(batch)
             except Exception as exc:
-                log.debug("tierkv: %d puts failed: %s", len(batch), exc)
+                log.debug("%d puts failed: %s", len(batch), exc)
                 self._on_failure(exc)
                 with self._cond:
                     self.failed_puts += len(batch)

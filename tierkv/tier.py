@@ -28,7 +28,6 @@ would compound instead of staying in one block.
 from __future__ import annotations
 
 import functools
-import logging
 import operator
 import sys
 import threading
@@ -43,6 +42,7 @@ from tierkv.backends import open_backend
 from tierkv.backends.base import Backend
 from tierkv.config import TierKVConfig
 from tierkv.load import Block, Consume, Load
+from tierkv.logs import get_logger
 from tierkv.quant import (
     DTYPES,
     Codec,
@@ -59,7 +59,7 @@ from tierkv.reliability import PutPayload, payload_bytes
 from tierkv.seal import OVERHEAD_BYTES, Sealer, SealError, block_address
 from tierkv.transfer import RECEIVE_BUFFERS, Into, batched_by_size
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 DEFAULT_MAX_PENDING_ENCODE_BYTES = 256 * 1024 * 1024
 LOAD_SWITCH_INTERVAL_S = 0.0001
@@ -399,7 +399,7 @@ class ColdTier:
                 self._stats.skipped_nonfinite += 1
             return
         except Exception:
-            log.exception("tierkv: encoding or sealing a block failed; it is not stored")
+            log.exception("encoding or sealing a block failed; it is not stored")
             with self._lock:
                 self._stats.encode_errors += 1
             return
@@ -447,7 +447,7 @@ class ColdTier:
                     sealer.open_into(block_address(namespace, keys[index], part), payload, out)
                 except SealError as exc:
                     log.warning(
-                        "tierkv: block %d part %d does not open (%s); recomputing it",
+                        "block %d part %d does not open (%s); recomputing it",
                         index,
                         part,
                         exc,
@@ -515,11 +515,9 @@ def decode_each(
         try:
             decoder(payload, out_for(index, part))
         except PayloadError as exc:
-            log.warning(
-                "tierkv: block %d part %d does not decode (%s); recomputing it", index, part, exc
-            )
+            log.warning("block %d part %d does not decode (%s); recomputing it", index, part, exc)
             failed.add(index)
         except Exception:
-            log.exception("tierkv: decoding block %d part %d failed; recomputing it", index, part)
+            log.exception("decoding block %d part %d failed; recomputing it", index, part)
             failed.add(index)
     return failed

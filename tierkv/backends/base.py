@@ -18,11 +18,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from tierkv.errors import TierKVError
 from tierkv.reliability import PutPayload
 from tierkv.transfer import Into
 
 
-class BackendUnavailable(RuntimeError):
+class BackendUnavailable(TierKVError, RuntimeError):
     """A server behind a backend did not answer a management call (stats, delete, clear)."""
 
 

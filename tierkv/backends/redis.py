@@ -17,7 +17,6 @@ calls fan out to the nodes in parallel through ShardedBackend, so a dead node co
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -35,10 +34,11 @@ from tierkv.backends.base import Backend, BackendStats, BackendUnavailable
 from tierkv.backends.sharded import ShardedBackend
 from tierkv.checksum import block_checksum
 from tierkv.config import ClientConfig, SecurityConfig, format_address, redact
+from tierkv.logs import get_logger
 from tierkv.reliability import CircuitBreaker, PendingPut, PutPayload, PutQueue
 from tierkv.transfer import Into
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 USERNAME_ENV = "TIERKV_REDIS_USERNAME"
 PASSWORD_ENV = "TIERKV_REDIS_PASSWORD"
@@ -211,7 +211,7 @@ class RedisBackend:
                     pipe.unlink(name)
                     pipe.execute()
             except _FAILURES as exc:  # WatchError included: replaced meanwhile
-                log.debug("tierkv: damaged value %r kept: %s", name, exc)
+                log.debug("damaged value %r kept: %s", name, exc)
 
     def flush(self, timeout: float | None = None) -> bool:
         return self._queue.flush(timeout)
@@ -367,9 +367,7 @@ class RedisClusterBackend(ShardedBackend):
                     probe.close()
                 self._install(ranges)
                 return
-            log.warning(
-                "tierkv: no node of the cluster at %s answered; its blocks miss", self.address
-            )
+            log.warning("no node of the cluster at %s answered; its blocks miss", self.address)
         finally:
             with self._lock:
                 self._refreshed_at = time.monotonic()

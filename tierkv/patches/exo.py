@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tierkv
+from tierkv.errors import TierKVError
 
 CACHE_PY = Path("src/exo/worker/engines/mlx/cache.py")
 BOOTSTRAP_PY = Path("src/exo/worker/runner/bootstrap.py")
@@ -36,7 +37,7 @@ REQUIRED_METHODS = ("get_kv_cache", "add_kv_cache", "_evict_if_needed")
 NEEDED_VERSION = "EXO v1.0.68 or newer (token-keyed KVPrefixCache with LRU eviction)"
 
 
-class ExoLayoutError(ValueError):
+class ExoLayoutError(TierKVError, ValueError):
     """The path is not an EXO checkout tierkv supports, or its venv is missing or unusable."""
 
 

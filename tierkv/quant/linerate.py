@@ -9,13 +9,13 @@ user on a fast link with a narrow-vector CPU sees when to choose a lighter codec
 
 from __future__ import annotations
 
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 
+from tierkv.logs import get_logger
 from tierkv.quant.codec import Codec, decode_into, decode_many, encode_block
 from tierkv.quant.target import instruction_set
 
@@ -25,7 +25,7 @@ _SAMPLE_TOKENS, _SAMPLE_HEADS = 64, 8
 """Each block: [tokens, heads, group_size] values (64 x 8 x 128 fp16: 128 KB)."""
 _REPEATS = 5
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,6 @@ def line_rate_note(codec: Codec, dtype: str) -> str | None:
     try:
         rate = measure_line_rate(codec, dtype)
     except Exception:
-        log.warning("tierkv: could not measure %s decode speed", codec.name, exc_info=True)
+        log.warning("could not measure %s decode speed", codec.name, exc_info=True)
         return None
-    return None if rate is None else f"tierkv: {rate}"
+    return None if rate is None else str(rate)

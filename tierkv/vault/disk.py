@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import logging
 import os
 import secrets
 import shutil
@@ -59,8 +58,10 @@ import xxhash
 
 from tierkv.checksum import block_checksum
 from tierkv.config import FSYNC_MODES, MIB
+from tierkv.errors import TierKVError
+from tierkv.logs import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 EntryKey = tuple[bytes, bytes, int]
 """(namespace, block key, part)"""
@@ -105,7 +106,7 @@ def default_max_bytes(directory: Path) -> int:
     return int((shutil.disk_usage(directory).free + held) * DEFAULT_FREE_FRACTION)
 
 
-class DiskLockedError(RuntimeError):
+class DiskLockedError(TierKVError, RuntimeError):
     """Another vault holds the disk directory."""
 
 

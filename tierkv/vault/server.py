@@ -34,6 +34,7 @@ from tierkv.config import (
     format_address,
     parse_address,
 )
+from tierkv.errors import TierKVError
 from tierkv.transfer import batched_by_size
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import (
@@ -83,7 +84,7 @@ SERVER_OPTIONS = [
 T = TypeVar("T")
 
 
-class VaultBindError(OSError):
+class VaultBindError(TierKVError, OSError):
     """The vault could not listen on the requested address."""
 
 

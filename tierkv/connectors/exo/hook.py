@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import logging
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -66,11 +65,12 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from tierkv.config import TierKVConfig, load_config, resolve_auto_codec
 from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
 from tierkv.keys import chain_block_keys, namespace_fingerprint, weights_fingerprint
+from tierkv.logs import get_logger
 from tierkv.quant.kernels import PARALLEL_MIN_BYTES
 from tierkv.quant.linerate import line_rate_note
 from tierkv.tier import ColdTier
 
-log = logging.getLogger("tierkv.exo")
+log = get_logger("tierkv.exo")
 
 FORMAT_VERSION = 1
 VAULT = "kv"
@@ -236,7 +236,7 @@ def report_once(topic: str, message: str, *args: object) -> None:
     """Log a warning the first time `topic` comes up in this process."""
     if topic not in _reported:
         _reported.add(topic)
-        log.warning("tierkv: " + message, *args)
+        log.warning("" + message, *args)
 
 
 # ---- patching ----------------------------------------------------------------------------------
@@ -451,13 +451,13 @@ class ExoRuntime:
             # PARALLEL_MIN_BYTES: compile that now, anything else once a prompt needs it.
             seconds = tier.warm_up(("bf16",), largest_block_bytes=0)
             log.info(
-                "tierkv: %s and lossless kernels for bf16 (single-threaded) ready in %.1f s",
+                "%s and lossless kernels for bf16 (single-threaded) ready in %.1f s",
                 tier.codec.name,
                 seconds,
             )
             if note := line_rate_note(tier.codec, "bf16"):  # lossy codecs only
                 log.info(note)
-            log.info("tierkv: %s", codec_engine())
+            log.info("%s", codec_engine())
             with self._lock:
                 if self._closed:
                     tier.close()
@@ -511,7 +511,7 @@ class ExoRuntime:
                 return
             seconds = tier.warm_up((dtype,), largest)
             log.info(
-                "tierkv: %s and lossless kernels for %s blocks of %d bytes (%s) ready in %.1f s",
+                "%s and lossless kernels for %s blocks of %d bytes (%s) ready in %.1f s",
                 tier.codec.name,
                 dtype,
                 largest,
@@ -758,9 +758,7 @@ class ExoRuntime:
                 layer.keys = keys[:, :, :usable, :]
                 layer.values = values[:, :, :usable, :]
             layer.offset = usable
-        log.info(
-            "tierkv: restored %d of %d prompt tokens from the vault", usable, len(prompt_tokens)
-        )
+        log.info("restored %d of %d prompt tokens from the vault", usable, len(prompt_tokens))
         rebuilt = (cache, prompt_tokens[usable:], None, False)
         return rebuilt[: len(result)]
 

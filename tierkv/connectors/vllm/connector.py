@@ -9,7 +9,6 @@ tierkv.toml is searched as usual. vLLM must run with prefix caching and
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,7 @@ from tierkv.connectors.vllm.groups import UnsupportedGroupError, model_fingerpri
 from tierkv.connectors.vllm.scheduler import TierKVMetadata, TierScheduler
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import TierWorker
+from tierkv.logs import get_logger
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 # Under vLLM's logger, so these lines are printed with vLLM's own.
-log = logging.getLogger(f"vllm.{__name__}")
+log = get_logger(f"vllm.{__name__}")
 _DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 CONFIG_PATH_KEY = "config_path"
@@ -99,7 +99,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             plans, self.unsupported_kind = [], unsupported.kind
             if role == KVConnectorRole.SCHEDULER:  # one line per engine, not one per worker
                 log.warning(
-                    "tierkv: cold tier off for %s: KV-cache group %d is %s, which tierkv "
+                    "cold tier off for %s: KV-cache group %d is %s, which tierkv "
                     "does not store; the engine serves without tierkv",
                     model.model,
                     unsupported.group_id,
@@ -170,7 +170,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         state = any(plan.is_state for plan in worker.plans.values())
         seconds = self.tier.warm_up((self._kv_dtype,), largest, state=state)
         log.info(
-            "tierkv: %s kernels for %s blocks of up to %d bytes ready in %.1f s "
+            "%s kernels for %s blocks of up to %d bytes ready in %.1f s "
             "(compiled once per machine into Numba's cache)",
             " and ".join(self.tier.warmed_codecs),
             self._kv_dtype,
@@ -262,7 +262,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler_side is not None:
             self.scheduler_side.shutdown()
         if not self.tier.flush(timeout=self.config.client.deadline_ms / 1000):
-            log.warning("tierkv: some stored blocks were not acknowledged before shutdown")
+            log.warning("some stored blocks were not acknowledged before shutdown")
         self.tier.close()
 
     # ---- scheduler side --------------------------------------------------------------------

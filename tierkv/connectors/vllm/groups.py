@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from tierkv.errors import TierKVError
 from tierkv.keys import namespace_fingerprint, weights_fingerprint
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ NAMESPACE_FORMAT = 2
 """Bumped whenever the bytes tierkv stores for a vLLM block change meaning."""
 
 
-class UnsupportedGroupError(ValueError):
+class UnsupportedGroupError(TierKVError, ValueError):
     """A KV-cache group of a kind tierkv cannot store (the connector then runs without the tier)."""
 
     def __init__(self, group_id: int, kind: str) -> None:

@@ -22,7 +22,6 @@ so the copy always sees the bytes vLLM cached.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
 from tierkv.connectors.vllm.stats import TierKVStats
 from tierkv.keys import ROOT_KEY, chain_block_keys, namespace_fingerprint
+from tierkv.logs import get_logger
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from tierkv.tier import ColdTier
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 LOOKUP_WAIT_S = 0.05
 """How long a step waits for a vault lookup before vLLM is told to ask again next step."""
@@ -154,7 +154,7 @@ class TierScheduler:
     def bind_block_pool(self, pool: BlockPool) -> None:
         if pool.hash_block_size != self.block_size:
             log.warning(
-                "tierkv: vLLM hashes blocks of %d tokens but stores blocks of %d; "
+                "vLLM hashes blocks of %d tokens but stores blocks of %d; "
                 "evicted blocks are not stored",
                 pool.hash_block_size,
                 self.block_size,

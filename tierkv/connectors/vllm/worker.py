@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -50,13 +49,14 @@ from tierkv.config import kv_pair_codecs
 from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
 from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
+from tierkv.logs import get_logger
 from tierkv.movers import BlockMover, Blocks, Staged, StagingRing, codec_dtype, hand_over
 
 if TYPE_CHECKING:
     from tierkv.tier import ColdTier
     from tierkv.transfer import Into
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass
@@ -201,7 +201,7 @@ class TierWorker:
             by_group[job.group_id].append(job)
         if by_group and not self._movers:
             log.warning(
-                "tierkv: %d blocks not stored: the KV caches are unregistered (sleep mode)",
+                "%d blocks not stored: the KV caches are unregistered (sleep mode)",
                 len(meta.stores),
             )
             self.stats.add("staging_dropped_blocks", len(meta.stores))
@@ -267,7 +267,7 @@ class TierWorker:
             try:
                 failed, restored = self._load_group(load)
             except Exception:
-                log.exception("tierkv: loading request %s failed; recomputing it", job.req_id)
+                log.exception("loading request %s failed; recomputing it", job.req_id)
                 failed, restored = set(range(len(load.keys))), 0
             result.failed_block_ids.update(load.block_ids[index] for index in failed)
             result.nbytes += restored
@@ -328,7 +328,7 @@ class TierWorker:
         if not result.failed_block_ids:
             return True
         log.warning(
-            "tierkv: %d of %d blocks of request %s were not restored (vault unreachable, "
+            "%d of %d blocks of request %s were not restored (vault unreachable, "
             "blocks evicted or corrupt); vLLM recomputes them",
             len(result.failed_block_ids),
             result.blocks,
