@@ -25,8 +25,12 @@ KIB = 1024
 MIB = 1024 * KIB
 GIB = 1024 * MIB
 
-ROLES = ("inference", "kv_cold", "ssm_cold")
-VAULT_ROLES = ("kv_cold", "ssm_cold")
+KV_VAULT, SSM_VAULT = "kv", "ssm"
+VAULT_ROLE = {KV_VAULT: "kv_cold", SSM_VAULT: "ssm_cold"}
+"""ColdTier's vaults ("kv": attention KV; "ssm": SSM / linear-attention state) and the role the
+vault of each serves, which is also its `[cluster]` key."""
+VAULT_ROLES = tuple(VAULT_ROLE.values())
+ROLES = ("inference", *VAULT_ROLES)
 TURBO_QUANT_CODECS = ("int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
 """The lossy codecs of tierkv.quant that `[turbo_quant] codec` may name."""
 CODEC_BITS = {
@@ -232,9 +236,14 @@ class ClusterConfig:
     kv_cold: tuple[Endpoint, ...] = ()
     ssm_cold: tuple[Endpoint, ...] = ()
 
+    def endpoints(self, vault: str) -> tuple[Endpoint, ...]:
+        """The configured cold stores of ColdTier's vault `vault` ("kv" or "ssm")."""
+        found: tuple[Endpoint, ...] = getattr(self, VAULT_ROLE[vault])
+        return found
+
     def vault_addresses(self) -> dict[str, tuple[Endpoint, ...]]:
         """Configured cold stores by role name ("kv_cold", "ssm_cold")."""
-        found = {"kv_cold": self.kv_cold, "ssm_cold": self.ssm_cold}
+        found = {role: self.endpoints(vault) for vault, role in VAULT_ROLE.items()}
         return {role: endpoints for role, endpoints in found.items() if endpoints}
 
 

@@ -40,7 +40,7 @@ import numpy as np
 
 from tierkv.backends import open_backend
 from tierkv.backends.base import Backend
-from tierkv.config import TierKVConfig
+from tierkv.config import KV_VAULT, VAULT_ROLE, TierKVConfig
 from tierkv.load import Block, Consume, Load
 from tierkv.logs import get_logger
 from tierkv.quant import (
@@ -146,11 +146,10 @@ class ColdTier:
         cache) for `warm_dtypes` first, so no request pays for it; `warmup_s` says how long that
         took. Pass the engine's KV dtypes, or none for a side that never encodes or decodes.
         """
-        endpoints = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
         vaults = {
-            name: open_backend(found, cfg.client, cfg.security)
-            for name, found in endpoints.items()
-            if found
+            vault: open_backend(cfg.cluster.endpoints(vault), cfg.client, cfg.security)
+            for vault in VAULT_ROLE
+            if cfg.cluster.endpoints(vault)
         }
         codec = get_codec(cfg.turbo_quant.codec_name, group_size=cfg.turbo_quant.kv_dim)
         key_file = cfg.security.data_key_file
@@ -193,7 +192,7 @@ class ColdTier:
         part: int,
         block: np.ndarray,
         dtype: str | None = None,
-        vault: str = "kv",
+        vault: str = KV_VAULT,
         on_done: Callable[[], None] | None = None,
         kv_split: tuple[int, int] | None = None,
     ) -> None:
@@ -217,7 +216,7 @@ class ColdTier:
             if on_done is not None:
                 on_done()
             return
-        codec = self.codec if vault == "kv" else self._lossless
+        codec = self.codec if vault == KV_VAULT else self._lossless
         future = self._encoders.submit(
             self._encode_and_put,
             codec,

@@ -62,7 +62,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from tierkv.config import TierKVConfig, load_config, resolve_auto_codec
+from tierkv.config import KV_VAULT, TierKVConfig, load_config, resolve_auto_codec
 from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
 from tierkv.keys import chain_block_keys, namespace_fingerprint, weights_fingerprint
 from tierkv.logs import get_logger
@@ -73,7 +73,7 @@ from tierkv.tier import ColdTier
 log = get_logger("tierkv.exo")
 
 FORMAT_VERSION = 1
-VAULT = "kv"
+VAULT = KV_VAULT
 _PATCHED = "__tierkv_patched__"
 HOOKED_METHODS = ("__init__", "get_kv_cache", "add_kv_cache", "_evict_if_needed")
 MAX_QUEUED_SPILLS = 8

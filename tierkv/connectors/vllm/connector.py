@@ -21,7 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from tierkv.config import TierKVConfig, config_from_mapping, load_config, resolve_auto_codec
+from tierkv.config import (
+    VAULT_ROLE,
+    TierKVConfig,
+    config_from_mapping,
+    load_config,
+    resolve_auto_codec,
+)
 from tierkv.connectors.vllm.groups import UnsupportedGroupError, model_fingerprint, plan_groups
 from tierkv.connectors.vllm.scheduler import TierKVMetadata, TierScheduler
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
@@ -105,10 +111,9 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                     unsupported.group_id,
                     unsupported.kind,
                 )
-        addresses = {"kv": cfg.cluster.kv_cold, "ssm": cfg.cluster.ssm_cold}
         for plan in plans:
-            if not addresses[plan.vault]:
-                key = "cluster.kv_cold" if plan.vault == "kv" else "cluster.ssm_cold"
+            if not cfg.cluster.endpoints(plan.vault):
+                key = f"cluster.{VAULT_ROLE[plan.vault]}"
                 raise ValueError(
                     f"{cfg.source}: {key} is not set, but KV-cache group {plan.group_id} of "
                     f"{vllm_config.model_config.model} needs a {plan.vault!r} vault"

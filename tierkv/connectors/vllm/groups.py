@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
+from tierkv.config import KV_VAULT, SSM_VAULT
 from tierkv.errors import TierKVError
 from tierkv.keys import namespace_fingerprint, weights_fingerprint
 
@@ -84,7 +85,7 @@ class GroupPlan:
 
     @property
     def is_state(self) -> bool:
-        return self.vault == "ssm"
+        return self.vault == SSM_VAULT
 
 
 def plan_groups(
@@ -135,7 +136,7 @@ def plan_groups(
             continue
         kv_widths, window = (0, 0), 0
         if isinstance(spec, MambaSpec):
-            vault = "ssm"
+            vault = SSM_VAULT
             states = tuple(
                 (tuple(shape), str(dtype).removeprefix("torch."))
                 for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
@@ -143,7 +144,7 @@ def plan_groups(
         elif isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)) and not isinstance(
             spec, not_full
         ):
-            vault, states = "kv", ()
+            vault, states = KV_VAULT, ()
             kv_widths = (spec.head_size, spec.head_size_v)
             if isinstance(spec, SlidingWindowSpec):
                 window = spec.sliding_window + spec.extra_retained_tokens
