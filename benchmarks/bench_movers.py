@@ -36,7 +36,8 @@ from bench_vault import running_vault
 
 from tierkv.backends.vault import VaultClient
 from tierkv.config import format_size, parse_size
-from tierkv.movers import BlockMover, Blocks, StagingRing, hand_over
+from tierkv.load import Consume
+from tierkv.movers import BlockMover, StagingRing, hand_over
 from tierkv.quant import decode_into, get_codec, torch_ops
 from tierkv.quant import warmup as warmup_codecs
 from tierkv.tier import ColdTier
@@ -120,9 +121,7 @@ def restore_all(
     batch_blocks: int,
     on_device: bool,
 ) -> tuple[float, set[int]]:
-    def fetch(
-        start: int, stop: int, consume: Callable[[Blocks], set[int]], into: Into | None
-    ) -> set[int]:
+    def fetch(start: int, stop: int, consume: Consume, into: Into | None) -> set[int]:
         return tier.load_blocks(namespace, keys[start:stop], {"kv": [0]}, consume, into)
 
     synchronize(mover.device)

@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from tierkv.load import LOAD_SWITCH_INTERVAL_S  # noqa: E402
 from tierkv.movers import BlockMover, StagingRing, countdown  # noqa: E402
-from tierkv.tier import LOAD_SWITCH_INTERVAL_S  # noqa: E402
 
 
 class CountOps(TorchDispatchMode):

@@ -13,8 +13,9 @@ from helpers import SLOW_BOX_MARGIN_S, VaultHandle, flip_byte
 from tierkv.backends.vault import VaultClient
 from tierkv.config import config_from_mapping
 from tierkv.keys import chain_block_keys, namespace_fingerprint
+from tierkv.load import LOAD_SWITCH_INTERVAL_S, SwitchInterval
 from tierkv.quant import NonFiniteError, get_codec
-from tierkv.tier import LOAD_SWITCH_INTERVAL_S, ColdTier, SwitchInterval
+from tierkv.tier import ColdTier
 
 NS = namespace_fingerprint({"test": "tier"})
 KEYS = chain_block_keys(list(range(4 * 32)), block_tokens=32)

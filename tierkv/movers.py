@@ -52,6 +52,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
+    from tierkv.load import Block, Consume
     from tierkv.transfer import Into
 
 ALIGN = 256
@@ -62,9 +63,7 @@ _HEADER_VERDICTS = 64
 """Payload headers whose verdict a mover remembers (see BlockMover._lossless_header)."""
 
 
-Blocks = list[tuple[int, int, memoryview]]
-"""(index, part, payload) of received blocks"""
-Fetch = Callable[[int, int, Callable[[Blocks], set[int]], "Into | None"], set[int]]
+Fetch = Callable[[int, int, "Consume", "Into | None"], set[int]]
 """fetch(start, stop, consume, into) -> failed indices, relative to start (BlockMover.load)"""
 Send = Callable[[int, int, np.ndarray, str, Callable[[], None]], None]
 """send(index, part, array, codec dtype, on_done); see hand_over"""
@@ -405,7 +404,7 @@ class BlockMover:
         the rest of the batch is still on the wire; the scatter leaves them out. Returns once
         every copy has completed (on CUDA: its event), so the blocks may be reported loaded.
         """
-        from tierkv.tier import SWITCH_INTERVAL_WHILE_LOADING
+        from tierkv.load import SWITCH_INTERVAL_WHILE_LOADING
 
         with SWITCH_INTERVAL_WHILE_LOADING:  # its copies too (see LOAD_SWITCH_INTERVAL_S)
             return self._load(block_ids, fetch, batch_blocks, on_device)
@@ -413,7 +412,7 @@ class BlockMover:
     def _load(
         self, block_ids: Sequence[int], fetch: Fetch, batch_blocks: int, on_device: bool
     ) -> set[int]:
-        from tierkv.tier import decode_each
+        from tierkv.load import decode_each
 
         direct = self._host_layers is not None and len(self.parts) == 1 and not on_device
         placeable = direct and self._placeable()
@@ -428,7 +427,7 @@ class BlockMover:
                     oldest.release()
                 staged = self.staging(len(ids), on_device=on_device)
                 in_flight.append(staged)
-                decode: Callable[[Blocks], set[int]]
+                decode: Consume
                 if on_device:
                     out_for = _slot_of(staged.tensors)
                     decoder = self.decode_on_device
@@ -497,9 +496,9 @@ class BlockMover:
         self,
         block_ids: Sequence[int],
         written: set[int],
-        decode: Callable[[Blocks], set[int]],
+        decode: Consume,
         places: _Places | None,
-        blocks: Blocks,
+        blocks: list[Block],
     ) -> set[int]:
         """consume of a host load: payloads placed in their engine blocks checked (`places`),
         other lossless payloads copied straight into engine blocks `block_ids[i]`, the rest
@@ -548,7 +547,7 @@ class BlockMover:
             self._header_verdicts[key] = verdict
         return verdict
 
-    def _scatter_lossless(self, block_ids: Sequence[int], blocks: Blocks) -> Blocks:
+    def _scatter_lossless(self, block_ids: Sequence[int], blocks: list[Block]) -> list[Block]:
         """Copy lossless payloads of this one-part mover straight into the engine blocks; the
         blocks it did not handle (another codec or shape, a header that does not validate).
 
@@ -562,7 +561,7 @@ class BlockMover:
 
         assert self._host_layers is not None
         layers = self._host_layers[0]
-        rest: Blocks = []
+        rest: list[Block] = []
         for span in back_to_back_runs([payload for _, _, payload in blocks]):
             run = blocks[span.start : span.stop]
             start = len(run)  # the first payload that validates decides for the run
@@ -658,17 +657,17 @@ class _Places:
         self.rows: dict[int, memoryview] = {}
 
 
-def _decode_runs(outputs: list[np.ndarray], blocks: Blocks) -> set[int]:
+def _decode_runs(outputs: list[np.ndarray], blocks: list[Block]) -> set[int]:
     """Decode `blocks` into their slots of per-part host staging `outputs`; the indices that
     failed. Each part's blocks go to decode_many (a run of payloads received back to back is
     one kernel call, which gives the GIL back once, not once per block), the rest one by one."""
+    from tierkv.load import decode_each
     from tierkv.quant import decode_into, decode_many  # Numba: only once a load runs
-    from tierkv.tier import decode_each
 
-    by_part: dict[int, Blocks] = {}
+    by_part: dict[int, list[Block]] = {}
     for block in blocks:
         by_part.setdefault(block[1], []).append(block)
-    rest: Blocks = []
+    rest: list[Block] = []
     for part, group in by_part.items():
         rows = [index for index, _, _ in group]
         done = decode_many([payload for _, _, payload in group], outputs[part], rows)

@@ -50,9 +50,10 @@ from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
 from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
 from tierkv.logs import get_logger
-from tierkv.movers import BlockMover, Blocks, Staged, StagingRing, codec_dtype, hand_over
+from tierkv.movers import BlockMover, Staged, StagingRing, codec_dtype, hand_over
 
 if TYPE_CHECKING:
+    from tierkv.load import Consume
     from tierkv.tier import ColdTier
     from tierkv.transfer import Into
 
@@ -286,9 +287,7 @@ class TierWorker:
         plan = self.plans[load.group_id]
         namespace = plan.namespaces[self.tp_rank]
 
-        def fetch(
-            start: int, stop: int, consume: Callable[[Blocks], set[int]], into: Into | None
-        ) -> set[int]:
+        def fetch(start: int, stop: int, consume: Consume, into: Into | None) -> set[int]:
             parts = {plan.vault: plan.parts}
             return self.tier.load_blocks(namespace, load.keys[start:stop], parts, consume, into)
 
