@@ -281,7 +281,8 @@ class ColdTier:
         buffers; the runs are then about PLACED_RUN_BYTES, the first one too when an earlier
         load measured the payload size.
 
-        While it runs, Python's switch interval is LOAD_SWITCH_INTERVAL_S.
+        While it runs, Python's switch interval is LOAD_SWITCH_INTERVAL_S. (The constants named
+        here, and the load itself, are in tierkv/load.py.)
         """
         with SWITCH_INTERVAL_WHILE_LOADING:
             return self._load_blocks(namespace, keys, parts_by_vault, consume, into)

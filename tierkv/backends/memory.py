@@ -21,8 +21,6 @@ class MemoryBackend:
 
     def __init__(self, address: str = "memory") -> None:
         self.address = address
-        self.promotes = 0
-        """Promote calls answered (a load's runs)."""
         self._blocks: dict[tuple[bytes, bytes, int], bytes] = {}
         self._lock = threading.Lock()
         self._stored_puts = 0
@@ -61,7 +59,6 @@ class MemoryBackend:
     ) -> dict[tuple[int, int], memoryview]:
         found: dict[tuple[int, int], memoryview] = {}
         with self._lock:
-            self.promotes += 1
             for index, key in enumerate(keys):
                 for part in parts:
                     payload = self._blocks.get((namespace, key, part))
