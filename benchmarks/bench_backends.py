@@ -5,14 +5,13 @@
 
 Stores, all on 127.0.0.1: one `tierkv vault` process, two of them (blocks spread 1:1 by weighted
 rendezvous hashing), one redis-server (or valkey-server), and a 3-node Redis Cluster. For each,
-`--total` bytes of random payloads are Put through the tierkv backend, then every block is
-promoted by N worker processes at once (tierkv.bench.concurrent_promote: each worker its own
+`--total` bytes of random payloads are Put through the tierkv backend, then every block is promoted
+by N worker processes at once (tierkv.bench.pipeline.concurrent_promote: each worker its own
 connections, checksums verified; "each" = one worker's GB/s, "all" = every worker's bytes ÷ first
 start to last finish). References measured in the same run: numpy memcpy of the same bytes, and
 redis-py pipelined GETs (hiredis, batches as the backend's) of the same payloads straight from the
 same redis-server, without tierkv; the headline ratio is the vault's 1-worker Promote ÷ that GET.
-Figures are medians of the rounds; on a shared machine they are noisy, the ratios less so.
-"""
+Figures are medians of the rounds; on a shared machine they are noisy, the ratios less so."""
 
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from rich.table import Table
 from tests.redis_servers import start_cluster, start_redis
 from tierkv.backends import open_backend
 from tierkv.backends.redis import PROMOTE_BATCH
-from tierkv.bench import bench_client_config, concurrent_promote
+from tierkv.bench.pipeline import bench_client_config, concurrent_promote
 from tierkv.config import Endpoint, format_size, parse_size
 
 NAMESPACE = b"bench-backends-0"

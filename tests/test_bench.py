@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
-from tierkv.bench import BenchResult, link_restore_s, stored_form
+from tierkv.bench.pipeline import BenchResult, link_restore_s, stored_form
 from tierkv.cli import app
 from tierkv.cli.bench import results_table
 from tierkv.config import parse_address
@@ -389,7 +389,7 @@ def test_a_bench_stopped_half_way_removes_its_blocks(
     vault_factory: Callable[..., Any], phase: str, stop: type[BaseException]
 ) -> None:
     """An exception or Ctrl-C in any phase: the external vault holds none of the bench's blocks."""
-    from tierkv.bench import run_bench
+    from tierkv.bench.pipeline import run_bench
 
     vault = vault_factory()
 
@@ -407,7 +407,7 @@ def test_a_bench_stopped_half_way_removes_its_blocks(
 def test_sliding_window_layers_store_only_their_window() -> None:
     """gemma3-27b: the 10 full-attention layers' KV of every block, the 52 sliding-window
     layers' of the blocks inside the 1024-token window before the prompt's end only."""
-    from tierkv.bench import raw_kv_bytes, synthetic_kv
+    from tierkv.bench.pipeline import raw_kv_bytes, synthetic_kv
 
     shape = MODEL_SHAPES["gemma3-27b"]
     kv = synthetic_kv(shape, tokens=4096, block_tokens=256, dtype="fp16")

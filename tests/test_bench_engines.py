@@ -10,7 +10,7 @@ import pytest
 from tiny_models import build_tiny_llama
 from typer.testing import CliRunner
 
-from tierkv.bench_engines import long_prompt
+from tierkv.bench.prompts import long_prompt
 from tierkv.cli import app
 
 

@@ -14,7 +14,7 @@ from helpers import VaultHandle
 from tiny_models import build_tiny_llama, build_tiny_qwen3_next, build_tokenizer
 from typer.testing import CliRunner
 
-from tierkv.bench_eval import (
+from tierkv.bench.eval import (
     CodecEval,
     EvalReport,
     PromptEval,
@@ -33,7 +33,7 @@ from tierkv.config import TierKVConfig, TurboQuantConfig, load_config, resolve_a
 _ZERO_CODEC_ENGINE = """
 import json, sys
 import numpy as np
-import tierkv.bench_eval as bench_eval
+import tierkv.bench.eval as bench_eval
 
 class ZeroCodec:
     '''Deliberately destructive: stores every block as zeros (a valid lossless payload).'''

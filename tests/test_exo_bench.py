@@ -23,7 +23,8 @@ from helpers import VaultHandle
 from test_exo_hook import BLOCK, READY_TIMEOUT_S, start_exo
 from typer.testing import CliRunner
 
-from tierkv.bench_engines import exo_bench, long_prompt
+from tierkv.bench.engines import exo_bench
+from tierkv.bench.prompts import long_prompt
 from tierkv.cli import app
 from tierkv.connectors.exo import hook
 

@@ -24,7 +24,7 @@ from test_exo_hook import (  # noqa: F401 (exo_source, stop_runtime: fixtures us
     stop_runtime,
 )
 
-from tierkv.bench_engines import long_prompt
+from tierkv.bench.prompts import long_prompt
 from tierkv.connectors.exo import hook
 
 pytestmark = [pytest.mark.mlx, pytest.mark.real_model, pytest.mark.timeout(600)]

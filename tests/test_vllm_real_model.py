@@ -21,7 +21,7 @@ from test_vllm_connector import Engine
 from typer.testing import CliRunner
 
 from tierkv.backends.vault import VaultClient
-from tierkv.bench_engines import long_prompt
+from tierkv.bench.prompts import long_prompt
 from tierkv.cli import app
 from tierkv.config import load_config
 

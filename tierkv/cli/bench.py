@@ -31,8 +31,8 @@ from tierkv.config import (
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 
 if TYPE_CHECKING:  # numpy, gRPC and Numba are imported when a bench runs, not for --help
-    from tierkv.bench import BenchResult
-    from tierkv.bench_engines import EngineBench
+    from tierkv.bench.engines import EngineBench
+    from tierkv.bench.pipeline import BenchResult
 
 CODECS = ("none", *TURBO_QUANT_CODECS)
 console = Console(stderr=True)
@@ -148,7 +148,7 @@ def bench(
     for address in vaults:
         _check_address("--vault", address)
     if engine is not None:
-        from tierkv.bench_engines import long_prompt
+        from tierkv.bench.prompts import long_prompt
 
         prompt = _read_prompt(prompt_file) if prompt_file else long_prompt(words=tokens)
         limit = None if prompt_file else tokens
@@ -209,7 +209,7 @@ def _run_bench(
     from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
     from tierkv.backends.base import BackendUnavailable
-    from tierkv.bench import run_bench
+    from tierkv.bench.pipeline import run_bench
 
     live = console.is_terminal and not quiet
     with Progress(
@@ -359,8 +359,8 @@ def _vllm_bench(
         raise fail("bench", "--engine vllm needs --model (a model directory or name)", 2)
     if codec == "all":
         raise fail("bench", "--codec all: --engine vllm runs one codec; name one", 2)
-    from tierkv.bench import vault_addresses
-    from tierkv.bench_engines import vllm_bench
+    from tierkv.bench.engines import vllm_bench
+    from tierkv.bench.pipeline import vault_addresses
 
     with (
         vault_addresses(vaults) as addresses,
@@ -398,7 +398,7 @@ def _exo_bench(
     if url.scheme not in ("http", "https") or not url.hostname:
         message = f"--exo-api: expected a URL like http://127.0.0.1:52415, got {exo_api!r}"
         raise fail("bench", message, 2)
-    from tierkv.bench_engines import exo_bench
+    from tierkv.bench.engines import exo_bench
 
     try:
         with console.status("asking EXO") as status:

@@ -16,7 +16,7 @@ from tierkv.cli.errors import fail
 from tierkv.config import CODEC_BITS, ConfigError, kv_pair_codecs, load_config
 
 if TYPE_CHECKING:
-    from tierkv.bench_eval import EvalReport
+    from tierkv.bench.eval import EvalReport
 
 console = Console(stderr=True)
 DEFAULT_CODECS = "none,int8,k8v4,tq4,tq3.5,tq3"
@@ -119,14 +119,14 @@ def eval_command(
     vault and generate again: how often the continuation stays identical, where it first
     differs, the KL divergence of the next-token distributions and the bytes saved.
     """
-    from tierkv.bench import vault_addresses  # the codecs (Numba): not for `tierkv --help`
-    from tierkv.bench_eval import (
+    from tierkv.bench.eval import (
         EngineFailed,
         builtin_prompts,
         task_prompts,
         vllm_eval,
         write_verdict,
     )
+    from tierkv.bench.pipeline import vault_addresses  # the codecs (Numba): not for `tierkv --help`
 
     try:
         cfg = load_config(config)
@@ -207,7 +207,7 @@ def _pair(name: str) -> tuple[str, str] | None:
 
 def _passkey_lengths(option: str, model: str, new_tokens: int) -> list[int]:
     """--passkey-lengths as token counts, each capped to fit the model's context."""
-    from tierkv.bench_eval import TASK_NEW_TOKENS
+    from tierkv.bench.eval import TASK_NEW_TOKENS
     from tierkv.patches.vllm import read_hf_config
 
     try:
@@ -255,7 +255,7 @@ def eval_table(
     report: EvalReport, min_identical: float, max_kl: float, min_task_accuracy: float = 0.0
 ) -> Table:
     """One row per codec and the engine's own floor first; the gate's verdict in the caption."""
-    from tierkv.bench_eval import ARTICLE_TOKENS
+    from tierkv.bench.eval import ARTICLE_TOKENS
 
     verdict = report.verdict(min_identical, max_kl, min_task_accuracy)
     rows = [report.floor, *report.codecs] if report.floor else report.codecs

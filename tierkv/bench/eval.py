@@ -19,7 +19,6 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -28,13 +27,8 @@ from typing import Any
 
 import tomlkit
 
-from tierkv.bench_engines import (
-    PROGRESS_PREFIX,
-    in_engine_process,
-    long_prompt,
-    start_vllm,
-    worker_connector,
-)
+from tierkv.bench.engine_process import in_engine_process, progress, start_vllm, worker_connector
+from tierkv.bench.prompts import long_prompt
 
 TOP_K = 20
 """Log-probabilities vLLM returns per generated position (its default `max_logprobs`)."""
@@ -326,11 +320,6 @@ def engine_report(model: str, new_tokens: int, seconds: float, found: dict[str, 
         codecs=[row(c) for c in found["codecs"]],
         floor=row(found["floor"]),
     )
-
-
-def progress(message: str) -> None:
-    """One progress line on stderr (the parent process passes it on)."""
-    print(f"{PROGRESS_PREFIX}{message}", file=sys.stderr, flush=True)
 
 
 def engine_start_error(exc: BaseException, kv_cache_bytes: int | None) -> str:
