@@ -369,3 +369,21 @@ def test_lossless_pieces_are_the_encoded_payload_without_a_copy() -> None:
     block[0, 0, 0] = np.inf
     with pytest.raises(NonFiniteError):
         codec.encode_pieces(block)
+
+
+def test_stored_form_is_what_store_sends_lossless_for_state_encoded_for_kv() -> None:
+    """The one place that chooses a block's stored form (the bench times it too): a lossless
+    codec's block is its header and a view of its own memory, the "ssm" vault's state is
+    lossless whatever the codec, any other block is the codec's payload."""
+    block = np.arange(2 * 64, dtype=np.float16).reshape(2, 64)
+    none, int8 = get_codec("none", 64), get_codec("int8", 64)
+    lossless = ColdTier(none, {})
+    pieces = lossless.stored_form(block)
+    assert isinstance(pieces, tuple) and b"".join(pieces) == none.encode(block)
+    assert np.shares_memory(np.frombuffer(pieces[1], np.uint8), block)
+    lossy = ColdTier(int8, {})
+    assert lossy.stored_form(block) == int8.encode(block)
+    state = lossy.stored_form(block, vault="ssm")
+    assert isinstance(state, tuple) and b"".join(state) == none.encode(block)
+    lossless.close()
+    lossy.close()

@@ -206,10 +206,9 @@ class ColdTier:
             if on_done is not None:
                 on_done()
             return
-        codec = self.codec if vault == KV_VAULT else self._lossless
         future = self._encoders.submit(
             self._encode_and_put,
-            codec,
+            vault,
             client,
             namespace,
             key,
@@ -362,9 +361,25 @@ class ColdTier:
         with self._lock:
             self._encoding.discard(future)
 
+    def stored_form(
+        self,
+        block: np.ndarray,
+        dtype: str | None = None,
+        vault: str = KV_VAULT,
+        kv_split: tuple[int, int] | None = None,
+    ) -> PutPayload:
+        """`block` as `store` hands it to `vault`'s backend, before sealing: stored lossless (the
+        "ssm" vault's state, or the lossless codec), its header and the block's own memory (no
+        copy); else encoded by the codec (`encode_block`: the min_cosine fallback, `kv_split`).
+        NonFiniteError: the block holds NaN or infinity."""
+        codec = self.codec if vault == KV_VAULT else self._lossless
+        if isinstance(codec, LosslessCodec):
+            return codec.encode_pieces(block, dtype)
+        return encode_block(codec, block, dtype, self.min_cosine, kv_split)
+
     def _encode_and_put(
         self,
-        codec: Codec,
+        vault: str,
         client: Backend,
         namespace: bytes,
         key: bytes,
@@ -376,12 +391,9 @@ class ColdTier:
     ) -> None:
         release = None  # what the put calls once it is done with `block`
         try:
-            if isinstance(codec, LosslessCodec):
-                payload: PutPayload = codec.encode_pieces(block, dtype)
-                if self.sealer is None:  # sent from the block's own memory
-                    release, on_done = on_done, None
-            else:
-                payload = encode_block(codec, block, dtype, self.min_cosine, kv_split)
+            payload = self.stored_form(block, dtype, vault, kv_split)
+            if isinstance(payload, tuple) and self.sealer is None:  # sent from block memory
+                release, on_done = on_done, None
             if self.sealer is not None:  # the sealed copy is sent: `block` is free after this
                 payload = self._sealed(self.sealer, block_address(namespace, key, part), payload)
         except NonFiniteError:

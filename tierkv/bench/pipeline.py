@@ -32,17 +32,16 @@ from multiprocessing.synchronize import Barrier
 import numpy as np
 
 from tierkv.backends import open_backend
-from tierkv.backends.base import Backend
-from tierkv.config import ClientConfig, Endpoint, SecurityConfig
+from tierkv.backends.base import Backend, BackendStats
+from tierkv.config import KV_VAULT, SSM_VAULT, ClientConfig, Endpoint, SecurityConfig
 from tierkv.keys import chain_block_keys, namespace_fingerprint
-from tierkv.load import FIRST_PROMOTE_RUN_KEYS, PROMOTE_RUN_BYTES
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES, ModelShape
 from tierkv.quant import Codec, decode_into, fidelity, get_codec
 from tierkv.quant import warmup as warmup_codecs
-from tierkv.quant.lossless import LosslessCodec
 from tierkv.reliability import PutPayload, payload_bytes
 from tierkv.seal import KEY_BYTES, Sealer, block_address
-from tierkv.tier import sealed_payload
+from tierkv.tier import ColdTier, sealed_payload
+from tierkv.transfer import Into
 from tierkv.vault.server import serve as serve_vault
 
 LINK_GBITS = (1, 10, 25)
@@ -56,35 +55,74 @@ CLEANUP_FLUSH_S = 30.0
 """How long a bench that stops waits for its puts in flight before removing its blocks."""
 
 
-def link_restore_s(
-    lookup_s: float, stored_bytes: int, decode_s: float, n_blocks: int, gbits: float
-) -> float:
-    """Seconds a restore would take with the stored bytes crossing a link of `gbits` Gbit/s:
-    the lookup, then ColdTier.load's pipeline, which asks for the blocks in runs (a first one of
-    FIRST_PROMOTE_RUN_KEYS keys, then about PROMOTE_RUN_BYTES each) and decodes a run while the
-    next one is on the wire. Each run's decode is its share of the measured `decode_s` and
-    starts once the run has arrived and the previous run is decoded. The CPU the receiving
-    side spends on the wire is not modelled (on loopback, promote_s holds it)."""
-    wire_s = stored_bytes * 8 / (gbits * 1e9)
-    per_block = stored_bytes / max(1, n_blocks)
-    runs = [min(n_blocks, FIRST_PROMOTE_RUN_KEYS)]
-    per_run = max(1, int(PROMOTE_RUN_BYTES // max(1.0, per_block)))
-    while sum(runs) < n_blocks:
-        runs.append(min(per_run, n_blocks - sum(runs)))
-    arrived = decoded = 0.0
-    for keys in runs:
-        share = keys / max(1, n_blocks)
-        arrived += share * wire_s
-        decoded = max(decoded, arrived) + share * decode_s
-    return lookup_s + decoded
+class LinkView:
+    """The bench's backend as one of its ColdTiers sees it: each Promote returns no sooner than its
+    payload bytes would take to cross a link of `gbits` Gbit/s (None: as soon as the vault
+    answers), so `ColdTier.load` over it is a restore over that link, its runs decoding while the
+    next one is on the wire. The CPU the receiving side spends on the wire is not added (on
+    loopback it is already in the time the vault took). `close` leaves the backend open: the
+    bench's tiers share it, and the bench closes it once."""
+
+    def __init__(self, backend: Backend, gbits: float | None = None) -> None:
+        self.backend = backend
+        self.gbits = gbits
+        self.address = backend.address
+
+    def put(
+        self,
+        namespace: bytes,
+        key: bytes,
+        part: int,
+        payload: PutPayload,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self.backend.put(namespace, key, part, payload, release)
+
+    def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
+        return self.backend.lookup(namespace, keys, parts)
+
+    def promote(
+        self,
+        namespace: bytes,
+        keys: Sequence[bytes],
+        parts: Sequence[int],
+        into: Into | None = None,
+    ) -> dict[tuple[int, int], memoryview]:
+        start = time.perf_counter()
+        found = self.backend.promote(namespace, keys, parts, into)
+        if self.gbits is not None:
+            wire_s = sum(map(len, found.values())) * 8 / (self.gbits * 1e9)
+            time.sleep(max(0.0, wire_s - (time.perf_counter() - start)))
+        return found
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return self.backend.flush(timeout)
+
+    def server_stats(self) -> list[BackendStats]:
+        return self.backend.server_stats()
+
+    def clear(self, namespace: bytes) -> int:
+        return self.backend.clear(namespace)
+
+    def counters(self) -> dict[str, int | str]:
+        return self.backend.counters()
+
+    def close(self) -> None:
+        """Nothing: the backend is the bench's to close."""
 
 
-def stored_form(codec: Codec, block: np.ndarray) -> PutPayload:
-    """`block` as ColdTier hands it to a vault: a lossless block as its header and a view of its
-    own memory (no copy), any other as its encoded payload."""
-    if isinstance(codec, LosslessCodec):
-        return codec.encode_pieces(block)
-    return codec.encode(block)
+@contextmanager
+def bench_tier(
+    codec: Codec, backend: Backend, gbits: float | None = None, sealer: Sealer | None = None
+) -> Iterator[ColdTier]:
+    """A ColdTier of `codec` whose "kv" and "ssm" vaults are `backend` (over a link of `gbits`,
+    see LinkView), sealing with `sealer`; its threads end with the block, the backend stays."""
+    link = LinkView(backend, gbits)
+    tier = ColdTier(codec, {KV_VAULT: link, SSM_VAULT: link}, sealer=sealer)
+    try:
+        yield tier
+    finally:
+        tier.close()
 
 
 @dataclass
@@ -118,8 +156,13 @@ class BenchResult:
     promote_gbps: float
     decode_s: float
     decode_gbps: float
+    """promote_s and decode_s: a bare Promote of every block and their decode on DECODE_THREADS,
+    one after the other (the references the restore's pipeline is held against)."""
+    load_s: float
+    """ColdTier.load of every block: Promote runs, each decoded while the next is on the wire."""
     restore_s: float
-    """lookup_s + promote_s + decode_s."""
+    """ColdTier's lookup and load, as an engine restores: lookup_s + load_s of each run, their
+    median."""
     restore_vs_memcpy: float
     snr_db: float
     cosine: float
@@ -127,8 +170,8 @@ class BenchResult:
     link_s: dict[str, float]
     """Wire time of the stored bytes per link speed."""
     link_restore_s: dict[str, float]
-    """A restore over each link speed: lookup, then the stored bytes on the wire with each run's
-    decode overlapping the next run's transfer, as ColdTier.load does (see link_restore_s)."""
+    """A restore over each link speed: lookup_s, then ColdTier.load with every Promote held
+    back to the link's rate (see LinkView), the median of the runs."""
     peak_rss_bytes: int
     sealed_with: str
     """The data key the sealed run used: "data_key_file key N" or "a key made for the run"."""
@@ -143,8 +186,11 @@ class BenchResult:
     open_gbps: float
     """Payload bytes opened per second, on one thread."""
     sealed_decode_s: float
+    sealed_load_s: float
+    """ColdTier.load of the sealed blocks by a tier with the data key: it opens each run's
+    payloads, then decodes them."""
     sealed_restore_s: float
-    """lookup_s + sealed_promote_s + open_s + sealed_decode_s."""
+    """lookup_s + sealed_load_s of each run, their median."""
     sealed_vs_unsealed_restore: float
     """restore_s ÷ sealed_restore_s (1.0: sealing costs nothing)."""
     runs: int = 1
@@ -489,8 +535,8 @@ def bench_sealer(security: SecurityConfig | None) -> tuple[Sealer, str]:
 
 Report = Callable[[str, int, int], None]
 """on_phase of one codec: (phase, done, total)."""
-RESTORE_PHASES = ("lookup_s", "promote_s", "decode_s")
-SEALED_RESTORE_PHASES = ("lookup_s", "sealed_promote_s", "open_s", "sealed_decode_s")
+RESTORE_PHASES = ("lookup_s", "load_s")
+SEALED_RESTORE_PHASES = ("lookup_s", "sealed_load_s")
 
 
 @dataclass
@@ -501,6 +547,8 @@ class _Run:
     """Each *_s field of BenchResult that the pass timed."""
     moved: dict[str, int] = field(default_factory=dict)
     """The bytes each of those phases handled (for its GB/s)."""
+    links: dict[str, float] = field(default_factory=dict)
+    """A restore over each link speed (see BenchResult.link_restore_s)."""
 
 
 def _bench_codec(
@@ -517,9 +565,10 @@ def _bench_codec(
     promote_workers: tuple[list[str], ClientConfig, SecurityConfig | None, int],
 ) -> BenchResult:
     """One codec through every phase, WARMUP_RUNS + `repeat` times; the median of the timed
-    runs, their spread, and the fidelity of the last. Attention blocks use `codec`;
-    linear-attention state, which an engine keeps feeding forward, is stored lossless. The
-    codec is timed against `reference_gbps`, memcpy of the same bytes."""
+    runs, their spread, and the fidelity of the last. Blocks are stored and restored as an
+    engine's are, by a ColdTier of `codec` over `client`: attention blocks through the codec,
+    linear-attention state (which an engine keeps feeding forward) lossless. The codec is
+    timed against `reference_gbps`, memcpy of the same bytes."""
     model_shape, shape = model
     n_blocks = len(kv.blocks)
     block_tokens = kv.blocks[0].shape[2]
@@ -545,15 +594,16 @@ def _bench_codec(
         if index >= WARMUP_RUNS:
             timed.append(run)
 
-    median = {name: statistics.median(r.seconds[name] for r in timed) for name in run.seconds}
-    spread: dict[str, list[float]] | None = None
-    if len(timed) > 1:
-        per_run = {name: [r.seconds[name] for r in timed] for name in median}
+    for r in timed:
         for total, phases in (
             ("restore_s", RESTORE_PHASES),
             ("sealed_restore_s", SEALED_RESTORE_PHASES),
         ):
-            per_run[total] = [sum(r.seconds[phase] for phase in phases) for r in timed]
+            r.seconds[total] = sum(r.seconds[phase] for phase in phases)
+    median = {name: statistics.median(r.seconds[name] for r in timed) for name in run.seconds}
+    spread: dict[str, list[float]] | None = None
+    if len(timed) > 1:
+        per_run = {name: [r.seconds[name] for r in timed] for name in median}
         spread = {name: [min(values), max(values)] for name, values in per_run.items()}
 
     def gbps(phase: str) -> float:
@@ -562,8 +612,6 @@ def _bench_codec(
     worst = [fidelity(ref, out) for ref, out in zip(kv.blocks, restored, strict=True)]
     raw = kv.raw_bytes
     stored_bytes = run.moved["store_s"]
-    restore_s = sum(median[phase] for phase in RESTORE_PHASES)
-    sealed_restore_s = sum(median[phase] for phase in SEALED_RESTORE_PHASES)
     return BenchResult(
         tokens=tokens,
         tokens_measured=n_blocks * block_tokens,
@@ -587,17 +635,15 @@ def _bench_codec(
         promote_gbps=gbps("promote_s"),
         decode_s=median["decode_s"],
         decode_gbps=gbps("decode_s"),
-        restore_s=restore_s,
-        restore_vs_memcpy=(raw / reference_gbps / 1e9) / restore_s,
+        load_s=median["load_s"],
+        restore_s=median["restore_s"],
+        restore_vs_memcpy=(raw / reference_gbps / 1e9) / median["restore_s"],
         snr_db=min(f.snr_db for f in worst),
         cosine=min(f.cosine for f in worst),
         max_abs_err=max(f.max_abs_err for f in worst),
         link_s={f"{g}GbE": stored_bytes * 8 / (g * 1e9) for g in LINK_GBITS},
         link_restore_s={
-            f"{g}GbE": link_restore_s(
-                median["lookup_s"], stored_bytes, median["decode_s"], n_blocks, g
-            )
-            for g in LINK_GBITS
+            link: statistics.median(r.links[link] for r in timed) for link in run.links
         },
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         sealed_with=sealer[1],
@@ -610,8 +656,9 @@ def _bench_codec(
         open_s=median["open_s"],
         open_gbps=gbps("open_s"),
         sealed_decode_s=median["sealed_decode_s"],
-        sealed_restore_s=sealed_restore_s,
-        sealed_vs_unsealed_restore=restore_s / sealed_restore_s,
+        sealed_load_s=median["sealed_load_s"],
+        sealed_restore_s=median["sealed_restore_s"],
+        sealed_vs_unsealed_restore=median["restore_s"] / median["sealed_restore_s"],
         runs=repeat,
         spread_s=spread,
         workers=workers,
@@ -639,6 +686,50 @@ def _put_all(
     return seconds
 
 
+def _stored_forms(
+    tier: ColdTier, kv: SyntheticKV, keys: list[bytes], namespaces: Sequence[bytes]
+) -> dict[tuple[bytes, bytes, int], PutPayload]:
+    """What `tier.store` would send of the KV under `namespaces` (kv, state): each block under
+    its key, each state layer as a part of the last key."""
+    kv_ns, state_ns = namespaces
+    forms = {(kv_ns, keys[b], 0): tier.stored_form(block) for b, block in enumerate(kv.blocks)}
+    for part, state in enumerate(kv.states):
+        forms[(state_ns, keys[-1], part)] = tier.stored_form(state, vault=SSM_VAULT)
+    return forms
+
+
+def _loaded(
+    tier: ColdTier,
+    keys: list[bytes],
+    namespaces: Sequence[bytes],
+    restored: list[np.ndarray],
+    restored_states: list[np.ndarray],
+) -> float:
+    """`tier.load` of every block into `restored` and of the state into `restored_states`: the
+    seconds it took. RuntimeError when a block or a state layer did not restore."""
+    kv_ns, state_ns = namespaces
+    state_parts = list(range(len(restored_states)))
+    start = time.perf_counter()
+    failed = tier.load(kv_ns, keys, {KV_VAULT: [0]}, lambda index, part: restored[index])
+    if state_parts and tier.load(
+        state_ns, keys[-1:], {SSM_VAULT: state_parts}, lambda index, part: restored_states[part]
+    ):
+        failed.add(len(keys) - 1)
+    seconds = time.perf_counter() - start
+    if failed:
+        raise RuntimeError(f"ColdTier.load restored {len(keys) - len(failed)} of {len(keys)}")
+    return seconds
+
+
+def _touched(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Zeroed arrays like `arrays`, their pages touched: an engine decodes into its resident KV
+    cache, so no decode is charged with first-touch page faults (the same for every codec)."""
+    out = [np.empty_like(array) for array in arrays]
+    for array in out:
+        array.fill(0)  # (np.zeros would leave the pages untouched)
+    return out
+
+
 def _unsealed_pass(
     client: Backend,
     codec: Codec,
@@ -649,62 +740,67 @@ def _unsealed_pass(
     run: _Run,
     report: Report,
 ) -> list[np.ndarray]:
-    """Encode, put, lookup, promote and decode the KV under `namespaces` (kv, state), timed into
-    `run`; the restored blocks. RuntimeError when a block is missing or state is not bit-exact."""
+    """Encode, put, lookup, promote and decode the KV under `namespaces` (kv, state), then load
+    it as ColdTier does, directly and over each link speed, timed into `run`; the blocks the
+    last load restored. RuntimeError when a block is missing or state is not bit-exact."""
     kv_ns, state_ns = namespaces
     n_blocks = len(kv.blocks)
     state_parts = list(range(shape.state_layers))
-    lossless = get_codec("none", group_size=shape.head_dim)
     raw = kv.raw_bytes
+    with bench_tier(codec, client) as tier:
+        start = time.perf_counter()
+        payloads = _stored_forms(tier, kv, keys, namespaces)
+        run.seconds["encode_s"], run.moved["encode_s"] = time.perf_counter() - start, raw
+        report("encode", n_blocks, n_blocks)
+        run.moved["store_s"] = sum(payload_bytes(p) for p in payloads.values())
+        run.seconds["store_s"] = _put_all(client, payloads, report, "put")
+        del payloads
 
-    payloads: dict[tuple[bytes, bytes, int], PutPayload] = {}
-    start = time.perf_counter()
-    for b, block in enumerate(kv.blocks):
-        payloads[(kv_ns, keys[b], 0)] = stored_form(codec, block)
-        report("encode", b + 1, n_blocks)
-    for part, state in enumerate(kv.states):
-        payloads[(state_ns, keys[-1], part)] = stored_form(lossless, state)
-    run.seconds["encode_s"], run.moved["encode_s"] = time.perf_counter() - start, raw
-    run.moved["store_s"] = sum(payload_bytes(p) for p in payloads.values())
-    run.seconds["store_s"] = _put_all(client, payloads, report, "put")
-    del payloads
+        start = time.perf_counter()
+        hit = tier.lookup(kv_ns, keys, {KV_VAULT: [0]})
+        if state_parts:
+            whole = tier.lookup(state_ns, keys[-1:], {SSM_VAULT: state_parts})
+            hit = min(hit, n_blocks if whole else 0)
+        run.seconds["lookup_s"] = time.perf_counter() - start
+        report("lookup", 1, 1)
+        if hit != n_blocks:
+            raise RuntimeError(
+                f"the vault holds {hit} of {n_blocks} blocks just stored (is it full?)"
+            )
 
-    start = time.perf_counter()
-    hit = client.lookup(kv_ns, keys, [0])
-    if state_parts:
-        hit = min(hit, n_blocks if client.lookup(state_ns, keys[-1:], state_parts) else 0)
-    run.seconds["lookup_s"] = time.perf_counter() - start
-    report("lookup", 1, 1)
-    if hit != n_blocks:
-        raise RuntimeError(f"the vault holds {hit} of {n_blocks} blocks just stored (is it full?)")
+        # The references: a bare Promote of everything, then its decode.
+        start = time.perf_counter()
+        fetched = client.promote(kv_ns, keys, [0])
+        fetched_states = client.promote(state_ns, keys[-1:], state_parts) if state_parts else {}
+        run.seconds["promote_s"] = time.perf_counter() - start
+        report("promote", 1, 1)
+        run.moved["promote_s"] = sum(len(p) for p in fetched.values()) + sum(
+            len(p) for p in fetched_states.values()
+        )
+        if len(fetched) != n_blocks or len(fetched_states) != len(state_parts):
+            raise RuntimeError("the vault returned fewer blocks than it holds")
+        restored, restored_states = _touched(kv.blocks), _touched(kv.states)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(DECODE_THREADS) as pool:
+            blocks = [fetched[(b, 0)] for b in range(n_blocks)]
+            for b, _ in enumerate(pool.map(decode_into, blocks, restored)):
+                report("decode", b + 1, n_blocks)
+            states = [fetched_states[(0, part)] for part in state_parts]
+            list(pool.map(decode_into, states, restored_states))
+        run.seconds["decode_s"], run.moved["decode_s"] = time.perf_counter() - start, raw
+        del fetched, fetched_states, blocks, states
 
-    start = time.perf_counter()
-    fetched = client.promote(kv_ns, keys, [0])
-    fetched_states = client.promote(state_ns, keys[-1:], state_parts) if state_parts else {}
-    run.seconds["promote_s"] = time.perf_counter() - start
-    report("promote", 1, 1)
-    run.moved["promote_s"] = sum(len(p) for p in fetched.values()) + sum(
-        len(p) for p in fetched_states.values()
-    )
-    if len(fetched) != n_blocks or len(fetched_states) != len(state_parts):
-        raise RuntimeError("the vault returned fewer blocks than it holds")
-
-    # An engine decodes into its resident KV cache: touch the outputs first, so that decode is
-    # not charged with the kernel's first-touch page faults (the same for every codec).
-    restored = [np.empty_like(block) for block in kv.blocks]
-    restored_states = [np.empty_like(state) for state in kv.states]
-    for array in (*restored, *restored_states):
-        array.fill(0)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(DECODE_THREADS) as pool:
-        blocks = [fetched[(b, 0)] for b in range(n_blocks)]
-        for b, _ in enumerate(pool.map(decode_into, blocks, restored)):
-            report("decode", b + 1, n_blocks)
-        states = [fetched_states[(0, part)] for part in state_parts]
-        list(pool.map(decode_into, states, restored_states))
-    run.seconds["decode_s"], run.moved["decode_s"] = time.perf_counter() - start, raw
+        report("load", 0, 1)
+        run.seconds["load_s"] = _loaded(tier, keys, namespaces, restored, restored_states)
+        report("load", 1, 1)
     if not all(map(np.array_equal, kv.states, restored_states)):
         raise RuntimeError("linear-attention state did not round-trip bit-exact")
+    for done, gbits in enumerate(LINK_GBITS):
+        report("link loads", done, len(LINK_GBITS))
+        with bench_tier(codec, client, gbits) as linked:
+            seconds = _loaded(linked, keys, namespaces, restored, restored_states)
+        run.links[f"{gbits}GbE"] = run.seconds["lookup_s"] + seconds
+    report("link loads", len(LINK_GBITS), len(LINK_GBITS))
     return restored
 
 
@@ -720,57 +816,62 @@ def _sealed_pass(
     report: Report,
 ) -> None:
     """The codec's blocks again, sealed, under `namespaces` (kv, state): seal, put, lookup-free
-    promote, open, decode, timed into `run` (the lookup is the unsealed pass's). RuntimeError
-    when a sealed block is lost or does not restore bit for bit as the unsealed pass did."""
+    promote, open, decode, then a sealed ColdTier's load, timed into `run` (the lookup is the
+    unsealed pass's). RuntimeError when a sealed block is lost or does not restore bit for bit
+    as the unsealed pass did."""
     kv_ns, state_ns = namespaces
     n_blocks = len(kv.blocks)
     state_parts = list(range(shape.state_layers))
-    lossless = get_codec("none", group_size=shape.head_dim)
-    forms = {(kv_ns, keys[b], 0): stored_form(codec, block) for b, block in enumerate(kv.blocks)}
-    for part, state in enumerate(kv.states):
-        forms[(state_ns, keys[-1], part)] = stored_form(lossless, state)
-    report("seal", 0, 1)
-    start = time.perf_counter()
-    sealed = {
-        (namespace, key, part): sealed_payload(sealer, block_address(namespace, key, part), form)
-        for (namespace, key, part), form in forms.items()
-    }
-    run.seconds["seal_s"] = time.perf_counter() - start
-    run.moved["seal_s"] = sum(map(payload_bytes, forms.values()))
-    del forms
-    sealed_bytes = sum(map(payload_bytes, sealed.values()))
-    run.seconds["sealed_store_s"] = _put_all(client, sealed, report, "sealed put")
-    run.moved["sealed_store_s"] = run.moved["sealed_promote_s"] = sealed_bytes
-    del sealed
-    report("sealed promote", 0, 1)
-    start = time.perf_counter()
-    fetched = client.promote(kv_ns, keys, [0])
-    fetched_states = client.promote(state_ns, keys[-1:], state_parts) if state_parts else {}
-    run.seconds["sealed_promote_s"] = time.perf_counter() - start
-    if len(fetched) != n_blocks or len(fetched_states) != len(state_parts):
-        raise RuntimeError("the vault returned fewer sealed blocks than it holds")
-    report("open", 0, 1)
-    arrived = [(kv_ns, keys[b], 0, fetched[(b, 0)]) for b in range(n_blocks)]
-    arrived += [(state_ns, keys[-1], part, fetched_states[(0, part)]) for part in state_parts]
-    # Opened into memory already touched, as the tier opens into its pooled receive buffers.
-    sizes = [sealer.opened_bytes(payload) for *_, payload in arrived]
-    room = np.empty(sum(sizes), dtype=np.uint8)
-    room.fill(0)  # (np.zeros would leave the pages untouched)
-    ends = np.cumsum(sizes).tolist()
-    opened = [room.data[end - size : end] for size, end in zip(sizes, ends, strict=True)]
-    start = time.perf_counter()
-    for (namespace, key, part, payload), out in zip(arrived, opened, strict=True):
-        sealer.open_into(block_address(namespace, key, part), payload, out)
-    run.seconds["open_s"] = time.perf_counter() - start
-    run.moved["open_s"] = sum(map(len, opened))
-    del fetched, fetched_states, arrived
-    restored = [np.zeros_like(block) for block in kv.blocks]
-    restored_states = [np.zeros_like(state) for state in kv.states]
-    report("sealed decode", 0, 1)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(DECODE_THREADS) as pool:
-        list(pool.map(decode_into, opened, [*restored, *restored_states]))
-    run.seconds["sealed_decode_s"] = time.perf_counter() - start
+    with bench_tier(codec, client, sealer=sealer) as tier:
+        forms = _stored_forms(tier, kv, keys, namespaces)
+        report("seal", 0, 1)
+        start = time.perf_counter()
+        sealed = {
+            (ns, key, part): sealed_payload(sealer, block_address(ns, key, part), form)
+            for (ns, key, part), form in forms.items()
+        }
+        run.seconds["seal_s"] = time.perf_counter() - start
+        run.moved["seal_s"] = sum(map(payload_bytes, forms.values()))
+        del forms
+        sealed_bytes = sum(map(payload_bytes, sealed.values()))
+        run.seconds["sealed_store_s"] = _put_all(client, sealed, report, "sealed put")
+        run.moved["sealed_store_s"] = run.moved["sealed_promote_s"] = sealed_bytes
+        del sealed
+
+        # The references: a bare Promote, opening every payload, decoding them.
+        report("sealed promote", 0, 1)
+        start = time.perf_counter()
+        fetched = client.promote(kv_ns, keys, [0])
+        fetched_states = client.promote(state_ns, keys[-1:], state_parts) if state_parts else {}
+        run.seconds["sealed_promote_s"] = time.perf_counter() - start
+        if len(fetched) != n_blocks or len(fetched_states) != len(state_parts):
+            raise RuntimeError("the vault returned fewer sealed blocks than it holds")
+        report("open", 0, 1)
+        arrived = [(kv_ns, keys[b], 0, fetched[(b, 0)]) for b in range(n_blocks)]
+        arrived += [(state_ns, keys[-1], part, fetched_states[(0, part)]) for part in state_parts]
+        # Opened into memory already touched, as the tier opens into its pooled receive buffers.
+        sizes = [sealer.opened_bytes(payload) for *_, payload in arrived]
+        room = _touched([np.empty(sum(sizes), dtype=np.uint8)])[0]
+        ends = np.cumsum(sizes).tolist()
+        opened = [room.data[end - size : end] for size, end in zip(sizes, ends, strict=True)]
+        start = time.perf_counter()
+        for (namespace, key, part, payload), out in zip(arrived, opened, strict=True):
+            sealer.open_into(block_address(namespace, key, part), payload, out)
+        run.seconds["open_s"] = time.perf_counter() - start
+        run.moved["open_s"] = sum(map(len, opened))
+        del fetched, fetched_states, arrived
+        restored, restored_states = _touched(kv.blocks), _touched(kv.states)
+        report("sealed decode", 0, 1)
+        start = time.perf_counter()
+        with ThreadPoolExecutor(DECODE_THREADS) as pool:
+            list(pool.map(decode_into, opened, [*restored, *restored_states]))
+        run.seconds["sealed_decode_s"] = time.perf_counter() - start
+        del opened, room
+
+        report("sealed load", 0, 1)
+        restored, restored_states = _touched(kv.blocks), _touched(kv.states)
+        run.seconds["sealed_load_s"] = _loaded(tier, keys, namespaces, restored, restored_states)
+        report("sealed load", 1, 1)
     if codec.name == "none" and not all(map(np.array_equal, kv.blocks, restored)):
         raise RuntimeError("sealed lossless blocks did not round-trip bit-exact")
     if not all(map(np.array_equal, kv.states, restored_states)):
