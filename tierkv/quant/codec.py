@@ -9,16 +9,12 @@ from typing import Protocol
 
 import numpy as np
 
-from tierkv.config import kv_pair_codecs
+from tierkv.codecs import CODEC_NAMES, DTYPE_BYTES, DTYPES, TURBO_MODES, kv_pair_codecs
 from tierkv.quant import int8, lossless, turbo
 from tierkv.quant.fidelity import fidelity
 from tierkv.quant.kernels import PARALLEL_MIN_BYTES, Threaded
 from tierkv.quant.pair import PairCodec, decode_pair_into, is_pair
 from tierkv.quant.payload import (
-    CODEC_NAMES,
-    DTYPE_BYTES,
-    DTYPE_CODES,
-    TURBO_MODES,
     PayloadError,
     PayloadHeader,
     PayloadRun,
@@ -202,10 +198,6 @@ def encode_block(
     if fidelity(words, decoded, dtype).cosine < min_cosine:
         return get_codec("none", codec.group_size).encode(words.reshape(src.shape), dtype)
     return payload
-
-
-DTYPES = tuple(DTYPE_CODES)
-"""Every dtype the codecs take: fp16, bf16, fp32."""
 
 
 def warmup(

@@ -20,20 +20,12 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from tierkv.codecs import DTYPE_BYTES, DTYPE_CODES, TURBO_MODES
 from tierkv.quant import int8
 from tierkv.quant.codec import Codec, checked_body
 from tierkv.quant.kernels import BF16, FP16, FP32, bits_value, block_exponent, nonfinite_bits
 from tierkv.quant.pair import PairCodec
-from tierkv.quant.payload import (
-    DTYPE_BYTES,
-    DTYPE_CODES,
-    MAX_NDIM,
-    TURBO_MODES,
-    NonFiniteError,
-    PayloadHeader,
-    new_payload,
-    pack_header,
-)
+from tierkv.quant.payload import MAX_NDIM, NonFiniteError, PayloadHeader, new_payload, pack_header
 from tierkv.quant.turbo import Instance, TurboCodec, index_positions, named_codec, packed_bytes
 
 _MX_TYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32}

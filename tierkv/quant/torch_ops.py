@@ -14,16 +14,10 @@ import math
 import numpy as np
 import torch
 
+from tierkv.codecs import DTYPE_BYTES, TURBO_MODES
 from tierkv.quant.codec import Codec, checked_body
 from tierkv.quant.kernels import block_exponent
-from tierkv.quant.payload import (
-    DTYPE_BYTES,
-    TURBO_MODES,
-    NonFiniteError,
-    PayloadError,
-    PayloadHeader,
-    pack_header,
-)
+from tierkv.quant.payload import NonFiniteError, PayloadError, PayloadHeader, pack_header
 from tierkv.quant.turbo import (
     Layout,
     TurboCodec,
