@@ -1,5 +1,5 @@
-"""The catalogue of codec and dtype names: each codec, its bits, K/V pair names, each dtype and
-its size, written down once.
+"""The catalogue of codec and dtype names: each codec, its bits, K/V pair names, each dtype, its
+size and how torch, numpy and MLX spell it, written down once.
 
 tierkv.config validates `[turbo_quant] codec` against it and tierkv.quant writes its ids into
 payload headers, so it imports only the standard library. The codecs themselves are tierkv.quant.
@@ -43,6 +43,9 @@ DTYPE_CODES = {name: code for code, name in enumerate(DTYPES)}
 """Each dtype's code in a payload header (and in the kernels)."""
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 """Bytes per value of each dtype."""
+FRAMEWORK_DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
+"""Each dtype by the name torch, numpy (ml_dtypes for bfloat16) and MLX give its type, as in
+`{getattr(torch, name): dtype for name, dtype in FRAMEWORK_DTYPES.items()}`."""
 
 
 def kv_pair_name(keys: str, values: str) -> str:

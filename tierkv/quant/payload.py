@@ -23,7 +23,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierkv.codecs import CODEC_NAMES, DTYPE_BYTES, DTYPE_CODES, DTYPES, TURBO_MODES
+from tierkv.codecs import (
+    CODEC_NAMES,
+    DTYPE_BYTES,
+    DTYPE_CODES,
+    DTYPES,
+    FRAMEWORK_DTYPES,
+    TURBO_MODES,
+)
 
 FORMAT_VERSION = 2
 """Version written. 2 changed only TurboQuant's rotation of a non-power-of-two number of channels
@@ -34,14 +41,17 @@ MAX_NDIM = 8
 
 WORD_TYPES: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}
 
-_FLOAT_DTYPES = {np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
-"""numpy float types and the only dtype each can hold; integer views hold raw words of any."""
+_FLOAT_DTYPES = {
+    np.dtype(name): ours for name, ours in FRAMEWORK_DTYPES.items() if hasattr(np, name)
+}
+"""numpy float types and the only dtype each can hold (numpy has no bfloat16: ml_dtypes' is kind
+"V"); integer views hold raw words of any."""
 
 
 def _float_dtype(array_dtype: np.dtype) -> str | None:
     """The dtype a float16 / float32 / bfloat16 array holds, None for other (integer) arrays."""
     if array_dtype.kind == "V":  # ml_dtypes' bfloat16
-        return "bf16" if array_dtype.name == "bfloat16" else None
+        return FRAMEWORK_DTYPES.get(array_dtype.name)
     return _FLOAT_DTYPES.get(array_dtype)
 
 
