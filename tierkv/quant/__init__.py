@@ -6,8 +6,8 @@ torch tensors and `mlx_ops` for MLX arrays (they import torch / MLX; import them
 """
 
 from tierkv.codecs import CODEC_NAMES, DTYPES
+from tierkv.quant.base import Codec
 from tierkv.quant.codec import (
-    Codec,
     decode_into,
     decode_many,
     encode_block,

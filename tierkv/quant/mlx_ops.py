@@ -22,7 +22,8 @@ import numpy as np
 
 from tierkv.codecs import DTYPE_BYTES, DTYPE_CODES, FRAMEWORK_DTYPES, TURBO_MODES
 from tierkv.quant import int8
-from tierkv.quant.codec import Codec, checked_body
+from tierkv.quant.base import Codec
+from tierkv.quant.codec import checked_body
 from tierkv.quant.kernels import BF16, FP16, FP32, bits_value, block_exponent, nonfinite_bits
 from tierkv.quant.pair import PairCodec
 from tierkv.quant.payload import MAX_NDIM, NonFiniteError, PayloadHeader, new_payload, pack_header

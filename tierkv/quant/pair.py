@@ -23,11 +23,11 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tierkv.codecs import CODEC_NAMES, DTYPE_CODES, DTYPES, kv_pair_name
+from tierkv.quant.base import Codec
 from tierkv.quant.payload import (
     MAGIC,
     MAX_NDIM,
@@ -35,9 +35,6 @@ from tierkv.quant.payload import (
     input_words,
     parse_header,
 )
-
-if TYPE_CHECKING:
-    from tierkv.quant.codec import Codec
 
 PAIR_FORMAT_VERSION = 3
 _FIXED = struct.Struct("<4sBBBBBBIQQ")

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from tierkv.codecs import DTYPE_BYTES, FRAMEWORK_DTYPES, TURBO_MODES
-from tierkv.quant.codec import Codec, checked_body
+from tierkv.quant.base import Codec
+from tierkv.quant.codec import checked_body
 from tierkv.quant.kernels import block_exponent
 from tierkv.quant.payload import NonFiniteError, PayloadError, PayloadHeader, pack_header
 from tierkv.quant.turbo import (
