@@ -23,9 +23,13 @@ from bench_codecs import HEAD_DIM, as_dtype, best_time, synthetic_kv
 from rich.console import Console
 from rich.table import Table
 
+from tierkv.codecs import DTYPE_BYTES, FRAMEWORK_DTYPES
 from tierkv.quant import CODEC_NAMES, decode_into, get_codec, mlx_ops, warmup
 
-_MX_TYPES = {"fp16": mx.float16, "bf16": mx.bfloat16}
+_MX_TYPES = {
+    ours: getattr(mx, name) for name, ours in FRAMEWORK_DTYPES.items() if DTYPE_BYTES[ours] == 2
+}
+"""The 16-bit dtypes, which bench_codecs.as_dtype makes."""
 
 
 def exo_blocks(kv: np.ndarray, block_tokens: int) -> list[np.ndarray]:

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from tierkv import __version__
 from tierkv.cli import app
-from tierkv.config import TURBO_QUANT_CODECS, format_size, physical_ram_bytes
+from tierkv.codecs import TURBO_QUANT_CODECS
+from tierkv.config import format_size, physical_ram_bytes
 from tierkv.quant import CODEC_NAMES
 
 COMMANDS = ["vault", "status", "install", "serve", "bench", "eval"]

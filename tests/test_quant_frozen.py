@@ -19,9 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tierkv.codecs import DTYPE_BYTES, TURBO_MODES
 from tierkv.quant import CODEC_NAMES, decode_into, get_codec, read_header
 from tierkv.quant.codebooks import is_power_of_two
-from tierkv.quant.payload import DTYPE_BYTES, TURBO_MODES, header_bytes
+from tierkv.quant.payload import header_bytes
 from tierkv.quant.turbo import named_codec
 
 DATA = Path(__file__).parent / "data"

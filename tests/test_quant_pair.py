@@ -8,7 +8,8 @@ import pytest
 from helpers import VaultHandle
 
 from tierkv.backends.vault import VaultClient
-from tierkv.config import ConfigError, config_from_mapping, kv_pair_codecs, kv_pair_name
+from tierkv.codecs import kv_pair_codecs, kv_pair_name
+from tierkv.config import ConfigError, config_from_mapping
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.quant import PayloadError, decode_into, encode_block, get_codec, read_header
 from tierkv.quant.pair import PAIR_FORMAT_VERSION, PairCodec, is_pair

@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tests.test_quant_codec import DTYPES, as_f64, round_trip, to_dtype
+from tierkv.codecs import TURBO_MODES
 from tierkv.quant import NonFiniteError, PayloadError, decode_into, get_codec, read_header
 from tierkv.quant.codebooks import lloyd_max, rotation
 from tierkv.quant.kernels import expands
-from tierkv.quant.payload import TURBO_MODES, header_bytes
+from tierkv.quant.payload import header_bytes
 from tierkv.quant.turbo import (
     Layout,
     _merge,

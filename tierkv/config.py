@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from tierkv.codecs import AUTO_CODEC, TURBO_QUANT_CODECS, kv_pair_codecs, kv_pair_name
 from tierkv.errors import TierKVError
 from tierkv.logs import get_logger
 
@@ -31,21 +32,6 @@ VAULT_ROLE = {KV_VAULT: "kv_cold", SSM_VAULT: "ssm_cold"}
 vault of each serves, which is also its `[cluster]` key."""
 VAULT_ROLES = tuple(VAULT_ROLE.values())
 ROLES = ("inference", *VAULT_ROLES)
-TURBO_QUANT_CODECS = ("int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
-"""The lossy codecs of tierkv.quant that `[turbo_quant] codec` may name."""
-CODEC_BITS = {
-    "none": "16",
-    "int8": "8",
-    "tq4": "4",
-    "tq3.5": "3.5",
-    "tq3": "3",
-    "tq2.5": "2.5",
-    "tq2": "2",
-}
-"""Each codec of tierkv.quant by its bits per value in a K/V pair's short name ("16": lossless)."""
-AUTO_CODEC = "auto"
-"""`[turbo_quant] codec = "auto"`: the verdict `tierkv eval` recorded for the model, else none."""
-_PAIR_RE = re.compile(r"^k([0-9.]+)v([0-9.]+)$")
 STORE_MODES = ("on_eviction", "on_finish")
 FSYNC_MODES = ("never", "interval", "always")
 """When a vault's disk tier syncs its writes: see the README's table of what each loses."""
@@ -93,31 +79,6 @@ def parse_size(value: int | str, forms: str = SIZE_FORMS) -> int:
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(f"expected {forms}, got {value!r}")
     return int(float(match.group(1).replace("_", "")) * _SIZE_UNITS[unit])
-
-
-def kv_pair_name(keys: str, values: str) -> str:
-    """The short name of keys stored with codec `keys` and values with `values` ("k8v4" for
-    int8 + tq4); the plain codec name when both are the same. ValueError for an unknown codec."""
-    for codec in (keys, values):
-        if codec not in CODEC_BITS:
-            raise ValueError(f"unknown codec {codec!r}; expected one of {', '.join(CODEC_BITS)}")
-    return keys if keys == values else f"k{CODEC_BITS[keys]}v{CODEC_BITS[values]}"
-
-
-def kv_pair_codecs(name: str) -> tuple[str, str] | None:
-    """(keys codec, values codec) of a K/V pair's short name like "k8v4"; None for other names.
-
-    ValueError when `name` looks like a pair but names bits no codec has."""
-    match = _PAIR_RE.match(name)
-    if match is None:
-        return None
-    by_bits = {bits: codec for codec, bits in CODEC_BITS.items()}
-    keys, values = (by_bits.get(bits) for bits in match.groups())
-    if keys is None or values is None:
-        raise ValueError(
-            f"K/V pair {name!r}: bits must be one of {', '.join(by_bits)} (16 = lossless)"
-        )
-    return keys, values
 
 
 def format_size(size: int) -> str:

@@ -51,13 +51,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from tierkv.codecs import FRAMEWORK_DTYPES
+
 if TYPE_CHECKING:
     from tierkv.load import Block, Consume
     from tierkv.transfer import Into
 
 ALIGN = 256
 """Regions and parts start on multiples of this many bytes (any dtype view, DMA friendly)."""
-CODEC_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+CODEC_DTYPES = {getattr(torch, name): ours for name, ours in FRAMEWORK_DTYPES.items()}
 """The torch dtypes the codecs take, by their codec dtype name."""
 _HEADER_VERDICTS = 64
 """Payload headers whose verdict a mover remembers (see BlockMover._lossless_header)."""
@@ -75,7 +77,8 @@ def codec_dtype(dtype: torch.dtype, what: str) -> str:
         return CODEC_DTYPES[dtype]
     except KeyError:
         raise ValueError(
-            f"tierkv: {what} holds {dtype}; supported KV dtypes are bfloat16, float16, float32"
+            f"tierkv: {what} holds {dtype}; supported KV dtypes are "
+            f"{', '.join(sorted(FRAMEWORK_DTYPES))}"
         ) from None
 
 

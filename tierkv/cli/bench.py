@@ -19,8 +19,8 @@ from rich.text import Text
 
 from tierkv.cli import app
 from tierkv.cli.errors import fail
+from tierkv.codecs import CODEC_NAMES
 from tierkv.config import (
-    TURBO_QUANT_CODECS,
     ConfigError,
     SecurityConfig,
     TierKVConfig,
@@ -34,7 +34,6 @@ if TYPE_CHECKING:  # numpy, gRPC and Numba are imported when a bench runs, not f
     from tierkv.bench.engines import EngineBench
     from tierkv.bench.pipeline import BenchResult
 
-CODECS = ("none", *TURBO_QUANT_CODECS)
 console = Console(stderr=True)
 
 
@@ -54,7 +53,7 @@ def bench(
         str | None,
         typer.Option(
             metavar="NAME",
-            help=f"{', '.join(CODECS)} or all.",
+            help=f"{', '.join(CODEC_NAMES)} or all.",
             show_default="the config's codec",
         ),
     ] = None,
@@ -142,8 +141,10 @@ def bench(
     except ConfigError as exc:
         raise fail("bench", str(exc), 2) from None
     codec = codec or cfg.turbo_quant.codec_name
-    if codec != "all" and codec not in CODECS:
-        raise fail("bench", f"--codec {codec!r} is unknown; use one of {', '.join(CODECS)}, all", 2)
+    if codec != "all" and codec not in CODEC_NAMES:
+        raise fail(
+            "bench", f"--codec {codec!r} is unknown; use one of {', '.join(CODEC_NAMES)}, all", 2
+        )
     vaults = vault or []
     for address in vaults:
         _check_address("--vault", address)
@@ -248,7 +249,7 @@ def _run_bench(
             return run_bench(
                 tokens=tokens,
                 model_shape=model_shape,
-                codecs=list(CODECS) if codec == "all" else [codec],
+                codecs=list(CODEC_NAMES) if codec == "all" else [codec],
                 dtype=dtype,
                 block_tokens=block_tokens,
                 vaults=vaults,

@@ -13,7 +13,8 @@ from rich.table import Table
 from tierkv.cli import app
 from tierkv.cli.bench import _size_option
 from tierkv.cli.errors import fail
-from tierkv.config import CODEC_BITS, ConfigError, kv_pair_codecs, load_config
+from tierkv.codecs import CODEC_BITS, kv_pair_codecs
+from tierkv.config import ConfigError, load_config
 
 if TYPE_CHECKING:
     from tierkv.bench.eval import EvalReport

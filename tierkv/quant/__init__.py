@@ -5,9 +5,9 @@ codec from the payload header and writes into a preallocated array. `torch_ops` 
 torch tensors and `mlx_ops` for MLX arrays (they import torch / MLX; import them explicitly).
 """
 
+from tierkv.codecs import CODEC_NAMES, DTYPES
+from tierkv.quant.base import Codec
 from tierkv.quant.codec import (
-    DTYPES,
-    Codec,
     decode_into,
     decode_many,
     encode_block,
@@ -16,7 +16,6 @@ from tierkv.quant.codec import (
 )
 from tierkv.quant.fidelity import Fidelity, fidelity
 from tierkv.quant.payload import (
-    CODEC_NAMES,
     NonFiniteError,
     PayloadError,
     PayloadHeader,

@@ -1,24 +1,20 @@
-"""The codec protocol and registry, payload decoding, the lossless fallback and kernel warm-up."""
+"""The codec registry, payload decoding, the lossless fallback and kernel warm-up."""
 
 from __future__ import annotations
 
 import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
 
 import numpy as np
 
-from tierkv.config import kv_pair_codecs
+from tierkv.codecs import CODEC_NAMES, DTYPE_BYTES, DTYPES, TURBO_MODES, kv_pair_codecs
 from tierkv.quant import int8, lossless, turbo
+from tierkv.quant.base import Codec
 from tierkv.quant.fidelity import fidelity
 from tierkv.quant.kernels import PARALLEL_MIN_BYTES, Threaded
 from tierkv.quant.pair import PairCodec, decode_pair_into, is_pair
 from tierkv.quant.payload import (
-    CODEC_NAMES,
-    DTYPE_BYTES,
-    DTYPE_CODES,
-    TURBO_MODES,
     PayloadError,
     PayloadHeader,
     PayloadRun,
@@ -28,18 +24,6 @@ from tierkv.quant.payload import (
     output_words,
     parse_header,
 )
-
-
-class Codec(Protocol):
-    """Turns a block into a self-describing payload; `decode_into` reverses any codec's payload."""
-
-    name: str
-    group_size: int
-
-    def encode(self, src: np.ndarray, dtype: str | None = None) -> bytes:
-        """Payload of `src` (dtype "fp16" | "bf16" | "fp32", inferred from float arrays)."""
-        ...
-
 
 _FACTORIES: dict[str, Callable[[int], Codec]] = {
     "none": lossless.LosslessCodec,
@@ -202,10 +186,6 @@ def encode_block(
     if fidelity(words, decoded, dtype).cosine < min_cosine:
         return get_codec("none", codec.group_size).encode(words.reshape(src.shape), dtype)
     return payload
-
-
-DTYPES = tuple(DTYPE_CODES)
-"""Every dtype the codecs take: fp16, bf16, fp32."""
 
 
 def warmup(

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit, prange
 
+from tierkv.codecs import DTYPE_CODES
 from tierkv.quant.kernels import CHUNK_VALUES, Threaded, to_f32
-from tierkv.quant.payload import DTYPE_CODES, input_words
+from tierkv.quant.payload import input_words
 
 
 @dataclass(frozen=True)

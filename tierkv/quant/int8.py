@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from tierkv.codecs import DTYPE_CODES
 from tierkv.quant.kernels import (
     CHUNK_VALUES,
     Threaded,
@@ -32,7 +33,6 @@ from tierkv.quant.kernels import (
     write_u16,
 )
 from tierkv.quant.payload import (
-    DTYPE_CODES,
     NonFiniteError,
     PayloadHeader,
     PayloadRun,

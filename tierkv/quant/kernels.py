@@ -19,6 +19,8 @@ from numba import njit, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
+from tierkv.codecs import DTYPE_CODES
+
 
 def pin_features() -> None:
     """Compile for the features of the CPU NUMBA_CPU_NAME names (e.g. `haswell`: AVX2, FMA,
@@ -47,7 +49,7 @@ def target_features() -> dict[str, bool]:
 
 pin_features()
 
-FP16, BF16, FP32 = 0, 1, 2
+FP16, BF16, FP32 = DTYPE_CODES["fp16"], DTYPE_CODES["bf16"], DTYPE_CODES["fp32"]
 """Dtype codes used by the kernels and in the payload header."""
 
 PARALLEL_MIN_BYTES = 8 << 20

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tierkv.logs import get_logger
-from tierkv.quant.codec import Codec, decode_into, decode_many, encode_block
+from tierkv.quant.base import Codec
+from tierkv.quant.codec import decode_into, decode_many, encode_block
 from tierkv.quant.target import instruction_set
 
 _SAMPLE_BLOCKS = 16

@@ -16,14 +16,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from tierkv.codecs import DTYPE_CODES
 from tierkv.quant.kernels import CHUNK_VALUES, FP32, Threaded, max_abs_bits, nonfinite_bits
-from tierkv.quant.payload import (
-    DTYPE_CODES,
-    NonFiniteError,
-    input_words,
-    new_payload,
-    pack_header,
-)
+from tierkv.quant.payload import NonFiniteError, input_words, new_payload, pack_header
 
 
 @njit(cache=True, nogil=True)

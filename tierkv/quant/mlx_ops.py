@@ -20,27 +20,20 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from tierkv.codecs import DTYPE_BYTES, DTYPE_CODES, FRAMEWORK_DTYPES, TURBO_MODES
 from tierkv.quant import int8
-from tierkv.quant.codec import Codec, checked_body
+from tierkv.quant.base import Codec
+from tierkv.quant.codec import checked_body
 from tierkv.quant.kernels import BF16, FP16, FP32, bits_value, block_exponent, nonfinite_bits
 from tierkv.quant.pair import PairCodec
-from tierkv.quant.payload import (
-    DTYPE_BYTES,
-    DTYPE_CODES,
-    MAX_NDIM,
-    TURBO_MODES,
-    NonFiniteError,
-    PayloadHeader,
-    new_payload,
-    pack_header,
-)
+from tierkv.quant.payload import MAX_NDIM, NonFiniteError, PayloadHeader, new_payload, pack_header
 from tierkv.quant.turbo import Instance, TurboCodec, index_positions, named_codec, packed_bytes
 
-_MX_TYPES = {"fp16": mx.float16, "bf16": mx.bfloat16, "fp32": mx.float32}
+_DTYPE_OF = {getattr(mx, name): ours for name, ours in FRAMEWORK_DTYPES.items()}
+_MX_TYPES = {ours: mx_type for mx_type, ours in _DTYPE_OF.items()}
 _WORD_TYPES = {2: mx.uint16, 4: mx.uint32}
 _ABS_MASKS = {FP16: 0x7FFF, BF16: 0x7FFF, FP32: 0x7FFFFFFF}
 """Everything but the sign bit: the word of |x|, which orders like |x| (as kernels.max_abs_bits)."""
-_DTYPE_OF = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
 _MAX_FINITE = {"fp16": 65504.0, "bf16": float(np.uint32(0x7F7F0000).view(np.float32)), "fp32": None}
 
 

@@ -23,24 +23,18 @@ import struct
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from tierkv.config import kv_pair_name
+from tierkv.codecs import CODEC_NAMES, DTYPE_CODES, DTYPES, kv_pair_name
+from tierkv.quant.base import Codec
 from tierkv.quant.payload import (
-    CODEC_NAMES,
-    DTYPE_CODES,
-    DTYPE_NAMES,
     MAGIC,
     MAX_NDIM,
     PayloadError,
     input_words,
     parse_header,
 )
-
-if TYPE_CHECKING:
-    from tierkv.quant.codec import Codec
 
 PAIR_FORMAT_VERSION = 3
 _FIXED = struct.Struct("<4sBBBBBBIQQ")
@@ -136,7 +130,7 @@ def parse_pair(
     (crc,) = _CRC.unpack(view[head_len : head_len + _CRC.size])
     if crc != zlib.crc32(view[:head_len]):
         raise PayloadError("corrupted K/V pair header: header checksum mismatch")
-    if k_id >= len(CODEC_NAMES) or v_id >= len(CODEC_NAMES) or dtype_code not in DTYPE_NAMES:
+    if k_id >= len(CODEC_NAMES) or v_id >= len(CODEC_NAMES) or dtype_code >= len(DTYPES):
         raise PayloadError(f"unknown codec or dtype in K/V pair header ({k_id}, {v_id})")
     shape = struct.unpack(f"<{ndim}Q", view[_FIXED.size : head_len])
     if axis >= ndim or not 0 < count < shape[axis]:
@@ -147,7 +141,7 @@ def parse_pair(
             f"K/V pair payload is {len(view)} bytes but its header says {body + k_len + v_len}"
         )
     header = PairHeader(
-        CODEC_NAMES[k_id], CODEC_NAMES[v_id], DTYPE_NAMES[dtype_code], shape, axis, count
+        CODEC_NAMES[k_id], CODEC_NAMES[v_id], DTYPES[dtype_code], shape, axis, count
     )
     return header, view[body : body + k_len], view[body + k_len :]
 

@@ -23,9 +23,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tierkv.quant.kernels import BF16, FP16, FP32
+from tierkv.codecs import (
+    CODEC_NAMES,
+    DTYPE_BYTES,
+    DTYPE_CODES,
+    DTYPES,
+    FRAMEWORK_DTYPES,
+    TURBO_MODES,
+)
 
-CODEC_NAMES = ("none", "int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
 FORMAT_VERSION = 2
 """Version written. 2 changed only TurboQuant's rotation of a non-power-of-two number of channels
 (see codebooks.Rotation), which tq3.5 and tq2.5 use; version 1 payloads still decode."""
@@ -33,34 +39,24 @@ READ_VERSIONS = (1, 2)
 MAGIC = b"TKVQ"
 MAX_NDIM = 8
 
-DTYPE_CODES = {"fp16": FP16, "bf16": BF16, "fp32": FP32}
-DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
-DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 WORD_TYPES: dict[int, type[np.unsignedinteger]] = {2: np.uint16, 4: np.uint32}
 
-_FLOAT_DTYPES = {np.dtype(np.float16): "fp16", np.dtype(np.float32): "fp32"}
-"""numpy float types and the only dtype each can hold; integer views hold raw words of any."""
+_FLOAT_DTYPES = {
+    np.dtype(name): ours for name, ours in FRAMEWORK_DTYPES.items() if hasattr(np, name)
+}
+"""numpy float types and the only dtype each can hold (numpy has no bfloat16: ml_dtypes' is kind
+"V"); integer views hold raw words of any."""
 
 
 def _float_dtype(array_dtype: np.dtype) -> str | None:
     """The dtype a float16 / float32 / bfloat16 array holds, None for other (integer) arrays."""
     if array_dtype.kind == "V":  # ml_dtypes' bfloat16
-        return "bf16" if array_dtype.name == "bfloat16" else None
+        return FRAMEWORK_DTYPES.get(array_dtype.name)
     return _FLOAT_DTYPES.get(array_dtype)
 
 
 _FIXED = struct.Struct("<4sBBBBIBBHQ")
 _CRC = struct.Struct("<I")
-
-# Low-bit modes: name -> (bits_hi, bits_lo, mixed). Mixed modes give a quarter of the channels
-# (32 of 128) bits_hi bits and the rest bits_lo.
-TURBO_MODES = {
-    "tq4": (4, 4, False),
-    "tq3.5": (5, 3, True),
-    "tq3": (3, 3, False),
-    "tq2.5": (4, 2, True),
-    "tq2": (2, 2, False),
-}
 
 
 class PayloadError(ValueError):
@@ -229,9 +225,9 @@ def parse_header(payload: bytes | bytearray | memoryview) -> tuple[PayloadHeader
         raise PayloadError("corrupted header: header checksum mismatch")
     if codec_id >= len(CODEC_NAMES):
         raise PayloadError(f"unknown codec id {codec_id} in payload header")
-    if dtype_code not in DTYPE_NAMES:
+    if dtype_code >= len(DTYPES):
         raise PayloadError(f"unknown dtype code {dtype_code} in payload header")
-    codec, dtype = CODEC_NAMES[codec_id], DTYPE_NAMES[dtype_code]
+    codec, dtype = CODEC_NAMES[codec_id], DTYPES[dtype_code]
     shape = struct.unpack(f"<{ndim}Q", view[_FIXED.size : head_len - _CRC.size])
     if group_size < 1:
         raise PayloadError(f"invalid group_size {group_size} in {codec} payload header")

@@ -14,16 +14,11 @@ import math
 import numpy as np
 import torch
 
-from tierkv.quant.codec import Codec, checked_body
+from tierkv.codecs import DTYPE_BYTES, FRAMEWORK_DTYPES, TURBO_MODES
+from tierkv.quant.base import Codec
+from tierkv.quant.codec import checked_body
 from tierkv.quant.kernels import block_exponent
-from tierkv.quant.payload import (
-    DTYPE_BYTES,
-    TURBO_MODES,
-    NonFiniteError,
-    PayloadError,
-    PayloadHeader,
-    pack_header,
-)
+from tierkv.quant.payload import NonFiniteError, PayloadError, PayloadHeader, pack_header
 from tierkv.quant.turbo import (
     Layout,
     TurboCodec,
@@ -31,8 +26,8 @@ from tierkv.quant.turbo import (
     named_codec,
 )
 
-_FLOAT_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-_DTYPE_OF = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DTYPE_OF = {getattr(torch, name): ours for name, ours in FRAMEWORK_DTYPES.items()}
+_FLOAT_TYPES = {ours: torch_type for torch_type, ours in _DTYPE_OF.items()}
 _MAX_FINITE = {name: torch.finfo(t).max for name, t in _FLOAT_TYPES.items()}
 
 

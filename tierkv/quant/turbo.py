@@ -26,6 +26,7 @@ from functools import lru_cache
 import numpy as np
 from numba import njit, prange
 
+from tierkv.codecs import DTYPE_CODES, TURBO_MODES
 from tierkv.quant.codebooks import Codebook, Rotation, lloyd_max, rotation
 from tierkv.quant.hadamard import butterflies
 from tierkv.quant.kernels import (
@@ -57,9 +58,7 @@ from tierkv.quant.kernels import (
     write_u16,
 )
 from tierkv.quant.payload import (
-    DTYPE_CODES,
     FORMAT_VERSION,
-    TURBO_MODES,
     NonFiniteError,
     PayloadError,
     PayloadHeader,

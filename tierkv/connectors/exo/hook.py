@@ -62,6 +62,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
+from tierkv.codecs import FRAMEWORK_DTYPES
 from tierkv.config import KV_VAULT, TierKVConfig, load_config, resolve_auto_codec
 from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
 from tierkv.keys import chain_block_keys, namespace_fingerprint, weights_fingerprint
@@ -83,11 +84,11 @@ SPILL_WAIT_S = 0.5
 MAX_WINDOW_PROBES = 4
 """Lookups a restore makes at most to find a restore point whose rotating-layer window is held."""
 
-# mlx dtype -> (codec dtype name, numpy dtype the host copy uses; bf16 travels as its bits)
+# mlx dtype -> (codec dtype name, numpy dtype the host copy uses; bf16, which numpy lacks, travels
+# as its bits)
 _DTYPES: dict[Any, tuple[str, type[np.generic]]] = {
-    mx.float16: ("fp16", np.float16),
-    mx.bfloat16: ("bf16", np.uint16),
-    mx.float32: ("fp32", np.float32),
+    getattr(mx, name): (ours, getattr(np, name, np.uint16))
+    for name, ours in FRAMEWORK_DTYPES.items()
 }
 
 

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from tierkv.codecs import FRAMEWORK_DTYPES
 from tierkv.config import (
     VAULT_ROLE,
     TierKVConfig,
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger, so these lines are printed with vLLM's own.
 log = get_logger(f"vllm.{__name__}")
-_DTYPE_NAMES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 
 CONFIG_PATH_KEY = "config_path"
 EVICTION_WATERMARK_FACTOR = 2
@@ -126,7 +126,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         # Only workers encode and decode: they compile the configured codec for the model's
         # dtype in register_kv_caches, once they know how large a block is.
         model_dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
-        self._kv_dtype = _DTYPE_NAMES.get(model_dtype, "fp16")
+        self._kv_dtype = FRAMEWORK_DTYPES.get(model_dtype, "fp16")
         self.tier = ColdTier.from_config(cfg, warm_dtypes=())
         self.scheduler_side: TierScheduler | None = None
         self.worker_side: TierWorker | None = None

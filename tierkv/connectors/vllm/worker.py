@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tierkv.config import kv_pair_codecs
+from tierkv.codecs import kv_pair_codecs
 from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
 from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
