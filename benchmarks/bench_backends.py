@@ -33,7 +33,8 @@ from tests.redis_servers import start_cluster, start_redis
 from tierkv.backends import open_backend
 from tierkv.backends.redis import PROMOTE_BATCH
 from tierkv.bench.pipeline import bench_client_config, concurrent_promote
-from tierkv.config import Endpoint, format_size, parse_size
+from tierkv.config import Endpoint
+from tierkv.sizes import format_size, parse_size
 
 NAMESPACE = b"bench-backends-0"
 

@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vault import running_vault
 
 from tierkv.backends.vault import VaultClient
-from tierkv.config import format_size, parse_size
 from tierkv.load import Consume
 from tierkv.movers import BlockMover, StagingRing, hand_over
 from tierkv.quant import decode_into, get_codec, torch_ops
 from tierkv.quant import warmup as warmup_codecs
+from tierkv.sizes import format_size, parse_size
 from tierkv.tier import ColdTier
 from tierkv.transfer import Into
 

@@ -41,7 +41,7 @@ from typing import TypeVar
 from bench_vault import recovery_of, running_vault
 
 from tierkv.backends.vault import VaultClient
-from tierkv.config import MIB, parse_size
+from tierkv.sizes import MIB, parse_size
 
 HELD = b"bench-held-00000"
 CLEARED = b"bench-clear-0000"

@@ -143,8 +143,8 @@ def main() -> None:
         try:
             extra: dict[str, object] = {"cluster.kv_cold": address, "connector.store": "on_finish"}
             if args.codec != "none":
-                extra |= {"turbo_quant.enabled": True, "turbo_quant.codec": args.codec}
-                extra |= {"turbo_quant.kv_dim": 64}
+                extra |= {"compression.enabled": True, "compression.codec": args.codec}
+                extra |= {"compression.group_size": 64}
             max_len = max(args.tokens) + 16
             llm = LLM(
                 model=str(model),

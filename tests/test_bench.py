@@ -14,11 +14,11 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner, Result
 
+from tierkv.addresses import parse_address
 from tierkv.backends.memory import MemoryBackend
 from tierkv.bench.pipeline import BenchResult, LinkView, bench_tier
 from tierkv.cli import app
 from tierkv.cli.bench import results_table
-from tierkv.config import parse_address
 from tierkv.keys import chain_block_keys, namespace_fingerprint
 from tierkv.model_shapes import MODEL_SHAPES
 from tierkv.quant import get_codec
@@ -169,7 +169,7 @@ def test_ratio_of_a_pure_attention_model_is_the_codecs() -> None:
     report = json.loads(result.stdout)
     # Llama 3.1 8B: 32 layers x (K, V) x 8 KV heads x 128 dims x 2 bytes per token.
     assert report["raw_bytes"] == 32 * 2 * 8 * 128 * 2 * 512
-    # int8: a byte per value and an fp16 scale per kv_dim (128) values, headers aside.
+    # int8: a byte per value and an fp16 scale per group_size (128) values, headers aside.
     assert report["ratio"] == pytest.approx(2 * 128 / (128 + 2), rel=1e-3)
 
 

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 from tierkv import __version__
 from tierkv.cli import app
 from tierkv.codecs import TURBO_QUANT_CODECS
-from tierkv.config import format_size, physical_ram_bytes
+from tierkv.config import physical_ram_bytes
 from tierkv.quant import CODEC_NAMES
+from tierkv.sizes import format_size
 
 COMMANDS = ["vault", "status", "install", "serve", "bench", "eval"]
 runner = CliRunner(env={"COLUMNS": "80"})
@@ -180,13 +181,17 @@ def _resolver_error(host: str) -> str:
     pytest.skip(f"{host} resolves here")
 
 
-@pytest.mark.parametrize("kv_dim", [100, 8, 2048, True])
-def test_a_kv_dim_turboquant_cannot_use_is_a_config_error(kv_dim: object, tmp_path: Path) -> None:
+@pytest.mark.parametrize("group_size", [100, 8, 2048, True])
+def test_a_group_size_the_codecs_cannot_use_is_a_config_error(
+    group_size: object, tmp_path: Path
+) -> None:
     config = tmp_path / "tierkv.toml"
-    config.write_text(f"[turbo_quant]\nkv_dim = {str(kv_dim).lower()}\n")
+    config.write_text(f"[compression]\ngroup_size = {str(group_size).lower()}\n")
     result = runner.invoke(app, ["bench", "--config", str(config)])
     assert result.exit_code == 2
-    assert f"{config}: turbo_quant.kv_dim: expected a multiple of 8 in 16..1024" in result.stderr
+    assert (
+        f"{config}: compression.group_size: expected a multiple of 8 in 16..1024" in result.stderr
+    )
 
 
 def test_a_listen_address_from_the_config_names_file_and_key(tmp_path: Path) -> None:

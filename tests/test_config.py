@@ -9,19 +9,17 @@ from pathlib import Path
 import pytest
 import tomlkit
 
+from tierkv.addresses import parse_address
 from tierkv.config import (
-    GIB,
-    MIB,
     ConfigError,
     Endpoint,
     TierKVConfig,
     config_from_mapping,
     default_max_bytes,
     load_config,
-    parse_address,
-    parse_size,
     physical_ram_bytes,
 )
+from tierkv.sizes import GIB, MIB, parse_size
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,7 +43,7 @@ def test_published_inference_example_loads_unchanged(tmp_path: Path) -> None:
     path = write(
         tmp_path / "tierkv.toml",
         '[cluster]\nrole = "inference"\nkv_cold = "192.168.1.10:50051"\n'
-        'ssm_cold = "192.168.1.11:50051"\n[turbo_quant]\nenabled = true\nkv_dim = 256\n',
+        'ssm_cold = "192.168.1.11:50051"\n[compression]\nenabled = true\ngroup_size = 256\n',
     )
     cfg = load_config(path)
     assert cfg.source == str(path)
@@ -53,8 +51,8 @@ def test_published_inference_example_loads_unchanged(tmp_path: Path) -> None:
         "kv_cold": (Endpoint("192.168.1.10:50051"),),
         "ssm_cold": (Endpoint("192.168.1.11:50051"),),
     }
-    assert (cfg.turbo_quant.enabled, cfg.turbo_quant.kv_dim) == (True, 256)
-    assert cfg.turbo_quant.codec_name == "tq3.5"
+    assert (cfg.compression.enabled, cfg.compression.group_size) == (True, 256)
+    assert cfg.compression.codec_name == "tq3.5"
 
 
 def test_published_vault_example_loads_unchanged(tmp_path: Path) -> None:
@@ -77,7 +75,7 @@ def test_defaults() -> None:
     assert (cfg.client.deadline_ms, cfg.client.promote_deadline_ms) == (2000, 30000)
     assert cfg.client.max_pending_bytes == 256 * MIB
     assert (cfg.client.breaker_failures, cfg.client.breaker_cooldown_s) == (3, 5.0)
-    assert cfg.turbo_quant.codec_name == "none"
+    assert cfg.compression.codec_name == "none"
     assert (cfg.connector.store, cfg.connector.staging_bytes) == ("on_eviction", GIB)
     assert (cfg.exo.block_tokens, cfg.exo.write_through) == (256, False)
 
@@ -127,9 +125,9 @@ def test_missing_explicit_or_env_file_is_an_error(
         ("[vault]\nbulk_port = '50052'\n", "vault.bulk_port: expected a port number"),
         ("[client]\ndeadline_ms = 'fast'\n", "client.deadline_ms: expected a positive integer"),
         ("[client]\nbreaker_failures = true\n", "client.breaker_failures: expected a positive"),
-        ("[turbo_quant]\nenabled = 'yes'\n", "turbo_quant.enabled: expected true or false"),
-        ("[turbo_quant]\ncodec = 'tq9'\n", "turbo_quant.codec: expected one of int8, tq4"),
-        ("[turbo_quant]\nmin_cosine = 1.5\n", "turbo_quant.min_cosine: expected a number from 0"),
+        ("[compression]\nenabled = 'yes'\n", "compression.enabled: expected true or false"),
+        ("[compression]\ncodec = 'tq9'\n", "compression.codec: expected one of int8, tq4"),
+        ("[compression]\nmin_cosine = 1.5\n", "compression.min_cosine: expected a number from 0"),
         ("[connector]\nstore = 'always'\n", "connector.store: expected one of on_eviction"),
         ("[exo]\nblock_tokens = -1\n", "exo.block_tokens: expected a positive integer"),
         ("cluster = 3\n", "cluster: expected a table"),
@@ -158,13 +156,13 @@ def test_config_from_mapping_accepts_tables_and_dotted_keys() -> None:
     cfg = config_from_mapping(
         {
             "cluster": {"kv_cold": "[::1]:50051"},
-            "turbo_quant.enabled": True,
+            "compression.enabled": True,
             "client.deadline_ms": 5,
         },
         "kv_connector_extra_config",
     )
     assert cfg.cluster.kv_cold == (Endpoint("[::1]:50051"),)
-    assert cfg.turbo_quant.enabled and cfg.client.deadline_ms == 5
+    assert cfg.compression.enabled and cfg.client.deadline_ms == 5
     with pytest.raises(ConfigError, match=r"kv_connector_extra_config: unknown key exo\.colour"):
         config_from_mapping({"exo.colour": "red"}, "kv_connector_extra_config")
 
@@ -206,7 +204,7 @@ def test_example_toml_documents_every_key_and_loads() -> None:
     cfg = load_config(example)
     document = tomlkit.parse(example.read_text()).unwrap()
     defaults = TierKVConfig()
-    sections = ("cluster", "vault", "security", "limits", "client", "turbo_quant", "connector")
+    sections = ("cluster", "vault", "security", "limits", "client", "compression", "connector")
     for section in (*sections, "exo"):
         names = {f.name for f in fields(getattr(defaults, section))}
         written = set(document.get(section, {}))
@@ -234,3 +232,36 @@ def test_cold_stores_take_lists_weights_and_redis_urls(tmp_path: Path) -> None:
     [ssm] = cfg.cluster.ssm_cold
     assert ssm.address == "rediss+cluster://ops:pw@cache.lan:6380"
     assert str(ssm) == "rediss+cluster://cache.lan:6380"  # what messages and tables show
+
+
+def test_the_old_names_turbo_quant_and_kv_dim_still_read_with_one_notice(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """[turbo_quant] (which also switches int8 and pairs) is now [compression], and its kv_dim
+    (a group size) is group_size; a file written with the old names means the same, says so in
+    one log line once, and names the new key in its errors."""
+    old = tmp_path / "old.toml"
+    old.write_text('[turbo_quant]\nenabled = true\ncodec = "int8"\nkv_dim = 64\n')
+    new = tmp_path / "new.toml"
+    new.write_text('[compression]\nenabled = true\ncodec = "int8"\ngroup_size = 64\n')
+    with caplog.at_level("WARNING"):
+        from_old, again = load_config(old), load_config(old)
+        from_new = load_config(new)
+    assert from_old.compression == again.compression == from_new.compression
+    assert from_old.compression.group_size == 64
+    notices = [record.getMessage() for record in caplog.records]
+    assert notices == [
+        f"tierkv: {old}: [turbo_quant] is now [compression], kv_dim is now group_size; "
+        "the old names still work"
+    ]
+    dotted = config_from_mapping({"turbo_quant.kv_dim": 32, "turbo_quant.enabled": True}, "x")
+    assert (dotted.compression.group_size, dotted.compression.enabled) == (32, True)
+    with pytest.raises(ConfigError, match=r"^x: compression\.group_size: expected a multiple"):
+        config_from_mapping({"turbo_quant": {"kv_dim": 12}}, "x")
+
+
+def test_a_setting_under_its_old_and_its_new_name_is_an_error() -> None:
+    both = {"compression": {"group_size": 64}, "turbo_quant": {"kv_dim": 32}}
+    message = r"^y: compression\.group_size is set twice \(once as turbo_quant\.kv_dim\); set it"
+    with pytest.raises(ConfigError, match=message):
+        config_from_mapping(both, "y")

@@ -28,7 +28,7 @@ from tierkv.bench.eval import (
     write_verdict,
 )
 from tierkv.cli import app
-from tierkv.config import TierKVConfig, TurboQuantConfig, load_config, resolve_auto_codec
+from tierkv.config import CompressionConfig, TierKVConfig, load_config, resolve_auto_codec
 
 _ZERO_CODEC_ENGINE = """
 import json, sys
@@ -163,15 +163,15 @@ def test_codec_auto_uses_the_verdict_for_this_model_and_lossless_otherwise(
 ) -> None:
     path = tmp_path / "tierkv.toml"
     path.write_text(
-        '[turbo_quant]\nenabled = true\ncodec = "auto"\n[codec_verdicts]\nabc = "k8v4"\n'
+        '[compression]\nenabled = true\ncodec = "auto"\n[codec_verdicts]\nabc = "k8v4"\n'
     )
     cfg = load_config(path)
-    assert resolve_auto_codec(cfg, lambda: "abc").turbo_quant.codec_name == "k8v4"
+    assert resolve_auto_codec(cfg, lambda: "abc").compression.codec_name == "k8v4"
     with caplog.at_level("WARNING"):
         for _ in range(2):
-            assert resolve_auto_codec(cfg, lambda: "other").turbo_quant.codec_name == "none"
+            assert resolve_auto_codec(cfg, lambda: "other").compression.codec_name == "none"
     assert caplog.text.count("holds no verdict for model other") == 1
-    fixed = TierKVConfig(turbo_quant=TurboQuantConfig(enabled=True, codec="tq4"))
+    fixed = TierKVConfig(compression=CompressionConfig(enabled=True, codec="tq4"))
     unused = resolve_auto_codec(fixed, lambda: pytest.fail("a fixed codec needs no fingerprint"))
     assert unused is fixed
 
@@ -189,7 +189,7 @@ def test_llama_eval_none_is_exact_and_a_destructive_codec_is_caught_by_the_gate(
         "codecs": ["none", "k8v4", "zero"],
         "new_tokens": 16,
         "connector_config": {"cluster.kv_cold": vault.address},
-        "kv_dim": 64,
+        "group_size": 64,
         "kv_cache_bytes": 8 << 20,
     }
     engine = subprocess.run(
@@ -224,7 +224,7 @@ def test_cli_eval_on_the_hybrid_model_writes_its_verdict(tmp_path: Path) -> None
     pytest.importorskip("vllm")
     model = build_tiny_qwen3_next(tmp_path / "qwen3-next")
     config = tmp_path / "tierkv.toml"
-    config.write_text("[turbo_quant]\nkv_dim = 64\n")
+    config.write_text("[compression]\ngroup_size = 64\n")
     args = ["eval", "--model", str(model), "--codecs", "none,k8v4", "--tokens", "1200"]
     args += ["--new-tokens", "8", "--kv-cache-bytes", "1700000", "--config", str(config)]
     args += ["--passkey-lengths", "", "--no-counting"]  # the tasks need a trained model

@@ -313,7 +313,8 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
             tmp_path,
             monkeypatch,
             vault.address,
-            extra_config='[turbo_quant]\nenabled = true\ncodec = "auto"\nkv_dim = 16\n' + verdicts,
+            extra_config='[compression]\nenabled = true\ncodec = "auto"\ngroup_size = 16\n'
+            + verdicts,
             exo_source=exo_source,
         )
         runtime = hook.runtime()

@@ -27,9 +27,9 @@ def test_short_names_and_tables_name_the_same_pair() -> None:
     assert kv_pair_codecs("k16v4") == ("none", "tq4")
     assert kv_pair_codecs("tq4") is None
     assert kv_pair_name("tq4", "tq4") == "tq4"
-    table = config_from_mapping({"turbo_quant": {"codec": {"k": "int8", "v": "tq4"}}}, "t")
-    short = config_from_mapping({"turbo_quant.codec": "k8v4"}, "t")
-    assert table.turbo_quant.codec == short.turbo_quant.codec == "k8v4"
+    table = config_from_mapping({"compression": {"codec": {"k": "int8", "v": "tq4"}}}, "t")
+    short = config_from_mapping({"compression.codec": "k8v4"}, "t")
+    assert table.compression.codec == short.compression.codec == "k8v4"
     assert get_codec("k8v4", 64).name == "k8v4"
     assert get_codec("k4v4", 64).name == "tq4"  # the same codec twice is just that codec
 
@@ -38,8 +38,8 @@ def test_short_names_and_tables_name_the_same_pair() -> None:
     "bad", ["k7v4", {"k": "int8"}, {"k": "int8", "v": "tq9"}, "k8v4x", "auto-ish"]
 )
 def test_bad_pairs_are_config_errors_naming_the_key(bad: object) -> None:
-    with pytest.raises(ConfigError, match=r"turbo_quant\.codec"):
-        config_from_mapping({"turbo_quant": {"codec": bad}}, "t")
+    with pytest.raises(ConfigError, match=r"compression\.codec"):
+        config_from_mapping({"compression": {"codec": bad}}, "t")
 
 
 @pytest.mark.parametrize(

@@ -187,16 +187,17 @@ def test_length_not_a_multiple_of_the_group_is_rejected(name: str) -> None:
 @pytest.mark.parametrize("name", ["tq4", "tq3.5", "tq3", "tq2.5", "tq2"])
 @pytest.mark.parametrize("group_size", [0, 8, 12, 100, 1032, 2048])
 def test_unusable_group_size_is_rejected(name: str, group_size: int) -> None:
-    # README: kv_dim must be a multiple of 8 in 16..1024.
+    # README: group_size must be a multiple of 8 in 16..1024.
     with pytest.raises(
-        ValueError, match=rf"kv_dim\) to be a multiple of 8 in \[16, 1024\], got {group_size}"
+        ValueError,
+        match=rf"needs group_size to be a multiple of 8 in \[16, 1024\], got {group_size}",
     ):
         get_codec(name, group_size)
 
 
 @pytest.mark.parametrize("name", ["tq4", "tq3.5", "tq3", "tq2.5", "tq2"])
 @pytest.mark.parametrize("group_size", [16, 1024])
-def test_the_kv_dim_limits_themselves_work(name: str, group_size: int) -> None:
+def test_the_group_size_limits_themselves_work(name: str, group_size: int) -> None:
     x = np.random.default_rng(0).standard_normal((4, group_size)).astype(np.float16)
     assert relative_error(x, round_trip(name, x, "fp16", group_size), "fp16") < 0.6
 

@@ -180,15 +180,15 @@ def test_a_block_missing_a_part_is_not_decoded_at_all(
 def test_min_cosine_from_the_config_stores_a_poor_block_lossless(
     vault_factory: Callable[..., VaultHandle], min_cosine: float, lossless: bool
 ) -> None:
-    """`[turbo_quant] min_cosine` reaches ColdTier.from_config: tq2 (cosine ~0.94) falls back."""
+    """`[compression] min_cosine` reaches ColdTier.from_config: tq2 (cosine ~0.94) falls back."""
     vault = vault_factory()
     cfg = config_from_mapping(
         {
             "cluster.kv_cold": vault.address,
-            "turbo_quant.enabled": True,
-            "turbo_quant.codec": "tq2",
-            "turbo_quant.kv_dim": 64,
-            "turbo_quant.min_cosine": min_cosine,
+            "compression.enabled": True,
+            "compression.codec": "tq2",
+            "compression.group_size": 64,
+            "compression.min_cosine": min_cosine,
         },
         source="test",
     )

@@ -12,7 +12,8 @@ import pytest
 from helpers import SLOW_BOX_MARGIN_S, key, stop_process, wait_until
 
 from tierkv.backends.vault import VaultClient
-from tierkv.config import MIB, LimitsConfig
+from tierkv.config import LimitsConfig
+from tierkv.sizes import MIB
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.server import VaultServicer, serve
 

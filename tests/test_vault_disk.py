@@ -16,7 +16,7 @@ from helpers import key, wait_until
 
 from tierkv.backends.vault import VaultClient
 from tierkv.checksum import block_checksum
-from tierkv.config import MIB
+from tierkv.sizes import MIB
 from tierkv.vault.disk import DiskLockedError, DiskTier
 from tierkv.vault.server import serve
 from tierkv.vault.store import VaultStore, entry_bytes

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from test_vault_disk import forged_record
 
 from tierkv.checksum import block_checksum
-from tierkv.config import MIB
+from tierkv.sizes import MIB
 from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR, KIND_DELETE, DiskTier
 
 TENANTS = [b"A" * 16, b"B" * 16]

@@ -22,7 +22,7 @@ from test_vault_disk import forged_record
 from tierkv.backends.base import BackendStats
 from tierkv.backends.vault import VaultClient
 from tierkv.checksum import block_checksum
-from tierkv.config import MIB
+from tierkv.sizes import MIB
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.bulk import BulkConnection, BulkError
 from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR

@@ -13,7 +13,7 @@ import pytest
 from helpers import VaultHandle
 
 from tierkv.backends.vault import VaultClient
-from tierkv.config import MIB
+from tierkv.sizes import MIB
 
 SCRIPT = """
 import resource, sys

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierkv.checksum import HOLDING_GIL_BYTES, address_prefix, block_checksum, checksum_at
-from tierkv.config import MIB
+from tierkv.sizes import MIB
 from tierkv.vault.store import LOCK_SLICE, VaultStore, entry_bytes
 
 NS = b"n" * 16

@@ -550,7 +550,7 @@ def test_int8_restore_is_within_the_codecs_bound(
 ):
     """3: with the int8 codec every restored block, read back from vLLM's paged KV buffer, is
     within the codec's error bound of the block that was stored (half a quantization step per
-    `kv_dim` group, plus bf16 rounding); how many greedy tokens agree is reported.
+    `group_size` group, plus bf16 rounding); how many greedy tokens agree is reported.
 
     This engine stores eagerly (`store = "on_finish"`), the alternative to storing on eviction;
     blocks restored from the vault are not stored again when the request finishes, even when
@@ -561,9 +561,9 @@ def test_int8_restore_is_within_the_codecs_bound(
     extra = {
         "cluster.kv_cold": kv_vault.address,
         "connector.store": "on_finish",
-        "turbo_quant.enabled": True,
-        "turbo_quant.codec": "int8",
-        "turbo_quant.kv_dim": 64,
+        "compression.enabled": True,
+        "compression.codec": "int8",
+        "compression.group_size": 64,
     }
     engine = Engine(models["llama"], extra, LLAMA_ENGINE)
     try:

@@ -121,7 +121,7 @@ def test_eval_verdict_is_what_codec_auto_stores_with(
     config = tmp_path / "tierkv.toml"
     config.write_text(
         f'[cluster]\nkv_cold = "{vault[1]}"\n[connector]\nstore = "on_finish"\n'
-        '[turbo_quant]\nenabled = true\ncodec = "auto"\n'
+        '[compression]\nenabled = true\ncodec = "auto"\n'
     )
     args = ["eval", "--model", str(real_model), "--codecs", "none,tq4", "--tokens", "256"]
     args += ["--new-tokens", "4", "--passkey-lengths", "256", "--no-counting"]

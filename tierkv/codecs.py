@@ -1,7 +1,7 @@
 """The catalogue of codec and dtype names: each codec, its bits, K/V pair names, each dtype, its
 size and how torch, numpy and MLX spell it, written down once.
 
-tierkv.config validates `[turbo_quant] codec` against it and tierkv.quant writes its ids into
+tierkv.config validates `[compression] codec` against it and tierkv.quant writes its ids into
 payload headers, so it imports only the standard library. The codecs themselves are tierkv.quant.
 """
 
@@ -13,9 +13,9 @@ CODEC_NAMES = ("none", "int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
 """Every codec of tierkv.quant, in payload order: a payload's codec id is the index here (never
 reorder: stored payloads would decode as another codec)."""
 TURBO_QUANT_CODECS = CODEC_NAMES[1:]
-"""The lossy codecs, which `[turbo_quant] codec` may name ("none" is lossless)."""
+"""The lossy codecs, which `[compression] codec` may name ("none" is lossless)."""
 AUTO_CODEC = "auto"
-"""`[turbo_quant] codec = "auto"`: the verdict `tierkv eval` recorded for the model, else none."""
+"""`[compression] codec = "auto"`: the verdict `tierkv eval` recorded for the model, else none."""
 TURBO_MODES = {
     "tq4": (4, 4, False),
     "tq3.5": (5, 3, True),

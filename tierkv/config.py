@@ -7,24 +7,19 @@ type, bad size or address) raises `ConfigError` naming the file, the key and wha
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
+from tierkv.addresses import parse_address, parse_cold_address, parse_ip_address, redact
 from tierkv.codecs import AUTO_CODEC, TURBO_QUANT_CODECS, kv_pair_codecs, kv_pair_name
 from tierkv.errors import TierKVError
 from tierkv.logs import get_logger
+from tierkv.sizes import GIB, MIB, SIZE_FORMS, parse_size
 
 log = get_logger(__name__)
-
-KIB = 1024
-MIB = 1024 * KIB
-GIB = 1024 * MIB
 
 KV_VAULT, SSM_VAULT = "kv", "ssm"
 VAULT_ROLE = {KV_VAULT: "kv_cold", SSM_VAULT: "ssm_cold"}
@@ -42,126 +37,9 @@ UNLIMITED = 0
 """`max_bytes` value meaning no cap (written "unlimited" in tierkv.toml)."""
 ENV_VAR = "TIERKV_CONFIG"
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": KIB,
-    "mib": MIB,
-    "gib": GIB,
-    "tib": 1024 * GIB,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
-
-
-SIZE_FORMS = "a size like 24GB, 512MiB or 1073741824 (units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
-"""What parse_size accepts, as its errors say."""
-
 
 class ConfigError(TierKVError, ValueError):
     """A configuration problem; the message names the source, the key and what was expected."""
-
-
-def parse_size(value: int | str, forms: str = SIZE_FORMS) -> int:
-    """Bytes from an int or a string like "24GB" (10^9) or "512MiB" (2^20); else ValueError,
-    saying that it expected `forms`."""
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise ValueError(f"expected {forms}, got {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"a size cannot be negative, got {value}")
-        return value
-    match = _SIZE_RE.match(value)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _SIZE_UNITS:
-        raise ValueError(f"expected {forms}, got {value!r}")
-    return int(float(match.group(1).replace("_", "")) * _SIZE_UNITS[unit])
-
-
-def format_size(size: int) -> str:
-    """A human-readable binary size, e.g. 1.5 GiB."""
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            break
-        value /= 1024
-    return f"{size} B" if unit == "B" else f"{value:.1f} {unit}"
-
-
-def parse_address(text: str, *, allow_port_zero: bool = False) -> tuple[str, int]:
-    """(host, port) from "host:port" or "[v6]:port"; ValueError naming the address if malformed.
-
-    Port 0 ("any free port") is only accepted with `allow_port_zero` (a server's listen address).
-    """
-    if not isinstance(text, str):
-        raise ValueError(f"expected an address host:port, got {text!r}")
-    if text.startswith("["):
-        host, sep, port_text = text[1:].partition("]:")
-        if not sep or not host:
-            raise ValueError(f"expected [ipv6]:port, got {text!r}")
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"expected host:port, got {text!r}")
-        if ":" in host:
-            raise ValueError(f"an IPv6 address needs brackets, like [::1]:50051; got {text!r}")
-    if any(c.isspace() for c in host) or "/" in host:
-        raise ValueError(f"bad host {host!r} in address {text!r}")
-    if not port_text.isdigit():
-        raise ValueError(f"bad port {port_text!r} in address {text!r}")
-    port = int(port_text)
-    if not (0 if allow_port_zero else 1) <= port <= 65535:
-        raise ValueError(f"port {port} out of range in address {text!r}")
-    return host, port
-
-
-def format_address(host: str, port: int) -> str:
-    """The "host:port" form of an address, bracketing IPv6 hosts."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-REDIS_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster")
-"""URL schemes of a Valkey / Redis backend: rediss = TLS, +cluster = a Redis Cluster."""
-
-
-def is_redis_url(address: str) -> bool:
-    """Whether `address` names a Valkey / Redis backend rather than a tierkv vault."""
-    return address.partition("://")[0] in REDIS_SCHEMES and "://" in address
-
-
-def redact(address: str) -> str:
-    """`address` without any user:password part, for logs and tables."""
-    if not is_redis_url(address):
-        return address
-    scheme, _, rest = address.partition("://")
-    return f"{scheme}://{rest.rpartition('@')[2]}"
-
-
-def parse_cold_address(text: str) -> str:
-    """A vault "host:port" or a redis://, rediss://, redis+cluster:// URL; else ValueError."""
-    if not isinstance(text, str):
-        raise ValueError(f"expected an address host:port or a redis:// URL, got {text!r}")
-    if "://" not in text:
-        parse_address(text)
-        return text
-    if not is_redis_url(text):
-        raise ValueError(
-            f"unknown scheme in {redact(text)!r}; expected host:port or one of "
-            + ", ".join(f"{scheme}://" for scheme in REDIS_SCHEMES)
-        )
-    try:
-        url = urlsplit(text)
-        port = url.port
-    except ValueError as exc:
-        raise ValueError(f"bad URL {redact(text)!r}: {exc}") from None
-    if not url.hostname or (url.path not in ("", "/") and not url.path[1:].isdigit()):
-        raise ValueError(f"expected redis://host:port[/db], got {redact(text)!r}")
-    if port is None:
-        raise ValueError(f"no port in {redact(text)!r} (e.g. redis://10.0.0.5:6379)")
-    return text
 
 
 @dataclass(frozen=True)
@@ -304,11 +182,13 @@ class ClientConfig:
 
 
 @dataclass(frozen=True)
-class TurboQuantConfig:
-    """Lossy compression of KV blocks before they are shipped."""
+class CompressionConfig:
+    """`[compression]`: how KV blocks are stored, lossless unless enabled (int8, TurboQuant or a
+    K/V pair of them). `group_size`: the values the codecs scale and rotate together (a head's
+    dim); `min_cosine`: a block whose round trip falls below it is stored lossless."""
 
     enabled: bool = False
-    kv_dim: int = 128
+    group_size: int = 128
     codec: str = "tq3.5"
     min_cosine: float = 0.0
 
@@ -345,7 +225,7 @@ class TierKVConfig:
     client: ClientConfig = field(default_factory=ClientConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
-    turbo_quant: TurboQuantConfig = field(default_factory=TurboQuantConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     connector: ConnectorConfig = field(default_factory=ConnectorConfig)
     exo: ExoConfig = field(default_factory=ExoConfig)
     codec_verdicts: dict[str, str] = field(default_factory=dict)
@@ -362,8 +242,8 @@ def _positive_int(value: Any) -> int:
     return value
 
 
-def _kv_dim(value: Any) -> int:
-    """A head dim TurboQuant can rotate: a multiple of 8 in 16..1024."""
+def _group_size(value: Any) -> int:
+    """A group the codecs can scale and TurboQuant rotate: a multiple of 8 in 16..1024."""
     if (
         isinstance(value, bool)
         or not isinstance(value, int)
@@ -408,7 +288,7 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
 
 
 def _codec_choice(value: Any) -> str:
-    """`[turbo_quant] codec`: a lossy codec, "auto", a K/V pair ("k8v4" or {k = .., v = ..})."""
+    """`[compression] codec`: a lossy codec, "auto", a K/V pair ("k8v4" or {k = .., v = ..})."""
     if isinstance(value, Mapping):
         if set(value) != {"k", "v"}:
             raise ValueError(f"a K/V pair is a table with keys k and v, got {dict(value)!r}")
@@ -425,7 +305,7 @@ def _codec_choice(value: Any) -> str:
 
 
 def _verdict_codec(value: Any) -> str:
-    """A `[codec_verdicts]` value: "none" or anything `[turbo_quant] codec` accepts but auto."""
+    """A `[codec_verdicts]` value: "none" or anything `[compression] codec` accepts but auto."""
     if value == "none":
         return "none"
     codec = _codec_choice(value)
@@ -483,16 +363,6 @@ def _path(value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected a file path, got {value!r}")
     return str(Path(value).expanduser())
-
-
-def parse_ip_address(value: Any) -> str:
-    """`value` as an IP address (normalised); ValueError naming it when it is none."""
-    try:
-        return str(ipaddress.ip_address(value if isinstance(value, str) else ""))
-    except ValueError:
-        raise ValueError(
-            f"expected an IP address such as 127.0.0.1 or ::1, got {value!r}"
-        ) from None
 
 
 def _listen_address(value: Any) -> str:
@@ -559,11 +429,11 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "redis_password": _string,
         },
     ),
-    "turbo_quant": (
-        TurboQuantConfig,
+    "compression": (
+        CompressionConfig,
         {
             "enabled": _bool,
-            "kv_dim": _kv_dim,
+            "group_size": _group_size,
             "codec": _codec_choice,
             "min_cosine": _cosine,
         },
@@ -577,7 +447,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
 
 
 def _nest_dotted_keys(data: Mapping[str, Any], source: str) -> dict[str, Any]:
-    """{"turbo_quant.enabled": 1} → {"turbo_quant": {"enabled": 1}}; nested tables pass through."""
+    """{"compression.enabled": 1} → {"compression": {"enabled": 1}}; nested tables pass through."""
     nested: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str):
@@ -599,7 +469,7 @@ def config_from_mapping(data: Mapping[str, Any], source: str) -> TierKVConfig:
     Raises ConfigError naming `source`, the key and what was expected.
     """
     sections: dict[str, Any] = {}
-    for section, raw in _nest_dotted_keys(data, source).items():
+    for section, raw in _renamed(_nest_dotted_keys(data, source), source).items():
         if section == "codec_verdicts":
             sections[section] = _verdicts(raw, source)
             continue
@@ -622,6 +492,40 @@ def config_from_mapping(data: Mapping[str, Any], source: str) -> TierKVConfig:
                 raise ConfigError(f"{source}: {section}.{name}: {exc}") from None
         sections[section] = cls(**values)
     return TierKVConfig(source=source, **sections)
+
+
+RENAMED_SECTIONS = {"turbo_quant": "compression"}
+"""Sections read under an old name too, as their new one (with a notice)."""
+RENAMED_KEYS = {"compression.kv_dim": "compression.group_size"}
+"""Keys read under an old name too, as their new one (with a notice)."""
+_told_renamed: set[str] = set()
+
+
+def _renamed(sections: dict[str, dict[str, Any]], source: str) -> dict[str, dict[str, Any]]:
+    """`sections` under today's names (RENAMED_SECTIONS, RENAMED_KEYS); the old names found are
+    said in one log line, once per source. ConfigError when a setting is given under its old
+    and its new name."""
+    renamed: dict[str, dict[str, Any]] = {}
+    notes: dict[str, str] = {}
+    for section, raw in sections.items():
+        target = RENAMED_SECTIONS.get(section, section)
+        if target != section:
+            notes[f"[{section}]"] = f"[{target}]"
+        table = renamed.setdefault(target, {})
+        for name, value in raw.items():
+            new = RENAMED_KEYS.get(f"{target}.{name}", f"{target}.{name}").partition(".")[2]
+            if new != name:
+                notes[name] = new
+            if new in table:
+                raise ConfigError(
+                    f"{source}: {target}.{new} is set twice (once as {section}.{name}); set it once"
+                )
+            table[new] = value
+    if notes and source not in _told_renamed:
+        _told_renamed.add(source)
+        renames = ", ".join(f"{old} is now {new}" for old, new in notes.items())
+        log.warning("%s: %s; the old names still work", source, renames)
+    return renamed
 
 
 def _verdicts(raw: Mapping[str, Any], source: str) -> dict[str, str]:
@@ -672,11 +576,11 @@ _told_auto: set[str | None] = set()
 def resolve_auto_codec(
     cfg: TierKVConfig, model_fingerprint: Callable[[], str | None]
 ) -> TierKVConfig:
-    """`cfg` with `[turbo_quant] codec = "auto"` replaced by the verdict `[codec_verdicts]` holds
+    """`cfg` with `[compression] codec = "auto"` replaced by the verdict `[codec_verdicts]` holds
     for the model whose weights `model_fingerprint()` fingerprints (called only for auto),
     lossless when there is none (said once per model in the log). Any other codec setting comes
     back unchanged."""
-    if cfg.turbo_quant.codec_name != AUTO_CODEC:
+    if cfg.compression.codec_name != AUTO_CODEC:
         return cfg
     fingerprint = model_fingerprint()
     verdict = cfg.codec_verdicts.get(fingerprint) if fingerprint else None
@@ -692,5 +596,5 @@ def resolve_auto_codec(
         else:
             log.warning("codec = auto: %s's verdict for this model is %s", cfg.source, verdict)
     codec = verdict or "none"
-    turbo = replace(cfg.turbo_quant, codec=codec, enabled=codec != "none")
-    return replace(cfg, turbo_quant=turbo)
+    compression = replace(cfg.compression, codec=codec, enabled=codec != "none")
+    return replace(cfg, compression=compression)

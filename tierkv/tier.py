@@ -141,12 +141,12 @@ class ColdTier:
             for vault in VAULT_ROLE
             if cfg.cluster.endpoints(vault)
         }
-        codec = get_codec(cfg.turbo_quant.codec_name, group_size=cfg.turbo_quant.kv_dim)
+        codec = get_codec(cfg.compression.codec_name, group_size=cfg.compression.group_size)
         key_file = cfg.security.data_key_file
         tier = cls(
             codec,
             vaults,
-            min_cosine=cfg.turbo_quant.min_cosine,
+            min_cosine=cfg.compression.min_cosine,
             load_deadline_s=cfg.client.promote_deadline_ms / 1000,
             sealer=Sealer.from_file(key_file) if key_file else None,
         )

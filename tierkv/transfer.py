@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from tierkv.config import MIB
+from tierkv.sizes import MIB
 
 ItemT = TypeVar("ItemT")
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
+from tierkv.addresses import is_redis_url
 from tierkv.backends.base import Backend
-from tierkv.config import ClientConfig, Endpoint, SecurityConfig, is_redis_url
+from tierkv.config import ClientConfig, Endpoint, SecurityConfig
 
 
 def open_one(

@@ -30,10 +30,11 @@ from redis.cluster import key_slot
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from tierkv.addresses import format_address, redact
 from tierkv.backends.base import Backend, BackendStats, BackendUnavailable
 from tierkv.backends.sharded import ShardedBackend
 from tierkv.checksum import block_checksum
-from tierkv.config import ClientConfig, SecurityConfig, format_address, redact
+from tierkv.config import ClientConfig, SecurityConfig
 from tierkv.logs import get_logger
 from tierkv.reliability import CircuitBreaker, PendingPut, PutPayload, PutQueue
 from tierkv.transfer import Into

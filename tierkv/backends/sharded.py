@@ -19,8 +19,8 @@ from typing import TypeVar
 
 import xxhash
 
+from tierkv.addresses import redact
 from tierkv.backends.base import Backend, BackendStats, renumbered
-from tierkv.config import redact
 from tierkv.reliability import PutPayload
 from tierkv.transfer import Into
 

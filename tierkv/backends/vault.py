@@ -36,10 +36,12 @@ import grpc
 import grpc.experimental
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tierkv.addresses import parse_address
 from tierkv.backends.base import BackendStats, BackendUnavailable, StorageTierStats
 from tierkv.checksum import address_prefix, block_checksum, checksum_at
-from tierkv.config import KIB, MIB, ClientConfig, SecurityConfig, parse_address
+from tierkv.config import ClientConfig, SecurityConfig
 from tierkv.reliability import CircuitBreaker, PendingPut, Piece, PutPayload, PutQueue
+from tierkv.sizes import KIB, MIB
 from tierkv.transfer import Into, batched_by_size
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import (

@@ -280,7 +280,7 @@ def vllm_eval(
     *,
     new_tokens: int,
     connector_config: dict[str, object],
-    kv_dim: int,
+    group_size: int,
     kv_cache_bytes: int | None = None,
 ) -> EvalReport:
     """Evaluate `codecs` on `prompts` (see `builtin_prompts` and `task_prompts`) in one vLLM
@@ -294,7 +294,7 @@ def vllm_eval(
             "codecs": list(codecs),
             "new_tokens": new_tokens,
             "connector_config": connector_config,
-            "kv_dim": kv_dim,
+            "group_size": group_size,
             "kv_cache_bytes": kv_cache_bytes,
         },
     )
@@ -338,7 +338,7 @@ def eval_in_this_process(
     codecs: list[str],
     new_tokens: int,
     connector_config: dict[str, object],
-    kv_dim: int,
+    group_size: int,
     kv_cache_bytes: int | None,
 ) -> dict[str, Any]:
     """The engine side of `vllm_eval`: one engine; the cold and hit references once per
@@ -361,7 +361,7 @@ def eval_in_this_process(
         token_ids.append(ids)
         answers.append(answer)
     tasks = [spec.get("task") for spec in prompts]
-    settings = {**connector_config, "connector.store": "on_finish", "turbo_quant.enabled": False}
+    settings = {**connector_config, "connector.store": "on_finish", "compression.enabled": False}
     progress(f"eval: starting vLLM for {len(prompts)} prompts x {len(codecs)} codecs")
     try:
         llm = start_vllm(
@@ -426,7 +426,7 @@ def eval_in_this_process(
     tier = worker_connector().tier
     results = []
     for codec in codecs:
-        tier.codec = get_codec(codec, kv_dim)
+        tier.codec = get_codec(codec, group_size)
         salt = f"tierkv-eval-{codec}"
         before = tier.stats()
         for index in range(len(prompts)):

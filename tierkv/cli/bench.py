@@ -17,18 +17,13 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from tierkv.addresses import parse_cold_address
 from tierkv.cli import app
 from tierkv.cli.errors import fail
 from tierkv.codecs import CODEC_NAMES
-from tierkv.config import (
-    ConfigError,
-    SecurityConfig,
-    TierKVConfig,
-    load_config,
-    parse_cold_address,
-    parse_size,
-)
+from tierkv.config import ConfigError, SecurityConfig, TierKVConfig, load_config
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
+from tierkv.sizes import parse_size
 
 if TYPE_CHECKING:  # numpy, gRPC and Numba are imported when a bench runs, not for --help
     from tierkv.bench.engines import EngineBench
@@ -140,7 +135,7 @@ def bench(
         cfg = load_config(config)
     except ConfigError as exc:
         raise fail("bench", str(exc), 2) from None
-    codec = codec or cfg.turbo_quant.codec_name
+    codec = codec or cfg.compression.codec_name
     if codec != "all" and codec not in CODEC_NAMES:
         raise fail(
             "bench", f"--codec {codec!r} is unknown; use one of {', '.join(CODEC_NAMES)}, all", 2
@@ -370,11 +365,11 @@ def _vllm_bench(
         settings: dict[str, object] = {
             "cluster.kv_cold": addresses,
             "cluster.ssm_cold": addresses,
-            "turbo_quant.enabled": codec != "none",
-            "turbo_quant.kv_dim": cfg.turbo_quant.kv_dim,
+            "compression.enabled": codec != "none",
+            "compression.group_size": cfg.compression.group_size,
         }
         if codec != "none":
-            settings["turbo_quant.codec"] = codec
+            settings["compression.codec"] = codec
         result = vllm_bench(
             model, prompt, tokens=tokens, connector_config=settings, kv_cache_bytes=kv_cache_bytes
         )

@@ -112,7 +112,11 @@ def eval_command(
     ] = None,
     config: Annotated[
         Path | None,
-        typer.Option(metavar="PATH", help="tierkv.toml to read (kv_dim).", show_default=False),
+        typer.Option(
+            metavar="PATH",
+            help="tierkv.toml to read ([compression] group_size).",
+            show_default=False,
+        ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
@@ -163,7 +167,7 @@ def eval_command(
                 names,
                 new_tokens=new_tokens,
                 connector_config=settings,
-                kv_dim=cfg.turbo_quant.kv_dim,
+                group_size=cfg.compression.group_size,
                 kv_cache_bytes=kv_bytes,
             )
         except EngineFailed as exc:
@@ -195,7 +199,7 @@ def eval_command(
         raise fail("eval", f"--write-config {write_config}: {exc}", 1) from None
     console.print(
         f"{write_config}: [codec_verdicts] {report.fingerprint} = {verdict.codec!r}; "
-        '[turbo_quant] enabled = true, codec = "auto" uses it'
+        '[compression] enabled = true, codec = "auto" uses it'
     )
 
 

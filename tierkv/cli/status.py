@@ -34,20 +34,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from tierkv.addresses import is_redis_url, parse_address, parse_cold_address, redact
 from tierkv.cli import app
 from tierkv.cli.errors import fail
-from tierkv.config import (
-    VAULT_ROLES,
-    ConfigError,
-    TierKVConfig,
-    format_size,
-    is_redis_url,
-    load_config,
-    parse_address,
-    parse_cold_address,
-    redact,
-)
+from tierkv.config import VAULT_ROLES, ConfigError, TierKVConfig, load_config
 from tierkv.patches.exo import hook_state
+from tierkv.sizes import format_size
 
 if TYPE_CHECKING:  # gRPC and the backends are imported when a check runs, not for --help
     from tierkv.backends.base import BackendStats, StorageTierStats

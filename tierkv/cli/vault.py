@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from tierkv.addresses import parse_address, parse_ip_address
 from tierkv.cli import app
 from tierkv.cli.errors import fail
 from tierkv.config import (
@@ -22,14 +23,11 @@ from tierkv.config import (
     VAULT_ROLES,
     ConfigError,
     TierKVConfig,
-    format_size,
     load_config,
-    parse_address,
-    parse_ip_address,
     parse_max_bytes,
-    parse_size,
     physical_ram_bytes,
 )
+from tierkv.sizes import format_size, parse_size
 
 if TYPE_CHECKING:  # the server's modules (gRPC, numpy) are imported to run one, not for --help
     from tierkv.vault.auth import Tokens

@@ -80,8 +80,7 @@ def check_group_size(name: str, group_size: int) -> None:
     """TurboQuant works on vectors of 16..1024 values, a multiple of 8."""
     if not (16 <= group_size <= 1024 and group_size % 8 == 0):
         raise ValueError(
-            f"{name} needs group_size (kv_dim) to be a multiple of 8 in [16, 1024], "
-            f"got {group_size}"
+            f"{name} needs group_size to be a multiple of 8 in [16, 1024], got {group_size}"
         )
 
 

@@ -44,8 +44,9 @@ from typing import Any
 
 import grpc
 
+from tierkv.addresses import parse_address
 from tierkv.checksum import block_checksum
-from tierkv.config import ConfigError, SecurityConfig, parse_address
+from tierkv.config import ConfigError, SecurityConfig
 
 Payload = bytes | memoryview
 

@@ -44,7 +44,8 @@ from typing import NamedTuple, Protocol, TypeVar
 import numpy as np
 from google.protobuf.message import DecodeError, Message
 
-from tierkv.config import KIB, MIB, LimitsConfig
+from tierkv.config import LimitsConfig
+from tierkv.sizes import KIB, MIB
 from tierkv.transfer import CLIENT_RUN_BYTES, RECEIVE_BUFFERS, Into, batched_by_size
 from tierkv.vault._pb import vault_pb2
 from tierkv.vault.auth import NONCE_BYTES, OPEN, Access, Tenant, proof

@@ -57,9 +57,10 @@ from typing import NamedTuple
 import xxhash
 
 from tierkv.checksum import block_checksum
-from tierkv.config import FSYNC_MODES, MIB
+from tierkv.config import FSYNC_MODES
 from tierkv.errors import TierKVError
 from tierkv.logs import get_logger
+from tierkv.sizes import MIB
 
 log = get_logger(__name__)
 

@@ -29,7 +29,7 @@ import platform
 import sys
 from collections.abc import Mapping
 
-from tierkv.config import MIB
+from tierkv.sizes import MIB
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3

@@ -27,13 +27,8 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 import tierkv
-from tierkv.config import (
-    VAULT_ROLES,
-    LimitsConfig,
-    SecurityConfig,
-    format_address,
-    parse_address,
-)
+from tierkv.addresses import format_address, parse_address
+from tierkv.config import VAULT_ROLES, LimitsConfig, SecurityConfig
 from tierkv.errors import TierKVError
 from tierkv.transfer import batched_by_size
 from tierkv.vault._pb import vault_pb2, vault_pb2_grpc

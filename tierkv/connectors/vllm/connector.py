@@ -97,7 +97,7 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             lambda: model_fingerprint(model.model, model.revision),
         )
         try:
-            plans = plan_groups(vllm_config, kv_cache_config, cfg.turbo_quant.codec_name)
+            plans = plan_groups(vllm_config, kv_cache_config, cfg.compression.codec_name)
             self.unsupported_kind: str | None = None
         except UnsupportedGroupError as unsupported:
             # Off for the whole model, not only that group: vLLM applies one external hit to
