@@ -44,6 +44,8 @@ class _PatchingLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         self._inner.exec_module(module)
         try:
+            # By name, at run time: this file runs copied alone at every EXO start-up, before
+            # tierkv (numpy, Numba) may be imported; the hook imports this module's constants.
             importlib.import_module("tierkv.connectors.exo.hook").patch_module(module)
         except Exception as exc:  # tierkv missing or broken: EXO runs as without it
             print(f"tierkv: EXO hook not active in {module.__name__}: {exc!r}", file=sys.stderr)
