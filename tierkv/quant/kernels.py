@@ -418,9 +418,22 @@ def fp16_word(x):
 @njit(cache=True, nogil=True, inline="always")
 def bf16_word(x):
     """float32 -> bf16 bits (in a uint32), clamped to the finite range, rounded to nearest even."""
-    u = f32_to_bits(min(max(x, -_BF16_MAX), _BF16_MAX))
+    return bf16_round(min(max(x, -_BF16_MAX), _BF16_MAX))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def bf16_round(x):
+    """float32 -> bf16 bits (in a uint32), rounded to nearest even, for x within the finite
+    range (a larger one rounds to Inf)."""
+    u = f32_to_bits(x)
     u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
     return u >> np.uint32(16)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def max_finite(code):
+    """The largest finite value of dtype `code`, as float64."""
+    return np.float64(_MAX_FINITE[code])
 
 
 @njit(cache=True, nogil=True, inline="always")

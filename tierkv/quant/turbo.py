@@ -34,8 +34,10 @@ from tierkv.quant.kernels import (
     CHUNK_VALUES,
     EXPAND_LANES,
     FP16,
+    FP32,
     TRANSPOSE,
     Threaded,
+    bf16_round,
     bf16_word,
     bits_value,
     block_exponent,
@@ -49,6 +51,7 @@ from tierkv.quant.kernels import (
     half_to_f32,
     load_u64,
     max_abs_bits,
+    max_finite,
     nonfinite_bits,
     pow2,
     read_u16,
@@ -478,42 +481,109 @@ def _rotate_back(y, d, n, off, z, inst):
 
 
 @njit(cache=True, nogil=True)
-def _to_words(src, d, v0, n, off, inst, body, norms, pow2k, code, flips, dst, direct):
+def _to_words(src, d, v0, n, off, inst, body, norms, pow2k, code, scaling, dst, direct):
     """Scale and convert one instance of the n vectors of a tile from _rotate_back: the m values
-    at src[t * d + off :] times 1 / sqrt(p) (1 for a dense rotation), the norm at
-    body[norms[0] + (v0 + t) * norms[1]] and 2**k (rounded product by product, left to right) in
-    dtype `code`, each sign bit flipped by flips[j] (R's signs: a sign flip is exact, so these are
-    the bits of multiplying by the sign), to dst[(v0 + t) * d :] when direct, else to the same
-    place as in src."""
-    m, matrix = inst[0], inst[3]
-    scale = np.float32(1.0) if matrix.shape[0] == m else _block_scale(inst)
+    at src[t * d + off :] times factors[j] (1 / sqrt(p) with R's sign j, from _scale_factors),
+    the norm at body[norms[0] + (v0 + t) * norms[1]] and 2**k (rounded product by product, left
+    to right) in dtype `code`, to dst[(v0 + t) * d :] when direct, else to the same place as in
+    src; scaling = (factors, reach). Clamped to the dtype's finite range, except for the vectors
+    whose norm times reach (from _reach) is under 1: by _peak's bound every value lies within
+    it (the clamp takes a quarter of the pass; skipping it where it cannot act changes no
+    bit)."""
+    factors, reach = scaling
+    at = (v0, n, off, inst[0], direct, reach)
+    # the dtype as a constant: each call compiles the loops of its dtype only (in one function
+    # together, LLVM vectorizes them worse)
+    if code == FP16:
+        _scaled_words(src, d, at, body, norms, pow2k, factors, dst, FP16)
+    elif code == BF16:
+        _scaled_words(src, d, at, body, norms, pow2k, factors, dst, BF16)
+    else:
+        _scaled_words(src, d, at, body, norms, pow2k, factors, dst, FP32)
+
+
+@njit(cache=True, nogil=True)
+def _scaled_words(src, d, at, body, norms, pow2k, factors, dst, code):
+    """_to_words for dtype `code` (a constant); at = (v0, n, off, m, direct, reach): a vector
+    whose norm times reach is under 1 is converted without the clamp."""
+    v0, n, off, m, direct, reach = at
     norm_at, norm_stride = norms
     for t in range(n):
         at = t * d + off
         to = (v0 + t) * d if direct else at
         norm = half_to_f32(read_u16(body, norm_at + (v0 + t) * norm_stride))
+        clamp = not reach * np.float64(norm) < 1.0
         if code == FP16:
-            for j in range(m):
-                x = src[np.uint64(at + j)] * scale * norm * pow2k
-                dst[np.uint64(to + j)] = fp16_word(x) ^ flips[j]
+            if clamp:
+                for j in range(m):
+                    x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                    dst[np.uint64(to + j)] = fp16_word(x)
+            else:
+                for j in range(m):
+                    x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                    dst[np.uint64(to + j)] = f32_to_half(x)
         elif code == BF16:
-            for j in range(m):
-                x = src[np.uint64(at + j)] * scale * norm * pow2k
-                dst[np.uint64(to + j)] = bf16_word(x) ^ flips[j]
+            if clamp:
+                for j in range(m):
+                    x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                    dst[np.uint64(to + j)] = bf16_word(x)
+            else:
+                for j in range(m):
+                    x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                    dst[np.uint64(to + j)] = bf16_round(x)
         else:
             for j in range(m):
-                x = src[np.uint64(at + j)] * scale * norm * pow2k
-                dst[np.uint64(to + j)] = fp32_word(x) ^ flips[j]
+                x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                dst[np.uint64(to + j)] = fp32_word(x)
+
+
+_PEAK_MARGIN = 1.01
+"""Headroom of _to_words' no-clamp test over _peak's bound, for the float32 rounding of the
+butterflies' sums and of the scaling products (each well under 1e-4 relative)."""
 
 
 @njit(cache=True, nogil=True)
-def _sign_flips(inst, word_bits, flips):
-    """flips[j]: the sign bit of an output word where R's sign j is negative (none for a dense
-    rotation, whose matrix holds its signs)."""
+def _peak(inst):
+    """A bound of |value| of what _rotate_back leaves for one instance (before _to_words
+    scales it): the look-up table's largest level, times 2 for every butterfly stage past the
+    table's, times the mix's largest absolute row sum; inf for a dense rotation (not bounded
+    here, so always clamped)."""
+    m, _, _, matrix, matrix_t, table, _ = inst
+    q = max(1, matrix.shape[0])
+    if q == m:
+        return np.inf
+    top = 0.0
+    for level in table.reshape(-1):
+        top = max(top, abs(np.float64(level)))
+    if q == 1:
+        return top * (m // table.shape[1])
+    row_sum = 0.0
+    for a in range(q):
+        row_sum = max(row_sum, np.float64(np.abs(matrix_t[a]).sum()))
+    return top * row_sum * (m // q)
+
+
+@njit(cache=True, nogil=True)
+def _reach(inst, factors, pow2k, code):
+    """What _to_words multiplies a vector's norm by to learn whether it needs the clamp: the
+    bound of its values (_peak times the scale and 2**k, with _PEAK_MARGIN) over the dtype's
+    largest finite value."""
+    scale = abs(np.float64(factors[0])) if factors.size else 0.0
+    top = _peak(inst) * scale * np.float64(pow2k) * _PEAK_MARGIN
+    return top / max_finite(code)
+
+
+@njit(cache=True, nogil=True)
+def _scale_factors(inst, factors):
+    """factors[j]: what _to_words multiplies coordinate j by first: 1 / sqrt(p), negative where
+    R's sign j is (1 for a dense rotation, whose matrix holds its signs). Multiplying by the sign
+    gives the same bits as flipping the output's sign bit: rounding, the clamp and the
+    conversions are symmetric about zero."""
     m, _, signs, matrix, _, _, _ = inst
-    top = flips.dtype.type(1 << (word_bits - 1))
+    dense = matrix.shape[0] == m
+    scale = np.float32(1.0) if dense else _block_scale(inst)
     for j in range(m):
-        flips[j] = top if signs[j] < 0 and matrix.shape[0] < m else 0
+        factors[j] = -scale if signs[j] < 0 and not dense else scale
 
 
 @njit(cache=True, nogil=True)
@@ -605,7 +675,8 @@ def _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k):
     the tile: look up every vector's levels, then per instance rotate them back (butterflies in
     SIMD registers), scale and convert them to output words, and for two instances put each
     vector's words in channel order."""
-    y, z, words, flips, plan = scratch
+    y, z, words, scaling, plan = scratch
+    hi_scaling, lo_scaling = scaling
     norm_at, norm_stride, index_at, index_stride = at
     hi_m, lo_m = hi[0], lo[0]
     d = hi_m + lo_m
@@ -614,15 +685,14 @@ def _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k):
     rotated = _rotate_back(y, d, n, 0, z, hi)
     norms = (norm_at, norm_stride)
     if lo_m == 0:
-        _to_words(rotated, d, v0, n, 0, hi, body, norms, pow2k, code, flips, out_words, True)
+        _to_words(rotated, d, v0, n, 0, hi, body, norms, pow2k, code, hi_scaling, out_words, True)
         return
-    _to_words(rotated, d, v0, n, 0, hi, body, norms, pow2k, code, flips, words, False)
+    _to_words(rotated, d, v0, n, 0, hi, body, norms, pow2k, code, hi_scaling, words, False)
     lo_index_at = index_at + packed_bytes(hi_m, hi[1])
     _unpack(body, v0, n, lo, lo_index_at, index_stride, pairs, hi_m // 2, d // 2)
     rotated = _rotate_back(y, d, n, hi_m, z, lo)
     norms = (norm_at + 2, norm_stride)
-    lo_flips = flips[hi_m:]
-    _to_words(rotated, d, v0, n, hi_m, lo, body, norms, pow2k, code, lo_flips, words, False)
+    _to_words(rotated, d, v0, n, hi_m, lo, body, norms, pow2k, code, lo_scaling, words, False)
     _merge(words, d, v0, n, plan, out_words)
 
 
@@ -635,16 +705,20 @@ def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
     tile = _TILE_VALUES // d
     n_inst = 2 if lo[0] > 0 else 1
     pow2k = np.float32(pow2(np.int16(read_u16(body, 0))))
-    word_bits = 8 * out_words.itemsize
-    flips = np.zeros(d, out_words.dtype)
-    _sign_flips(hi, word_bits, flips[: hi[0]])
-    _sign_flips(lo, word_bits, flips[hi[0] :])
+    factors = np.empty(d, np.float32)
+    hi_factors, lo_factors = factors[: hi[0]], factors[hi[0] :]
+    _scale_factors(hi, hi_factors)
+    _scale_factors(lo, lo_factors)
+    scaling = (
+        (hi_factors, _reach(hi, hi_factors, pow2k, code)),
+        (lo_factors, _reach(lo, lo_factors, pow2k, code)),
+    )
     plan = _merge_plan(select, hi[0], n_inst == 2, out_words.itemsize)
     mixes = n_inst == 2 or hi[3].shape[0] > 1
     y = np.empty(tile * d, np.float32)
     z = np.empty(tile * d if mixes else 0, np.float32)
     words = np.empty(tile * d if n_inst == 2 else 0, out_words.dtype)
-    scratch = (y, z, words, flips, plan)
+    scratch = (y, z, words, scaling, plan)
     at = (norms_offset, 2 * n_inst, indices_offset, bpv)
     for v0 in range(t_lo * tile, min(t_hi * tile, n_vectors), tile):
         n = min(tile, n_vectors - v0)
