@@ -417,17 +417,26 @@ def fp16_word(x):
 
 @njit(cache=True, nogil=True, inline="always")
 def bf16_word(x):
-    """float32 -> bf16 bits (in a uint32), clamped to the finite range, rounded to nearest even."""
+    """float32 -> bf16 bits (uint16), clamped to the finite range, rounded to nearest even."""
     return bf16_round(min(max(x, -_BF16_MAX), _BF16_MAX))
 
 
-@njit(cache=True, nogil=True, inline="always")
-def bf16_round(x):
-    """float32 -> bf16 bits (in a uint32), rounded to nearest even, for x within the finite
-    range (a larger one rounds to Inf)."""
-    u = f32_to_bits(x)
-    u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
-    return u >> np.uint32(16)
+@intrinsic
+def bf16_round(typingctx, x):
+    """float32 -> bf16 bits (uint16), rounded to nearest even, for x within the finite range (a
+    larger one rounds to Inf): bits + 0x7FFF + (bit 16), the top half. In 32-bit arithmetic,
+    which Numba's own integer arithmetic widens to 64 bits, a vector of half the lanes (3.5x
+    slower to convert)."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        u = builder.bitcast(args[0], i32)
+        odd = builder.and_(builder.lshr(u, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+        rounded = builder.add(builder.add(u, ir.Constant(i32, 0x7FFF)), odd)
+        return builder.trunc(builder.lshr(rounded, ir.Constant(i32, 16)), ir.IntType(16))
+
+    return sig, codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
