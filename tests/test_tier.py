@@ -385,5 +385,7 @@ def test_stored_form_is_what_store_sends_lossless_for_state_encoded_for_kv() -> 
     assert lossy.stored_form(block) == int8.encode(block)
     state = lossy.stored_form(block, vault="ssm")
     assert isinstance(state, tuple) and b"".join(state) == none.encode(block)
+    blocks = [block * np.float16(i) for i in range(5)]
+    assert lossy.stored_forms(blocks) == [int8.encode(b) for b in blocks]
     lossless.close()
     lossy.close()

@@ -377,6 +377,11 @@ class ColdTier:
             return codec.encode_pieces(block, dtype)
         return encode_block(codec, block, dtype, self.min_cosine, kv_split)
 
+    def stored_forms(self, blocks: Sequence[np.ndarray]) -> list[PutPayload]:
+        """stored_form of each KV block, in order, encoded on the tier's encode threads as
+        `store` encodes them."""
+        return list(self._encoders.map(self.stored_form, blocks))
+
     def _encode_and_put(
         self,
         vault: str,

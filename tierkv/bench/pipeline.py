@@ -692,9 +692,11 @@ def _stored_forms(
     tier: ColdTier, kv: SyntheticKV, keys: list[bytes], namespaces: Sequence[bytes]
 ) -> dict[tuple[bytes, bytes, int], PutPayload]:
     """What `tier.store` would send of the KV under `namespaces` (kv, state): each block under
-    its key, each state layer as a part of the last key."""
+    its key (encoded on the tier's encode threads, as store encodes), each state layer as a part
+    of the last key."""
     kv_ns, state_ns = namespaces
-    forms = {(kv_ns, keys[b], 0): tier.stored_form(block) for b, block in enumerate(kv.blocks)}
+    blocks = tier.stored_forms(kv.blocks)
+    forms = {(kv_ns, keys[b], 0): form for b, form in enumerate(blocks)}
     for part, state in enumerate(kv.states):
         forms[(state_ns, keys[-1], part)] = tier.stored_form(state, vault=SSM_VAULT)
     return forms

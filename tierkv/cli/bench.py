@@ -287,7 +287,8 @@ def results_table(results: list[BenchResult]) -> Group:
     caption = (
         f"each figure {runs} after {first.warmup_runs} untimed"
         + ("" if first.spread_s is None else ", restore ± half the range of their restore s")
-        + "; encode, decode: GB/s of raw bytes; put, promote: GB/s of stored bytes; "
+        + "; encode (on the tier's encode threads, as a store), decode: GB/s of raw bytes; "
+        "put, promote: GB/s of stored bytes; "
         "restore = ColdTier's lookup and load on loopback (each Promote run decoded while the "
         "next is on the wire), GbE s = the same with every Promote held to that line rate; "
         "fidelity of the worst block; sealed: the same blocks sealed (AES-256-GCM, "
