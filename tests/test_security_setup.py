@@ -21,7 +21,7 @@ from tierkv.backends.base import BackendStats, BackendUnavailable
 from tierkv.backends.vault import VaultClient
 from tierkv.cli import app
 from tierkv.config import ConfigError, load_config
-from tierkv.vault.auth import TOKEN_ENV
+from tierkv.wire.secrets import TOKEN_ENV
 
 runner = CliRunner()
 
@@ -189,3 +189,31 @@ def test_an_engine_refuses_a_secret_file_others_can_read(tmp_path: Path, setting
     secret.chmod(0o600)
     if setting != "tls_key":  # then nothing to refuse (the client is never started here)
         VaultClient.from_config("127.0.0.1:1", ClientConfig(), SecurityConfig(**paths)).close()
+
+
+def test_an_engine_whose_vaults_are_all_redis_refuses_a_data_key_file_others_can_read(
+    tmp_path: Path,
+) -> None:
+    """The check runs for every tier, whatever its backends: no vault client is built here."""
+    from tests.redis_servers import start_redis
+    from tierkv.seal import new_data_key_line
+    from tierkv.tier import ColdTier
+
+    server = start_redis(tmp_path)
+    try:
+        data_key = tmp_path / "data.key"
+        data_key.write_text(new_data_key_line(1))
+        data_key.chmod(0o644)
+        config = tmp_path / "tierkv.toml"
+        config.write_text(
+            f'[cluster]\nkv_cold = "redis://{server.address}"\n'
+            f'[security]\ndata_key_file = "{data_key}"\n'
+        )
+        with pytest.raises(ConfigError, match=r"security\.data_key_file .*open to group or others"):
+            ColdTier.from_config(load_config(config), warm_dtypes=())
+        result = runner.invoke(app, ["status", "--config", str(config)])
+        assert result.exit_code == 2 and "security.data_key_file" in result.output
+        data_key.chmod(0o600)
+        ColdTier.from_config(load_config(config), warm_dtypes=()).close()
+    finally:
+        server.stop()

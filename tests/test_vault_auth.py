@@ -24,15 +24,18 @@ from helpers import key
 from tls_certs import make_certs
 from typer.testing import CliRunner
 
+from tierkv.backends.security import proving_channel
 from tierkv.backends.vault import VaultClient, VaultRefused
 from tierkv.checksum import block_checksum
 from tierkv.cli import app
 from tierkv.config import ConfigError, SecurityConfig
-from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import TOKEN_ENV, Tokens, proof, proving_channel, read_token_file
-from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE, PROMOTE_REPLY, WELCOME
+from tierkv.vault.auth import Tokens
 from tierkv.vault.server import serve
-from tierkv.vault.wire import encode_bulk
+from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
+from tierkv.wire.framing import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE, PROMOTE_REPLY, WELCOME
+from tierkv.wire.messages import encode_bulk
+from tierkv.wire.proofs import proof
+from tierkv.wire.secrets import TOKEN_ENV, read_token_file
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef00"

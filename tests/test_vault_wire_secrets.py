@@ -15,18 +15,12 @@ import grpc
 import pytest
 
 from tests.relay import Relay
+from tierkv.backends import security
 from tierkv.backends.vault import VaultClient, VaultRefused
-from tierkv.vault import auth
-from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import (
-    PROOF_METADATA_KEY,
-    PROOF_WINDOW_S,
-    ReplayGuard,
-    Tokens,
-    call_proof,
-    key_id,
-)
+from tierkv.vault.auth import ReplayGuard, Tokens
 from tierkv.vault.server import serve
+from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
+from tierkv.wire.proofs import PROOF_METADATA_KEY, PROOF_WINDOW_S, call_proof, key_id
 
 TOKEN = "alice-token-0123456789abcdef"
 NS = b"wire-namespace"
@@ -99,9 +93,11 @@ def test_a_client_whose_clock_is_off_is_told_why(
     vault_and_relay: tuple[str, list[Relay]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     address, _ = vault_and_relay
-    made = auth.call_proof
+    made = security.call_proof
     late = 2 * PROOF_WINDOW_S
-    monkeypatch.setattr(auth, "call_proof", lambda t, m, now=None: made(t, m, time.time() - late))
+    monkeypatch.setattr(
+        security, "call_proof", lambda t, m, now=None: made(t, m, time.time() - late)
+    )
     with VaultClient(address, token=TOKEN) as client, pytest.raises(VaultRefused) as refused:
         client.stats()
     assert "clocks differ" in str(refused.value) and TOKEN not in str(refused.value)

@@ -112,7 +112,8 @@ class VaultConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """Tokens and TLS (tierkv/vault/auth.py); paths of files, never secrets themselves.
+    """Tokens and TLS (tierkv/wire/secrets.py; the vault: tierkv/vault/auth.py, a client:
+    tierkv/backends/security.py); paths of files, never secrets themselves.
 
     A vault uses token_file (its tokens, tenants), tls_cert/tls_key (its certificate) and
     client_ca (require client certificates signed by it); a client uses token_file (its token,

@@ -39,6 +39,7 @@ import numpy as np
 
 from tierkv.backends import open_backend
 from tierkv.backends.base import Backend
+from tierkv.backends.security import check_client_security
 from tierkv.config import KV_VAULT, VAULT_ROLE, TierKVConfig
 from tierkv.load import SWITCH_INTERVAL_WHILE_LOADING, Block, Consume, Load, decode_each
 from tierkv.logs import get_logger
@@ -130,12 +131,14 @@ class ColdTier:
     def from_config(cls, cfg: TierKVConfig, warm_dtypes: Sequence[str] = DTYPES) -> ColdTier:
         """A tier with the configured codec, a backend for each configured vault role, and a
         sealer of `[security] data_key_file`'s keys when it is set (ConfigError naming the file
-        when it holds no valid keys).
+        when it holds no valid keys). `[security]` is checked first, whatever the backends
+        (backends.security.check_client_security: e.g. a data key file others may read).
 
         The kernels of that codec and of the lossless one are compiled (or loaded from Numba's
         cache) for `warm_dtypes` first, so no request pays for it; `warmup_s` says how long that
         took. Pass the engine's KV dtypes, or none for a side that never encodes or decodes.
         """
+        check_client_security(cfg.security)
         vaults = {
             vault: open_backend(cfg.cluster.endpoints(vault), cfg.client, cfg.security)
             for vault in VAULT_ROLE

@@ -19,9 +19,10 @@ from rich.text import Text
 
 from tierkv.addresses import parse_cold_address
 from tierkv.cli import app
+from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
 from tierkv.codecs import CODEC_NAMES
-from tierkv.config import ConfigError, SecurityConfig, TierKVConfig, load_config
+from tierkv.config import SecurityConfig, TierKVConfig
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 from tierkv.sizes import parse_size
 
@@ -131,10 +132,7 @@ def bench(
     With --engine, time to first token of one prompt three ways instead: cold, from the engine's
     own prefix cache, and restored from the vault after the engine's cache lost it.
     """
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        raise fail("bench", str(exc), 2) from None
+    cfg = engine_config(config, "bench")
     codec = codec or cfg.compression.codec_name
     if codec != "all" and codec not in CODEC_NAMES:
         raise fail(

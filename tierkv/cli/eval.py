@@ -12,9 +12,9 @@ from rich.table import Table
 
 from tierkv.cli import app
 from tierkv.cli.bench import _size_option
+from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
 from tierkv.codecs import CODEC_BITS, kv_pair_codecs
-from tierkv.config import ConfigError, load_config
 
 if TYPE_CHECKING:
     from tierkv.bench.eval import EvalReport
@@ -133,10 +133,7 @@ def eval_command(
     )
     from tierkv.bench.pipeline import vault_addresses  # the codecs (Numba): not for `tierkv --help`
 
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        raise fail("eval", str(exc), 2) from None
+    cfg = engine_config(config, "eval")
     if engine != "vllm":
         raise fail(
             "eval",

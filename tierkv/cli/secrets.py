@@ -43,7 +43,7 @@ def init(
     data key and an engine's tierkv.toml) and, with --tls, DIR/ca/ and the vault's certificate.
     Copy vault/ to each vault and NAME/ to that tenant's engines; run tierkv in that directory."""
     from tierkv.provision import init_secrets, valid_host
-    from tierkv.vault.auth import TENANT_RE
+    from tierkv.wire.secrets import TENANT_RE
 
     tenants = tenant or ["default"]
     for name in tenants:

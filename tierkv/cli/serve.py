@@ -18,10 +18,10 @@ import typer
 from rich.console import Console
 
 from tierkv.cli import app
+from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
 from tierkv.cli.status import check_vault
 from tierkv.cli.usage import NamedArgumentsCommand
-from tierkv.config import ConfigError, load_config
 
 
 class _ServeCommand(NamedArgumentsCommand):
@@ -65,10 +65,7 @@ def serve(
     from tierkv.vault.memory import with_huge_pages
 
     console = Console(stderr=True)
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        raise fail("serve", str(exc), 2) from None
+    cfg = engine_config(config, "serve")
     vaults = cfg.cluster.vault_addresses()
     if cfg.source == "defaults" or not cfg.cluster.kv_cold:
         raise fail(

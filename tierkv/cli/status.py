@@ -36,8 +36,9 @@ from rich.text import Text
 
 from tierkv.addresses import is_redis_url, parse_address, parse_cold_address, redact
 from tierkv.cli import app
+from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
-from tierkv.config import VAULT_ROLES, ConfigError, TierKVConfig, load_config
+from tierkv.config import VAULT_ROLES, ConfigError, TierKVConfig
 from tierkv.patches.exo import hook_state
 from tierkv.sizes import format_size
 
@@ -143,8 +144,8 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     """
     from tierkv.backends import open_one
     from tierkv.backends.base import BackendUnavailable
+    from tierkv.backends.security import client_token
     from tierkv.backends.vault import VaultClient, VaultRefused
-    from tierkv.vault.auth import client_token
 
     row: dict[str, Any] = {
         "name": name,
@@ -494,11 +495,8 @@ def status(
     that the tierkv hook is installed in that EXO checkout.
     """
     addresses = vault or []
-    from tierkv.vault.auth import refuse_ineffective_settings
-
+    cfg = engine_config(config, "status")
     try:
-        cfg = load_config(config)
-        refuse_ineffective_settings(cfg.security, vault=False)
         for address in addresses:
             try:
                 parse_cold_address(address)

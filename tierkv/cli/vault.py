@@ -146,7 +146,7 @@ def vault(
     )
 
     try:
-        refuse_ineffective_settings(cfg.security, vault=True)
+        refuse_ineffective_settings(cfg.security)
         entries = configured_tokens(cfg.security)
         tokens = Tokens(entries) if entries else None
         open_to_lan = listens_open(listen, tokens, cfg.security, insecure=insecure)
