@@ -21,7 +21,7 @@ from tierkv.addresses import parse_cold_address
 from tierkv.cli import app
 from tierkv.cli.errors import fail
 from tierkv.codecs import CODEC_NAMES
-from tierkv.config import ConfigError, SecurityConfig, TierKVConfig, load_config
+from tierkv.config import SecurityConfig, TierKVConfig, load_config
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 from tierkv.sizes import parse_size
 
@@ -131,10 +131,7 @@ def bench(
     With --engine, time to first token of one prompt three ways instead: cold, from the engine's
     own prefix cache, and restored from the vault after the engine's cache lost it.
     """
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        raise fail("bench", str(exc), 2) from None
+    cfg = load_config(config)
     codec = codec or cfg.compression.codec_name
     if codec != "all" and codec not in CODEC_NAMES:
         raise fail(

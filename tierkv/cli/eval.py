@@ -14,7 +14,7 @@ from tierkv.cli import app
 from tierkv.cli.bench import _size_option
 from tierkv.cli.errors import fail
 from tierkv.codecs import CODEC_BITS, kv_pair_codecs
-from tierkv.config import ConfigError, load_config
+from tierkv.config import load_config
 
 if TYPE_CHECKING:
     from tierkv.bench.eval import EvalReport
@@ -133,10 +133,7 @@ def eval_command(
     )
     from tierkv.bench.pipeline import vault_addresses  # the codecs (Numba): not for `tierkv --help`
 
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        raise fail("eval", str(exc), 2) from None
+    cfg = load_config(config)
     if engine != "vllm":
         raise fail(
             "eval",

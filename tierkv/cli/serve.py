@@ -21,7 +21,7 @@ from tierkv.cli import app
 from tierkv.cli.errors import fail
 from tierkv.cli.status import check_vault
 from tierkv.cli.usage import NamedArgumentsCommand
-from tierkv.config import ConfigError, load_config
+from tierkv.config import load_config
 
 
 class _ServeCommand(NamedArgumentsCommand):
@@ -65,10 +65,7 @@ def serve(
     from tierkv.vault.memory import with_huge_pages
 
     console = Console(stderr=True)
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        raise fail("serve", str(exc), 2) from None
+    cfg = load_config(config)
     vaults = cfg.cluster.vault_addresses()
     if cfg.source == "defaults" or not cfg.cluster.kv_cold:
         raise fail(

@@ -496,16 +496,13 @@ def status(
     addresses = vault or []
     from tierkv.vault.auth import refuse_ineffective_settings
 
-    try:
-        cfg = load_config(config)
-        refuse_ineffective_settings(cfg.security, vault=False)
-        for address in addresses:
-            try:
-                parse_cold_address(address)
-            except ValueError as exc:
-                raise ConfigError(f"--vault: {exc}") from None
-    except ConfigError as exc:
-        raise fail("status", str(exc), 2) from None
+    cfg = load_config(config)
+    refuse_ineffective_settings(cfg.security, vault=False)
+    for address in addresses:
+        try:
+            parse_cold_address(address)
+        except ValueError as exc:
+            raise ConfigError(f"--vault: {exc}") from None
     if json_output and watch:
         raise fail("status", "--watch refreshes a table: it cannot be combined with --json", 2)
     results = run_checks(cfg, addresses, exo_path)
