@@ -60,18 +60,23 @@ def test_version_is_not_the_unrelated_pypi_release() -> None:
 
 
 @pytest.mark.parametrize(
-    "args",
+    ("args", "line"),
     [
-        ["nosuchcommand"],
-        ["bench", "--tokens", "many"],
-        ["bench", "--tokens", "0"],
-        ["status", "--nosuchoption"],
-        ["vault", "--bulk-port", "70000"],
-        ["serve"],
+        (["nosuchcommand"], "tierkv: No such command 'nosuchcommand'."),
+        (["bench", "--tokens", "many"], "tierkv bench: Invalid value for '--tokens': "),
+        (["bench", "--tokens", "0"], "tierkv bench: Invalid value for '--tokens': "),
+        (["status", "--nosuchoption"], "tierkv status: No such option: --nosuchoption"),
+        (["vault", "--bulk-port", "70000"], "tierkv vault: Invalid value for '--bulk-port': "),
+        (["serve"], "tierkv serve: Missing argument 'MODEL'."),
+        (["eval"], "tierkv eval: Missing option '--model'."),
+        (["secrets", "init"], "tierkv secrets: Missing argument 'DIR'."),
     ],
 )
-def test_every_usage_error_exits_2(args: list[str]) -> None:
-    assert runner.invoke(app, args).exit_code == 2
+def test_every_usage_error_is_one_line_and_exits_2(args: list[str], line: str) -> None:
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(line), result.stderr
 
 
 @pytest.mark.parametrize(
@@ -79,18 +84,27 @@ def test_every_usage_error_exits_2(args: list[str]) -> None:
     [
         (["eval", "--model", "m", "--engine", "exo"], "--engine 'exo'"),
         (["eval", "--model", "m", "--codecs", "tq9"], "--codecs: unknown codec 'tq9'"),
-        (["eval", "--model", "m", "--config", "{missing}"], "missing.toml"),
+        *(
+            ([*args, "--config", "{missing}"], "missing.toml: config file not found")
+            for args in (
+                ["eval", "--model", "m"],
+                ["serve", "m"],
+                ["status"],
+                ["bench"],
+                ["vault"],
+            )
+        ),
         (["install", "--exo-path", "{missing}"], "missing.toml"),
-        (["serve", "m", "--config", "{missing}"], "missing.toml"),
-        (["status", "--config", "{missing}"], "missing.toml"),
+        (["status", "--config", "{dir}"], ": a directory, not a config file"),
     ],
 )
 def test_a_bad_input_is_one_line_naming_the_command_and_the_bad_thing(
     args: list[str], names: str, tmp_path: Path
 ) -> None:
+    """Configuration and usage errors of every command: exit 2, one line."""
     missing = str(tmp_path / "missing.toml")
-    result = runner.invoke(app, [arg.format(missing=missing) for arg in args])
-    assert result.exit_code in (1, 2), result.output
+    result = runner.invoke(app, [arg.format(missing=missing, dir=tmp_path) for arg in args])
+    assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"tierkv {args[0]}: "), result.stderr
     assert names in lines[0], lines[0]

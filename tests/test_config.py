@@ -92,6 +92,56 @@ def test_search_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert load_config(explicit).exo.block_tokens == 4
 
 
+FILES_TOML = """
+[security]
+token_file = "token"
+tls_ca = "../ca/ca.crt"
+data_key_file = "/etc/tierkv/data_key"
+[vault]
+disk_dir = "disk"
+"""
+
+
+def test_files_named_in_a_config_are_relative_to_its_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through --config, $TIERKV_CONFIG and the user config, from another working directory."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    lan = write(tmp_path / "lan/alice/tierkv.toml", FILES_TOML)
+    home = write(tmp_path / "home/.config/tierkv/tierkv.toml", FILES_TOML)
+
+    def files(cfg: TierKVConfig) -> tuple[str | None, ...]:
+        return (
+            cfg.security.token_file,
+            cfg.security.tls_ca,
+            cfg.security.data_key_file,
+            cfg.vault.disk_dir,
+            cfg.security.tls_cert,
+        )
+
+    def expected(directory: Path) -> tuple[str | None, ...]:
+        return (
+            str(directory / "token"),
+            str(directory / "../ca/ca.crt"),
+            "/etc/tierkv/data_key",
+            str(directory / "disk"),
+            None,
+        )
+
+    assert files(load_config()) == expected(home.parent)
+    monkeypatch.setenv("TIERKV_CONFIG", str(lan))
+    assert files(load_config()) == expected(lan.parent)
+    monkeypatch.chdir(tmp_path / "lan")
+    assert files(load_config("alice/tierkv.toml")) == expected(lan.parent)
+
+
+def test_a_directory_given_as_the_config_is_named_as_one(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r": a directory, not a config file"):
+        load_config(tmp_path)
+
+
 def test_missing_explicit_or_env_file_is_an_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

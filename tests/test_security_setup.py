@@ -56,18 +56,19 @@ def test_secrets_init_provisions_a_tls_vault_that_an_engine_restores_through(
     assert key_id == "1" and len(key) == 43  # 32 bytes, URL-safe base64 without padding
     assert runner.invoke(app, [*args]).exit_code == 2  # never overwrites a provisioned LAN
 
-    command = [sys.executable, "-m", "tierkv", "vault", "--config", "tierkv.toml"]
+    # From another directory: the files a tierkv.toml names are relative to its own directory.
+    command = [sys.executable, "-m", "tierkv", "vault", "--config", str(lan / "vault/tierkv.toml")]
     vault = subprocess.Popen(
         [*command, "--listen", f"127.0.0.1:{port}", "--max-bytes", "256MiB"],
-        cwd=lan / "vault",
+        cwd="/",
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        monkeypatch.chdir(lan / "alice")  # the engine's directory, as the recipe says
-        cfg = load_config(Path("tierkv.toml"))
-        assert cfg.security.data_key_file == "data_key"
+        monkeypatch.chdir(tmp_path)
+        cfg = load_config(Path("lan/alice/tierkv.toml"))
+        assert cfg.security.data_key_file == str(lan / "alice/data_key")
         address = cfg.cluster.kv_cold[0].address
         with VaultClient.from_config(address, cfg.client, cfg.security) as engine:
             answers: list[BackendStats] = []

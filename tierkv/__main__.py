@@ -1,7 +1,7 @@
 """The `tierkv` console script and `python -m tierkv`: the CLI of tierkv.cli.
 
-gRPC's own log lines are off unless GRPC_VERBOSITY asks for them, and a TierKVError that leaves
-a command is one line on stderr and exit 1, not a traceback. A vault first restarts itself
+gRPC's own log lines are off unless GRPC_VERBOSITY asks for them; an error leaving a command is
+one line and an exit code (tierkv.cli.errors). A vault first restarts itself
 with a huge-page malloc heap (tierkv.vault.memory), before the CLI's imports, so the restart costs
 little.
 """
@@ -19,13 +19,8 @@ def main() -> None:
 
         restart_with_huge_pages()
     from tierkv.cli import app
-    from tierkv.errors import TierKVError
 
-    try:
-        app()
-    except TierKVError as exc:  # one a command did not put in its own words: still one line
-        print(f"tierkv: {exc}", file=sys.stderr)
-        sys.exit(1)
+    app()
 
 
 if __name__ == "__main__":

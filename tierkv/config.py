@@ -3,6 +3,8 @@
 Search order of `load_config`: an explicit path, `$TIERKV_CONFIG`, `./tierkv.toml`,
 `~/.config/tierkv/tierkv.toml`, then the built-in defaults. Every problem (unknown key, wrong
 type, bad size or address) raises `ConfigError` naming the file, the key and what was expected.
+A file named in a tierkv.toml (security files, vault.disk_dir) is relative to that file's
+directory, whatever directory tierkv runs in.
 """
 
 from __future__ import annotations
@@ -382,7 +384,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "listen": _listen_address,
             "max_bytes": parse_max_bytes,
             "bulk_port": _port,
-            "disk_dir": _string,
+            "disk_dir": _path,
             "disk_max_bytes": _positive_size,
             "fsync": _one_of(FSYNC_MODES),
             "metrics_port": _port,
@@ -561,14 +563,34 @@ def load_config(path: str | Path | None = None) -> TierKVConfig:
         if not candidate.is_file():
             if must_exist:
                 origin = "" if path is not None else f" (from ${ENV_VAR})"
-                raise ConfigError(f"{candidate}{origin}: config file not found")
+                what = (
+                    "a directory, not a config file"
+                    if candidate.is_dir()
+                    else "config file not found"
+                )
+                raise ConfigError(f"{candidate}{origin}: {what}")
             continue
         try:
             document = tomlkit.parse(candidate.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, TOMLKitError) as exc:
             raise ConfigError(f"{candidate}: cannot read TOML: {exc}") from None
-        return config_from_mapping(document.unwrap(), str(candidate))
+        cfg = config_from_mapping(document.unwrap(), str(candidate))
+        return _files_relative_to(cfg, candidate.absolute().parent)
     return TierKVConfig()
+
+
+def _files_relative_to(cfg: TierKVConfig, directory: Path) -> TierKVConfig:
+    """`cfg` with every relative file or directory it names made relative to `directory`."""
+
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else str(directory / path)  # an absolute path stays
+
+    security = replace(
+        cfg.security,
+        **{name: absolute(getattr(cfg.security, name)) for name in _SECTIONS["security"][1]},
+    )
+    vault = replace(cfg.vault, disk_dir=absolute(cfg.vault.disk_dir))
+    return replace(cfg, security=security, vault=vault)
 
 
 _told_auto: set[str | None] = set()

@@ -5,9 +5,11 @@ from typing import Annotated
 import typer
 
 from tierkv import __version__
+from tierkv.cli.errors import ErrorBoundary
 
 app = typer.Typer(
     name="tierkv",
+    cls=ErrorBoundary,  # every error leaving a command: one line and the README's exit code
     help="A cold KV-cache tier for vLLM and EXO on ordinary LAN machines.",
     no_args_is_help=True,
     add_completion=False,

@@ -132,7 +132,7 @@ def bench(
     With --engine, time to first token of one prompt three ways instead: cold, from the engine's
     own prefix cache, and restored from the vault after the engine's cache lost it.
     """
-    cfg = engine_config(config, "bench")
+    cfg = engine_config(config)
     codec = codec or cfg.compression.codec_name
     if codec != "all" and codec not in CODEC_NAMES:
         raise fail(

@@ -6,18 +6,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tierkv.cli.errors import fail
-from tierkv.config import ConfigError, TierKVConfig, load_config
+from tierkv.config import TierKVConfig, load_config
 
 
-def engine_config(path: Path | None, command: str) -> TierKVConfig:
+def engine_config(path: Path | None) -> TierKVConfig:
     """tierkv.toml at `path` (None: the default search) with usable `[security]` settings;
-    exits with one line naming the bad setting otherwise."""
+    a ConfigError naming the bad setting otherwise (the CLI's error boundary reports it)."""
     from tierkv.backends.security import check_client_security  # gRPC: not for `--help`
 
-    try:
-        cfg = load_config(path)
-        check_client_security(cfg.security)
-    except ConfigError as exc:
-        raise fail(command, str(exc), 2) from None
+    cfg = load_config(path)
+    check_client_security(cfg.security)
     return cfg

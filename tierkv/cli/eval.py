@@ -133,7 +133,7 @@ def eval_command(
     )
     from tierkv.bench.pipeline import vault_addresses  # the codecs (Numba): not for `tierkv --help`
 
-    cfg = engine_config(config, "eval")
+    cfg = engine_config(config)
     if engine != "vllm":
         raise fail(
             "eval",

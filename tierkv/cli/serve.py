@@ -65,7 +65,7 @@ def serve(
     from tierkv.vault.memory import with_huge_pages
 
     console = Console(stderr=True)
-    cfg = engine_config(config, "serve")
+    cfg = engine_config(config)
     vaults = cfg.cluster.vault_addresses()
     if cfg.source == "defaults" or not cfg.cluster.kv_cold:
         raise fail(

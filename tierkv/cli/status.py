@@ -495,15 +495,12 @@ def status(
     that the tierkv hook is installed in that EXO checkout.
     """
     addresses = vault or []
-    cfg = engine_config(config, "status")
-    try:
-        for address in addresses:
-            try:
-                parse_cold_address(address)
-            except ValueError as exc:
-                raise ConfigError(f"--vault: {exc}") from None
-    except ConfigError as exc:
-        raise fail("status", str(exc), 2) from None
+    cfg = engine_config(config)
+    for address in addresses:
+        try:
+            parse_cold_address(address)
+        except ValueError as exc:
+            raise ConfigError(f"--vault: {exc}") from None
     if json_output and watch:
         raise fail("status", "--watch refreshes a table: it cannot be combined with --json", 2)
     results = run_checks(cfg, addresses, exo_path)

@@ -125,10 +125,7 @@ def vault(
 ) -> None:
     """Run a vault: a byte-capped store of KV blocks for engines on the LAN, in RAM (and on disk
     with --disk-dir)."""
-    try:
-        cfg = load_config(config)
-    except ConfigError as exc:
-        raise fail("vault", str(exc), 2) from None
+    cfg = load_config(config)
     role = role or (cfg.cluster.role if cfg.cluster.role in VAULT_ROLES else "kv_cold")
     if role not in VAULT_ROLES:
         raise fail("vault", f"--role: expected one of {', '.join(VAULT_ROLES)}, got {role!r}", 2)
@@ -145,13 +142,10 @@ def vault(
         refuse_ineffective_settings,
     )
 
-    try:
-        refuse_ineffective_settings(cfg.security)
-        entries = configured_tokens(cfg.security)
-        tokens = Tokens(entries) if entries else None
-        open_to_lan = listens_open(listen, tokens, cfg.security, insecure=insecure)
-    except ConfigError as exc:
-        raise fail("vault", str(exc), 2) from None
+    refuse_ineffective_settings(cfg.security)
+    entries = configured_tokens(cfg.security)
+    tokens = Tokens(entries) if entries else None
+    open_to_lan = listens_open(listen, tokens, cfg.security, insecure=insecure)
     if max_bytes is not None:
         try:
             cap = parse_max_bytes(max_bytes)
@@ -203,10 +197,12 @@ def vault(
     except (VaultBindError, ConfigError) as exc:
         if disk:
             disk.close()
+        if isinstance(exc, ConfigError):
+            raise
         from_config = listen_origin != "--listen"
         bind_error = str(exc).startswith("cannot listen on")
         where = f" ({listen_origin})" if from_config and bind_error else ""
-        raise fail("vault", f"{exc}{where}", 2 if isinstance(exc, ConfigError) else 1) from None
+        raise fail("vault", f"{exc}{where}", 1) from None
 
     freeze_startup_objects()
     stop = threading.Event()
