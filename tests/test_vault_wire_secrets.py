@@ -20,7 +20,13 @@ from tierkv.backends.vault import VaultClient, VaultRefused
 from tierkv.vault.auth import ReplayGuard, Tokens
 from tierkv.vault.server import serve
 from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
-from tierkv.wire.proofs import PROOF_METADATA_KEY, PROOF_WINDOW_S, call_proof, key_id
+from tierkv.wire.proofs import (
+    PROOF_METADATA_KEY,
+    PROOF_VERSION,
+    PROOF_WINDOW_S,
+    call_proof,
+    key_id,
+)
 
 TOKEN = "alice-token-0123456789abcdef"
 NS = b"wire-namespace"
@@ -111,3 +117,26 @@ def test_the_replay_window_is_bounded_and_forgets_expired_nonces() -> None:
     assert "calls in" in (guard.admit("c", now) or "")  # full: refused, never unbounded
     later = now + 2 * PROOF_WINDOW_S + 1  # "a" and "b" can no longer pass the time check
     assert guard.admit("c", later) is None and guard.admit("d", later) is None
+
+
+@pytest.mark.parametrize("digits", [5000, 16])
+def test_a_proof_with_a_huge_time_is_refused_and_counted(digits: int) -> None:
+    """A time field of more digits than a time has (5,000: more than Python's int() takes) is
+    a malformed proof: UNAUTHENTICATED and an auth failure, not an error of the vault."""
+    from test_vault_metrics import scrape_until
+
+    stamp = "9" * digits
+    server = serve("127.0.0.1:0", 0, tokens=Tokens([("default", TOKEN)]), metrics_port=0)
+    proof = ".".join((PROOF_VERSION, key_id(TOKEN), stamp, "0" * 32, "0" * 64))
+    try:
+        with grpc.insecure_channel(server.address) as channel:
+            stub = vault_pb2_grpc.VaultStub(channel)
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Stats(
+                    vault_pb2.StatsRequest(), metadata=[(PROOF_METADATA_KEY, proof)], timeout=10
+                )
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        failures = ("tierkv_vault_auth_failures_total", (("transport", "grpc"),))
+        assert scrape_until(server.metrics_address, failures)[failures] == 1
+    finally:
+        server.stop(grace=None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,9 @@ PROOF_VERSION = "v1"
 PROOF_WINDOW_S = 60.0
 """How far a call proof's time may be from the vault's clock; its nonce is remembered as long."""
 CALL_NONCE_BYTES = 16
+_STAMP = re.compile(r"[0-9]{1,15}")
+"""A proof's time in ms: ASCII digits, at most 15 (beyond the year 30000), so no proof costs the
+vault a conversion of a huge number."""
 NONCE_BYTES = 32
 
 
@@ -58,7 +62,7 @@ def proof_fields(metadata: Sequence[tuple[str, Any]] | None) -> tuple[str, int, 
         if name != PROOF_METADATA_KEY or not isinstance(value, str):
             continue
         parts = value.split(".")
-        if len(parts) != 5 or parts[0] != PROOF_VERSION or not parts[2].isdigit():
+        if len(parts) != 5 or parts[0] != PROOF_VERSION or not _STAMP.fullmatch(parts[2]):
             return None
         if len(parts[3]) != 2 * CALL_NONCE_BYTES or len(parts[4]) != 64:
             return None
