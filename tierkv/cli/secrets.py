@@ -57,8 +57,8 @@ def init(
         if not valid_host(host):
             raise fail(
                 "secrets",
-                f"--tls {host!r}: expected the host name or IP address engines reach the vault "
-                "at (not a wildcard such as 0.0.0.0 or ::)",
+                f"--tls {host!r}: expected a host name or an IP address engines reach the "
+                "vault at (not a wildcard such as 0.0.0.0 or ::)",
                 2,
             )
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
