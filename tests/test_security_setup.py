@@ -5,8 +5,10 @@ cannot take effect is refused with one line naming it.
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import threading
@@ -129,6 +131,32 @@ def test_secrets_init_refuses_a_bad_tenant_name(tmp_path: Path) -> None:
     result = runner.invoke(app, ["secrets", "init", str(tmp_path / "x"), "--tenant", "a/b"])
     assert result.exit_code == 2 and "--tenant 'a/b'" in result.output
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("name", [".", ".."])
+def test_secrets_init_refuses_a_tenant_named_like_a_directory(tmp_path: Path, name: str) -> None:
+    target = tmp_path / "lan" / "x"
+    result = runner.invoke(app, ["secrets", "init", str(target), "--tenant", name])
+    assert result.exit_code == 2 and f"--tenant {name!r}" in result.output
+    assert not (tmp_path / "lan").exists()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_secrets_init_refuses_a_wildcard_tls_address(tmp_path: Path, host: str) -> None:
+    result = runner.invoke(app, ["secrets", "init", str(tmp_path / "x"), "--tls", host])
+    assert result.exit_code == 2 and f"--tls {host!r}" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_secrets_init_makes_its_directory_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        result = runner.invoke(app, ["secrets", "init", str(tmp_path / "x"), "--tenant", "a"])
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    for directory in [tmp_path / "x", *(p for p in (tmp_path / "x").rglob("*") if p.is_dir())]:
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
 
 
 def _secret(path: Path, text: str, mode: int = 0o600) -> Path:

@@ -2,13 +2,16 @@
 `[security]` settings that cannot take effect as written (a secret file others may read, a TLS
 certificate without its key) before any tier, backend or CLI command uses them; and what a vault
 client presents: its token (`client_token`), a fresh call proof on every gRPC call
-(`proving_channel`), and TLS for both of the vault's ports.
+(`proving_channel`: made for the vault's run, which it asks the vault for once and learns
+again from the refusal of a call after the vault restarted), and TLS for both of the vault's
+ports.
 """
 
 from __future__ import annotations
 
 import os
 import ssl
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +19,7 @@ from typing import Any
 import grpc
 
 from tierkv.config import ConfigError, SecurityConfig
-from tierkv.wire.proofs import PROOF_METADATA_KEY, call_proof
+from tierkv.wire.proofs import PROOF_METADATA_KEY, RUN_QUERY, call_proof, run_of
 from tierkv.wire.secrets import (
     TOKEN_ENV,
     check_secret_files,
@@ -24,6 +27,9 @@ from tierkv.wire.secrets import (
     read_token_file,
     refuse_unpaired_tls,
 )
+
+RUN_ASKED_WITH = "/grpc.health.v1.Health/Check"
+"""The call that asks a vault for its run (an empty request: any health check)."""
 
 
 def check_client_security(security: SecurityConfig) -> None:
@@ -51,16 +57,57 @@ class CallProver(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds a fresh `tierkv-proof` of `token` to every call of a channel (`proving_channel`)."""
+    """Adds a fresh `tierkv-proof` of `token` to every call of `channel` (`proving_channel`),
+    made for the vault's run: asked of the vault (over `channel` itself) before the first call,
+    and learnt again from any call refused with another (the vault restarted). A unary call so
+    refused is made again at once; a streaming one fails, and the next call has the new run."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str, channel: grpc.Channel) -> None:
         self._token = token
+        self._ask = channel.unary_unary(
+            RUN_ASKED_WITH, request_serializer=bytes, response_deserializer=bytes
+        )
+        self._lock = threading.Lock()
+        self._run: str | None = None
+
+    def _current_run(self, timeout: float | None) -> str:
+        """The vault's run, asked of it when not known yet ("" when it tells none: a vault
+        that checks no proofs, or one that did not answer, which the call itself then meets)."""
+        with self._lock:
+            if self._run is not None:
+                return self._run
+        try:
+            self._ask(b"", metadata=((PROOF_METADATA_KEY, RUN_QUERY),), timeout=timeout or 10.0)
+        except grpc.RpcError as exc:
+            run = run_of(exc.trailing_metadata())
+            if run is None:
+                return ""
+        else:
+            run = ""
+        with self._lock:
+            self._run = run
+        return run
+
+    def _learnt(self, call: Any) -> bool:
+        """Whether `call` (done) was refused with a run other than the one we used (which is
+        then learnt)."""
+        try:
+            refused = call.code() == grpc.StatusCode.UNAUTHENTICATED
+            run = run_of(call.trailing_metadata()) if refused else None
+        except grpc.RpcError:
+            return False
+        with self._lock:
+            if run is None or run == self._run:
+                return False
+            self._run = run
+        return True
 
     def _proved(self, details: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
         metadata = [
             (name, value) for name, value in (details.metadata or ()) if name != PROOF_METADATA_KEY
         ]
-        metadata.append((PROOF_METADATA_KEY, call_proof(self._token, details.method)))
+        run = self._current_run(details.timeout)
+        metadata.append((PROOF_METADATA_KEY, call_proof(self._token, details.method, run)))
         return _CallDetails(
             details.method,
             details.timeout,
@@ -71,20 +118,29 @@ class CallProver(
         )
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._proved(details), request)
+        outcome = continuation(self._proved(details), request)
+        if self._learnt(outcome):
+            outcome = continuation(self._proved(details), request)
+        return outcome
 
     def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
-        return continuation(self._proved(details), request)
+        outcome = continuation(self._proved(details), request)
+        outcome.add_done_callback(self._learnt)
+        return outcome
 
     def intercept_stream_unary(
         self, continuation: Any, details: Any, request_iterator: Iterator[Any]
     ) -> Any:
-        return continuation(self._proved(details), request_iterator)
+        outcome = continuation(self._proved(details), request_iterator)
+        outcome.add_done_callback(self._learnt)
+        return outcome
 
     def intercept_stream_stream(
         self, continuation: Any, details: Any, request_iterator: Iterator[Any]
     ) -> Any:
-        return continuation(self._proved(details), request_iterator)
+        outcome = continuation(self._proved(details), request_iterator)
+        outcome.add_done_callback(self._learnt)
+        return outcome
 
 
 @dataclass(frozen=True)
@@ -99,7 +155,7 @@ class _CallDetails(grpc.ClientCallDetails):
 
 def proving_channel(channel: grpc.Channel, token: str | None) -> grpc.Channel:
     """`channel` with a call proof of `token` on every call; `channel` itself without a token."""
-    return grpc.intercept_channel(channel, CallProver(token)) if token else channel
+    return grpc.intercept_channel(channel, CallProver(token, channel)) if token else channel
 
 
 def channel_credentials(security: SecurityConfig) -> grpc.ChannelCredentials | None:

@@ -6,10 +6,12 @@ requires one on every call, and the token itself never crosses the wire, TLS or 
 
 - every gRPC call carries a fresh proof in its `tierkv-proof` metadata, checked by
   `AuthInterceptor` before the request is read. The vault refuses a proof whose MAC is wrong,
-  whose time is more than PROOF_WINDOW_S from its clock, or whose nonce it has seen (`ReplayGuard`
-  remembers them for the window). A per-call MAC rather than a challenge: a challenge costs every
-  call (or a session) a round trip, and gRPC's channels multiplex calls over connections the
-  caller does not see; the price is that vault and engine clocks must agree within the window.
+  that was made for another run (another vault sharing the token, or this one before it
+  restarted: `Tokens.run`, told with every refusal), whose time is more than PROOF_WINDOW_S
+  from its clock, or whose nonce it has seen (`ReplayGuard` remembers them for the window). A
+  per-call MAC rather than a challenge: a challenge costs every call (or a session) a round
+  trip, and gRPC's channels multiplex calls over connections the caller does not see; the
+  price is that vault and engine clocks must agree within the window.
 - a bulk connection proves it before its first frame by answering the vault's random nonce.
 
 Every comparison is constant-time.
@@ -34,14 +36,23 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 
 from tierkv.addresses import parse_address
 from tierkv.checksum import block_checksum
 from tierkv.config import ConfigError, SecurityConfig
-from tierkv.wire.proofs import PROOF_WINDOW_S, call_mac, key_id, proof, proof_fields
+from tierkv.wire.proofs import (
+    PROOF_WINDOW_S,
+    RUN_METADATA_KEY,
+    asks_for_run,
+    call_mac,
+    key_id,
+    new_run,
+    proof,
+    proof_fields,
+)
 from tierkv.wire.secrets import (
     MIN_TOKEN_CHARS,
     TOKEN_ENV,
@@ -167,8 +178,17 @@ class ReplayGuard:
             return None
 
 
+class Refusal(NamedTuple):
+    """Why a gRPC call is refused; `counted`: as an authentication failure (a query for the
+    vault's run is not, nor a proof made for another run: a client sends one after a restart)."""
+
+    reason: str
+    counted: bool = True
+
+
 class Tokens:
-    """The tokens a vault accepts, each naming its tenant."""
+    """The tokens a vault accepts, each naming its tenant, and the vault's run (drawn here, at
+    each start) that every call proof must be made for."""
 
     def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
         multi = len({tenant for tenant, _ in entries}) > 1
@@ -180,6 +200,9 @@ class Tokens:
         ]
         self._by_key_id = {key_id(token): (token, tenant) for token, tenant in self._entries}
         self._replays = ReplayGuard()
+        self.run = new_run()
+        """This vault's run: random, so a proof made for it is good for no other vault sharing a
+        token, nor for this one once restarted."""
 
     def describe(self) -> str:
         """E.g. "3 tokens, 2 tenants" (never a token)."""
@@ -189,26 +212,37 @@ class Tokens:
 
     def check_call(
         self, method: str, metadata: Sequence[tuple[str, Any]] | None, now: float | None = None
-    ) -> str | None:
+    ) -> Refusal | None:
         """Why a gRPC call to `method` is refused (its `tierkv-proof`), None when it is admitted;
         an admitted proof's nonce is remembered, so the same proof is refused next time."""
+        if asks_for_run(metadata):
+            return Refusal("asked for the vault's run", counted=False)
         fields = proof_fields(metadata)
         if fields is None:
-            return "missing or malformed tierkv call proof"
-        key, stamp, nonce, mac = fields
-        found = self._by_key_id.get(key)
-        expected = call_mac(found[0] if found else "", method, key, stamp, nonce)
-        if not hmac.compare_digest(expected, mac) or found is None:
-            return "wrong tierkv token"
+            return Refusal("missing or malformed tierkv call proof")
+        found = self._by_key_id.get(fields.key)
+        expected = call_mac(
+            found[0] if found else "", method, fields.key, fields.stamp_ms, fields.nonce, fields.run
+        )
+        if not hmac.compare_digest(expected, fields.mac) or found is None:
+            return Refusal("wrong tierkv token")
+        if not hmac.compare_digest(fields.run, self.run):
+            return Refusal(
+                "tierkv call proof made for another vault, or before this one restarted",
+                counted=False,
+            )
         now = time.time() if now is None else now
-        if abs(now - stamp / 1000) > PROOF_WINDOW_S:
-            return f"tierkv call proof expired: clocks differ by more than {PROOF_WINDOW_S:.0f} s?"
-        return self._replays.admit(nonce, now)
+        if abs(now - fields.stamp_ms / 1000) > PROOF_WINDOW_S:
+            return Refusal(
+                f"tierkv call proof expired: clocks differ by more than {PROOF_WINDOW_S:.0f} s?"
+            )
+        replayed = self._replays.admit(fields.nonce, now)
+        return None if replayed is None else Refusal(replayed)
 
     def tenant_of_metadata(self, metadata: Sequence[tuple[str, Any]] | None) -> Tenant:
         """The tenant of a call that `check_call` admitted (its proof's key id)."""
         fields = proof_fields(metadata)
-        found = self._by_key_id.get(fields[0]) if fields else None
+        found = self._by_key_id.get(fields.key) if fields else None
         return found[1] if found else OPEN
 
     def tenant_of_proof(self, nonce: bytes, answer: bytes) -> Tenant | None:
@@ -253,8 +287,9 @@ def listens_open(
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    """Refuses a gRPC call without a valid call proof (UNAUTHENTICATED) before reading its request;
-    `on_refusal()` is told of each (the vault's metrics count them)."""
+    """Refuses a gRPC call without a valid call proof (UNAUTHENTICATED, with the vault's run in
+    the trailing metadata) before reading its request; `on_refusal()` is told of each counted
+    one (the vault's metrics count them)."""
 
     def __init__(self, tokens: Tokens, on_refusal: Callable[[], None] = lambda: None) -> None:
         self._tokens = tokens
@@ -266,16 +301,19 @@ class AuthInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         details = handler_call_details
-        reason = self._tokens.check_call(details.method, details.invocation_metadata)
-        if reason is None:
+        refusal = self._tokens.check_call(details.method, details.invocation_metadata)
+        if refusal is None:
             return continuation(details)
         handler = continuation(details)
         if handler is None:
             return None
-        self._on_refusal()
+        if refusal.counted:
+            self._on_refusal()
+        told = ((RUN_METADATA_KEY, self._tokens.run),)
 
         def refuse(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+            context.set_trailing_metadata(told)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal.reason)
 
         if handler.request_streaming and handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(refuse)

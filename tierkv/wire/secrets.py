@@ -9,6 +9,7 @@ command line.
 from __future__ import annotations
 
 import re
+import stat
 from pathlib import Path
 
 from tierkv.config import ConfigError, SecurityConfig
@@ -16,6 +17,7 @@ from tierkv.config import ConfigError, SecurityConfig
 TOKEN_ENV = "TIERKV_TOKEN"
 MIN_TOKEN_CHARS = 16
 TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+"""Letters, digits, _.- (so no path separator); `valid_tenant` also refuses "." and ".."."""
 
 
 def check_private_file(path: str | Path, setting: str) -> None:
@@ -30,6 +32,14 @@ def check_private_file(path: str | Path, setting: str) -> None:
             f"{setting} {path}: open to group or others (mode {mode & 0o777:04o}); "
             f"run chmod 600 {path}"
         )
+
+
+def make_private_dir(directory: Path) -> None:
+    """Create `directory` (and its parents) where needed, and make it 0700 whatever the umask
+    (also one that was open before): what it holds is its owner's alone."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if stat.S_IMODE(directory.stat().st_mode) != 0o700:
+        directory.chmod(0o700)
 
 
 def refuse_unpaired_tls(security: SecurityConfig) -> None:
@@ -53,6 +63,12 @@ def check_secret_files(security: SecurityConfig) -> None:
             check_private_file(path, setting)
 
 
+def valid_tenant(name: str) -> bool:
+    """Whether `name` may name a tenant: TENANT_RE, and neither "." nor ".." (a tenant's name
+    is a directory's in `tierkv secrets init` and a namespace prefix in the vault)."""
+    return bool(TENANT_RE.match(name)) and name not in (".", "..")
+
+
 def read_token_file(path: str | Path) -> list[tuple[str, str]]:
     """(tenant, token) of each line of a token file; ConfigError naming the file and line (or
     its mode, when others may read it)."""
@@ -66,9 +82,10 @@ def read_token_file(path: str | Path) -> list[tuple[str, str]]:
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        if len(fields) > 2 or (len(fields) == 2 and not TENANT_RE.match(fields[0])):
+        if len(fields) > 2 or (len(fields) == 2 and not valid_tenant(fields[0])):
             raise ConfigError(
-                f"{path}:{number}: expected TOKEN or TENANT TOKEN (tenant: letters, digits, _.-)"
+                f"{path}:{number}: expected TOKEN or TENANT TOKEN (tenant: letters, digits, _.-;"
+                " not . or ..)"
             )
         tenant, token = (fields[0], fields[1]) if len(fields) == 2 else ("default", fields[0])
         if len(token) < MIN_TOKEN_CHARS:
