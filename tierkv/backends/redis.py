@@ -328,6 +328,12 @@ class RedisClusterBackend(ShardedBackend):
         with self._lock:
             return list(self._nodes.values())
 
+    def server_stats(self) -> list[BackendStats]:
+        """Each node's figures; BackendUnavailable when no node has answered CLUSTER SLOTS."""
+        if not self.members():
+            raise BackendUnavailable(f"no node of the cluster at {self.address} answered")
+        return super().server_stats()
+
     def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
         self._refresh_if_failing()
         return super().lookup(namespace, keys, parts)
