@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import pick_free_port
+from helpers import VaultHandle, pick_free_port
 from typer.testing import CliRunner
 
 from tierkv.backends.vault import VaultClient
@@ -183,3 +183,21 @@ def test_watch_refreshes_in_place_until_ctrl_c(fleet: Fleet, tmp_path: Path) -> 
     out, err = process.communicate(timeout=30)
     assert process.returncode == 0, err
     assert out.count(a["kv_cold 1"].encode()) >= 1 and b"checked " in out
+
+
+def test_a_long_address_wraps_in_its_column_and_no_figure_is_dropped(
+    vault_factory: Callable[..., VaultHandle],
+) -> None:
+    up = vault_factory()
+    long = "[fd00:1234:5678:9abc:def0:1234:5678:9abc]:50051"  # ":1234:" is no emoji code either
+    result = CliRunner(env={"COLUMNS": "80"}).invoke(
+        app, ["status", "--vault", up.address, "--vault", long]
+    )
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, result.stdout
+    header = next(line for line in lines if " address " in line)
+    assert header.split() == ["name", "address", "state", "RAM", "disk", "hits", "link"]
+    row = next(line for line in lines if line.startswith(" vault 1 "))
+    assert "0B/1.0G" in row and " up " in row, result.stdout
+    address_column = slice(header.index("address"), header.index("state"))
+    assert long in "".join(line[address_column].strip() for line in lines), result.stdout

@@ -241,6 +241,15 @@ class RedisBackend:
             )
         ]
 
+    def eviction_policy(self) -> str:
+        """The server's maxmemory-policy (README: tierkv needs allkeys-lru); BackendUnavailable
+        when it does not answer."""
+        try:
+            found = self._client.config_get("maxmemory-policy")
+        except _FAILURES as exc:
+            raise BackendUnavailable(f"redis at {self.address} did not answer: {exc}") from None
+        return str(found.get("maxmemory-policy", ""))
+
     def clear(self, namespace: bytes) -> int:
         pattern = b"tierkv:%s:*" % namespace.hex().encode()
         try:
