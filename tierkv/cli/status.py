@@ -20,6 +20,7 @@ role (and when a checked EXO hook is missing); 2 on a configuration error. The d
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import ssl
 import time
@@ -594,14 +595,29 @@ def _watch(
     wide: bool,
     interval: float,
 ) -> list[CheckResult]:
-    """Refresh the tables in place every `interval` s until Ctrl-C; the last results."""
-    with Live(Group(render(results, wide), *reasons(results)), auto_refresh=False) as live:
-        try:
-            while True:
-                time.sleep(interval)
-                results = run_checks(cfg, addresses, exo_path)
-                stamp = Text(time.strftime("checked %H:%M:%S (Ctrl-C stops)"), style="dim")
-                live.update(Group(render(results, wide), *reasons(results), stamp), refresh=True)
-        except KeyboardInterrupt:
-            pass
+    """Check again every `interval` s until Ctrl-C or SIGTERM (whatever signal dispositions this
+    process inherited); the last results. On a terminal the tables refresh in place; to a pipe
+    or a file each check is one frame, flushed at once."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler)
+    console = Console()
+
+    def frame(results: list[CheckResult]) -> Group:
+        stamp = Text(time.strftime("checked %H:%M:%S (Ctrl-C stops)"), style="dim")
+        return Group(render(results, wide), *reasons(results), stamp)
+
+    try:
+        if console.is_terminal:
+            with Live(frame(results), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    results = run_checks(cfg, addresses, exo_path)
+                    live.update(frame(results), refresh=True)
+        while True:
+            console.print(frame(results))
+            console.file.flush()
+            time.sleep(interval)
+            results = run_checks(cfg, addresses, exo_path)
+    except KeyboardInterrupt:
+        pass
     return results
