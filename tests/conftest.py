@@ -27,6 +27,10 @@ helpers the tests import are in helpers.py.
 `vault` (fixture, VaultHandle)
     One in-process 1 GiB vault, for tests that need just one.
 
+`spawn` (fixture, callable)
+    ``spawn(args, **popen_kwargs) -> subprocess.Popen`` starts a child process for the test;
+    any still running at teardown is killed and reaped, so a failing test leaves none behind.
+
 `disk_dir` (fixture, Path; parametrized)
     A directory for a vault's disk tier that does not exist yet: under tmp_path, and on tmpfs
     (/dev/shm, removed afterwards; skipped where there is none).
@@ -42,6 +46,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -55,6 +60,22 @@ from tierkv.vault.server import serve
 @pytest.fixture
 def free_port() -> int:
     return pick_free_port()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(args: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        process = subprocess.Popen(args, **kwargs)  # type: ignore[call-overload]
+        started.append(process)
+        return process
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
 
 
 @pytest.fixture

@@ -363,3 +363,68 @@ def test_an_engine_that_does_not_answer_is_one_line_exit_1(free_port: int) -> No
     args = ["bench", "--engine", "exo", "--model", "m", "--exo-api", api, "--tokens", "64"]
     line = _one_line(args, 1)
     assert line == f"tierkv bench: EXO at {api} did not answer: Connection refused", line
+
+
+MODEL_COMMANDS = [
+    ["serve", "--config", "{config}", "{model}"],
+    ["eval", "--model", "{model}"],
+    ["bench", "--engine", "vllm", "--model", "{model}"],
+]
+
+
+@pytest.mark.parametrize("command", MODEL_COMMANDS)
+@pytest.mark.parametrize(
+    ("model", "expected"),
+    [
+        ("{tmp}/nonexistent", "not a model directory (no such directory)"),
+        ("{tmp}", "not a model directory (no config.json in it)"),
+        ("{notok}", "no tokenizer in it (expected tokenizer.json or "),
+        ("no-org/no-model", "not a local directory nor in the Hugging Face cache, and "),
+    ],
+)
+def test_a_model_that_is_not_there_is_one_line_at_once(
+    command: list[str],
+    model: str,
+    expected: str,
+    tmp_path: Path,
+    free_port: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bad path, a folder that is no model, no tokenizer: exit 2; a Hub name not cached with
+    the Hub unreachable: exit 1 (offline: 2), before any engine starts."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{free_port}")  # nothing listens
+    config = tmp_path / "tierkv.toml"
+    config.write_text('[cluster]\nkv_cold = "127.0.0.1:9"\n')
+    notok = tmp_path / "notok"
+    notok.mkdir()
+    (notok / "config.json").write_text("{}")
+    model = model.format(tmp=tmp_path, notok=notok)
+    args = [arg.format(config=config, model=model) for arg in command]
+    hub = model == "no-org/no-model"
+    line = _one_line(args, 1 if hub else 2)
+    flag = "MODEL" if command[0] == "serve" else "--model"
+    assert line.startswith(f"tierkv {command[0]}: {flag} {model}: {expected}"), line
+    if hub:
+        assert "cannot be reached" in line
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        assert _one_line(args, 2).endswith("and HF_HUB_OFFLINE is set")
+
+
+def test_a_redis_cluster_that_is_down_is_a_status_row_not_a_crash(free_port: int) -> None:
+    result = runner.invoke(app, ["status", "--vault", f"redis+cluster://127.0.0.1:{free_port}"])
+    assert result.exit_code == 1, result.output
+    assert "no node of the cluster at redis+cluster://127.0.0.1:" in result.stderr
+    assert "unexpected" not in result.stderr
+
+
+def test_serve_only_warns_of_a_redis_cluster_that_is_down(tmp_path: Path, free_port: int) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")
+    config = tmp_path / "tierkv.toml"
+    config.write_text(f'[cluster]\nkv_cold = "redis+cluster://127.0.0.1:{free_port}"\n')
+    result = runner.invoke(app, ["serve", "--dry-run", "--config", str(config), str(model)])
+    assert result.exit_code == 0, result.output
+    assert "is down: no node of the cluster at redis+cluster://127.0.0.1:" in result.stderr

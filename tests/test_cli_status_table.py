@@ -9,13 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers import pick_free_port
+from helpers import VaultHandle, pick_free_port, wait_until
 from typer.testing import CliRunner
 
 from tierkv.backends.vault import VaultClient
@@ -169,18 +169,54 @@ def test_exit_codes(fleet: Fleet) -> None:
     assert status("--json", "--watch")[0] == 2
 
 
-def test_watch_refreshes_in_place_until_ctrl_c(fleet: Fleet, tmp_path: Path) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_watch_writes_a_frame_per_check_to_a_pipe_and_stops_on_a_signal(
+    fleet: Fleet, spawn: Callable[..., subprocess.Popen[bytes]], stop: signal.Signals
+) -> None:
+    """Started with SIGINT and SIGTERM ignored (as a background job of a non-interactive shell
+    starts it), `--watch` still stops on either, with exit 0 and the frames it wrote."""
     a = fleet.addresses
-    env = {**os.environ, "COLUMNS": "80", "TERM": "xterm"}
     args = ["status", "--watch", "--interval", "0.2", "--vault", a["kv_cold 1"]]
-    process = subprocess.Popen(
-        [sys.executable, "-c", "from tierkv.cli import app; app()", *args],
+
+    def ignore_signals() -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+
+    process = spawn(
+        [sys.executable, "-m", "tierkv", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        env=env,
+        env={**os.environ, "COLUMNS": "80"},
+        preexec_fn=ignore_signals,
     )
-    time.sleep(4)
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=30)
-    assert process.returncode == 0, err
-    assert out.count(a["kv_cold 1"].encode()) >= 1 and b"checked " in out
+    assert process.stdout is not None
+    lines: list[bytes] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, b"")))
+    reader.start()
+    # Each frame comes flushed: the pipe sees it while the watch runs.
+    assert wait_until(lambda: sum(line.startswith(b"checked ") for line in lines) >= 2, 60)
+    process.send_signal(stop)
+    assert process.wait(timeout=30) == 0, process.stderr.read() if process.stderr else ""
+    reader.join(timeout=30)
+    out = b"".join(lines)
+    assert (
+        out.count(a["kv_cold 1"].encode()) >= 2 and b"\x1b[" not in out
+    )  # plain text, no cursor moves
+
+
+def test_a_long_address_wraps_in_its_column_and_no_figure_is_dropped(
+    vault_factory: Callable[..., VaultHandle],
+) -> None:
+    up = vault_factory()
+    long = "[fd00:1234:5678:9abc:def0:1234:5678:9abc]:50051"  # ":1234:" is no emoji code either
+    result = CliRunner(env={"COLUMNS": "80"}).invoke(
+        app, ["status", "--vault", up.address, "--vault", long]
+    )
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, result.stdout
+    header = next(line for line in lines if " address " in line)
+    assert header.split() == ["name", "address", "state", "RAM", "disk", "hits", "link"]
+    row = next(line for line in lines if line.startswith(" vault 1 "))
+    assert "0B/1.0G" in row and " up " in row, result.stdout
+    address_column = slice(header.index("address"), header.index("state"))
+    assert long in "".join(line[address_column].strip() for line in lines), result.stdout

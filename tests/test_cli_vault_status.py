@@ -206,3 +206,68 @@ def test_status_config_errors_exit_2(args: list[str], message: str) -> None:
     result = runner.invoke(app, ["status", *args])
     assert result.exit_code == 2
     assert message in result.stderr
+
+
+def _json_row(*args: str) -> tuple[int, dict[str, Any]]:
+    result = runner.invoke(app, ["status", "--json", *args])
+    assert result.stdout, result.stderr
+    return result.exit_code, json.loads(result.stdout)["vaults"][0]
+
+
+def test_status_names_a_wrong_ca_apart_from_an_unreachable_port(tmp_path: Path) -> None:
+    """The vault's own certificate (or another) given as the CA: TLS verification failed, not
+    a firewall."""
+    from tls_certs import make_certs
+
+    from tierkv.config import SecurityConfig
+    from tierkv.vault.server import serve
+
+    certs = make_certs(tmp_path / "certs")
+    tls = SecurityConfig(tls_cert=str(certs.server_cert), tls_key=str(certs.server_key))
+    server = serve("127.0.0.1:0", 1 << 28, security=tls)
+    config = tmp_path / "tierkv.toml"
+    try:
+        for ca, verdict in ((certs.ca, "up"), (certs.server_cert, None), (certs.client_cert, None)):
+            config.write_text(f'[security]\ntls_ca = "{ca}"\n')
+            code, row = _json_row("--config", str(config), "--vault", server.address)
+            if verdict == "up":
+                assert (code, row["verdict"]) == (0, "up"), row
+                continue
+            assert row["verdict"] in ("degraded", "down"), row
+            assert row["reason"].startswith("TLS verification failed at port "), row
+            assert f"is security.tls_ca {ca} the CA that signed" in row["reason"], row
+            assert "unreachable" not in row["reason"]
+    finally:
+        server.stop(0)
+
+
+def test_status_refuses_a_data_key_that_does_not_parse(tmp_path: Path) -> None:
+    key = tmp_path / "data_key"
+    key.write_text("1 not-a-key\n")
+    key.chmod(0o600)
+    config = tmp_path / "tierkv.toml"
+    config.write_text('[security]\ndata_key_file = "data_key"\n')
+    result = runner.invoke(app, ["status", "--config", str(config), "--vault", "127.0.0.1:9"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"tierkv status: security.data_key_file {key}: line 1: key 1 is not URL-safe base64"
+    )
+
+
+def test_status_warns_of_a_redis_that_will_refuse_or_outgrow(tmp_path: Path) -> None:
+    from redis_servers import start_redis
+
+    settings = {
+        ("64mb", "allkeys-lru"): [],
+        ("0", "allkeys-lru"): ["maxmemory 0"],
+        ("64mb", "noeviction"): ["maxmemory-policy noeviction: stores fail once it is full"],
+    }
+    for (maxmemory, policy), problems in settings.items():
+        server = start_redis(tmp_path, "--maxmemory", maxmemory, "--maxmemory-policy", policy)
+        try:
+            code, row = _json_row("--vault", f"redis://{server.address}")
+        finally:
+            server.stop()
+        assert code == 0, row
+        assert row["verdict"] == ("degraded" if problems else "up"), row
+        assert all(problem in row.get("reason", "") for problem in problems), row

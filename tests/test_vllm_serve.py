@@ -35,6 +35,7 @@ def write_model(tmp_path: Path, **config: object) -> Path:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(config))
+    (model / "tokenizer.json").write_text("{}")
     return model
 
 

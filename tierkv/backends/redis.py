@@ -241,6 +241,15 @@ class RedisBackend:
             )
         ]
 
+    def eviction_policy(self) -> str:
+        """The server's maxmemory-policy (README: tierkv needs allkeys-lru); BackendUnavailable
+        when it does not answer."""
+        try:
+            found = self._client.config_get("maxmemory-policy")
+        except _FAILURES as exc:
+            raise BackendUnavailable(f"redis at {self.address} did not answer: {exc}") from None
+        return str(found.get("maxmemory-policy", ""))
+
     def clear(self, namespace: bytes) -> int:
         pattern = b"tierkv:%s:*" % namespace.hex().encode()
         try:
@@ -327,6 +336,12 @@ class RedisClusterBackend(ShardedBackend):
     def members(self) -> list[Backend]:
         with self._lock:
             return list(self._nodes.values())
+
+    def server_stats(self) -> list[BackendStats]:
+        """Each node's figures; BackendUnavailable when no node has answered CLUSTER SLOTS."""
+        if not self.members():
+            raise BackendUnavailable(f"no node of the cluster at {self.address} answered")
+        return super().server_stats()
 
     def lookup(self, namespace: bytes, keys: Sequence[bytes], parts: Sequence[int]) -> int:
         self._refresh_if_failing()

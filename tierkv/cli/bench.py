@@ -355,6 +355,9 @@ def _vllm_bench(
     if codec == "all":
         raise fail("bench", "--codec all: --engine vllm runs one codec; name one", 2)
     from tierkv.bench.engines import vllm_bench
+    from tierkv.patches.vllm import check_model
+
+    check_model(model, "--model")
     from tierkv.bench.pipeline import vault_addresses
 
     with (

@@ -132,6 +132,7 @@ def eval_command(
         write_verdict,
     )
     from tierkv.bench.pipeline import vault_addresses  # the codecs (Numba): not for `tierkv --help`
+    from tierkv.patches.vllm import check_model
 
     cfg = engine_config(config)
     if engine != "vllm":
@@ -155,6 +156,7 @@ def eval_command(
     scored = task_prompts(lengths)
     prompt_set += scored if counting else [p for p in scored if p["task"] != "counting"]
     kv_bytes = _size_option("--kv-cache-bytes", kv_cache_bytes)
+    check_model(model, "--model")
     with vault_addresses(vault or []) as addresses:
         settings: dict[str, object] = {"cluster.kv_cold": addresses, "cluster.ssm_cold": addresses}
         try:

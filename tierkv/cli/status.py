@@ -20,7 +20,9 @@ role (and when a checked EXO hook is missing); 2 on a configuration error. The d
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -135,6 +137,27 @@ def unreachable(address: str, timeout_s: float) -> str | None:
     return None
 
 
+def tls_refused(host: str, port: int, cfg: TierKVConfig) -> str | None:
+    """Why the certificate of the vault at `host`:`port` fails our verification (security.tls_ca,
+    the vault's name); None when it passes, or we speak no TLS, or nothing answers there."""
+    from tierkv.vault.auth import ssl_context
+
+    context = ssl_context(cfg.security, server=False)
+    if context is None:
+        return None
+    try:
+        with socket.create_connection((host, port), timeout=cfg.client.deadline_ms / 1000) as raw:
+            context.wrap_socket(raw, server_hostname=host).close()
+    except ssl.SSLCertVerificationError as exc:
+        return (
+            f"TLS verification failed at port {port}: {exc.verify_message} (is "
+            f"security.tls_ca {cfg.security.tls_ca} the CA that signed the vault's certificate?)"
+        )
+    except OSError:  # ssl.SSLError included: not a verdict on the certificate
+        return None
+    return None
+
+
 def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) -> dict[str, Any]:
     """One vault's status row: machine-readable values, `verdict` and, unless up, `reason`.
 
@@ -164,6 +187,7 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     try:
         backend.server_stats()  # connects; the second call measures the round trip alone
         nodes = backend.server_stats()
+        policy = _eviction_policy(backend) if is_redis_url(address) else None
         if isinstance(backend, VaultClient):
             bulk_port, bulk_reachable = backend.bulk_path()
     except VaultRefused:  # up, but not for us: unusable all the same
@@ -175,7 +199,8 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
         reason = (
             str(exc)
             if is_redis_url(address)
-            else (
+            else tls_refused(*parse_address(address), cfg)
+            or (
                 f"answers TCP at {address}, but not as a tierkv vault in {deadline_s * 1000:.0f} ms"
                 " (another service on that port, a TLS mismatch, or overloaded)"
             )
@@ -191,6 +216,9 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
         "rtt_ms": round(max(s.rtt_s for s in nodes) * 1000, 2),
         "bulk_port": bulk_port,  # 0: none, payloads travel over gRPC; None: Valkey / Redis
         "bulk_reachable": bulk_reachable,  # False: a firewall? payloads fall back to gRPC
+        "bulk_tls": None  # why the bulk port's certificate failed our verification
+        if bulk_reachable or not bulk_port
+        else tls_refused(parse_address(address)[0], bulk_port, cfg),
         "role": nodes[0].role,
         "nodes": len(nodes),
         "entries": sum(s.entries for s in nodes),  # the RAM tier's (see ram / disk for each)
@@ -207,6 +235,7 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
         "tenant": nodes[0].tenant,
         "ram": ram,
         "disk": disk,  # None: RAM only
+        "eviction_policy": policy,  # Valkey / Redis only
     }
     return row | _verdict(row, role)
 
@@ -217,12 +246,15 @@ def _verdict(row: dict[str, Any], role: str | None) -> dict[str, Any]:
         reason = f"serves {row['role']}, but tierkv.toml's [cluster] names it as {role}"
         return {"up": False, "verdict": "wrong role", "reason": reason}
     problems = []
-    if row["bulk_port"] and not row["bulk_reachable"]:
+    if row.get("bulk_tls"):
+        problems.append(f"{row['bulk_tls']}; payloads go over gRPC, slower")
+    elif row["bulk_port"] and not row["bulk_reachable"]:
         problems.append(f"bulk port {row['bulk_port']} unreachable: payloads go over gRPC, slower")
     if row["disk"] and row["disk"]["corrupt"]:
         problems.append(f"{row['disk']['corrupt']} disk blocks failed their checksum")
     if row["insecure"]:
         problems.append("started --insecure: open to the LAN without a token")
+    problems += redis_eviction_problems(row)
     if problems:
         return {"verdict": "degraded", "reason": "; ".join(problems)}
     last_name, last = ("disk", row["disk"]) if row["disk"] else ("RAM", row["ram"])
@@ -232,6 +264,34 @@ def _verdict(row: dict[str, Any], role: str | None) -> dict[str, Any]:
         reason = f"{last_name} tier at {used / cap:.0%} of its cap: new blocks evict old ones"
         return {"verdict": "full", "reason": reason}
     return {"verdict": "up"}
+
+
+def _eviction_policy(backend: object) -> str | None:
+    """The maxmemory-policy of a Valkey / Redis backend (a cluster's first primary); None when
+    the server does not tell."""
+    from tierkv.backends.base import BackendUnavailable
+    from tierkv.backends.redis import RedisBackend, RedisClusterBackend
+
+    nodes = backend.members() if isinstance(backend, RedisClusterBackend) else [backend]
+    for node in nodes:
+        if isinstance(node, RedisBackend):
+            try:
+                return node.eviction_policy() or None
+            except BackendUnavailable:
+                return None
+    return None
+
+
+def redis_eviction_problems(row: dict[str, Any]) -> list[str]:
+    """What a Valkey / Redis row's memory settings will do to stores (README: Redis needs
+    maxmemory and maxmemory-policy allkeys-lru)."""
+    policy = row.get("eviction_policy")
+    problems = []
+    if policy is not None and not row["max_bytes"]:
+        problems.append("maxmemory 0: Redis grows until the machine runs out of memory")
+    if policy == "noeviction":
+        problems.append("maxmemory-policy noeviction: stores fail once it is full (allkeys-lru)")
+    return problems
 
 
 def _auth(backend: object, stats: BackendStats) -> str:
@@ -350,15 +410,15 @@ def _link(row: dict[str, Any]) -> str:
     )
 
 
-def _cell(row: dict[str, Any], key: str, wide: bool) -> str:
+def _cell(row: dict[str, Any], key: str, wide: bool) -> str | Text:
     """The table text of one value of a row."""
     if key == "verdict":
         style = VERDICT_STYLES[row["verdict"]]
         return f"[{style}]{row['verdict']}[/{style}]"
-    if key == "address":
-        return str(row["address"])
+    if key == "address":  # "[fd00::1234:1]:50051", "[cluster]": plain text, no markup or emoji
+        return Text(str(row["address"]))
     if key == "reason":
-        return str(row.get("reason", ""))
+        return Text(str(row.get("reason", "")))
     if key == "link" and "tls" in row:
         return _link(row)
     if not row["up"] or "ram" not in row:
@@ -407,12 +467,12 @@ def _totals_cells(result: CheckResult, wide: bool) -> dict[str, str]:
 
 
 def table(result: CheckResult, wide: bool) -> Table:
-    """One row per checked thing; addresses are never cut (other cells wrap first)."""
+    """One row per checked thing; a long address wraps within its column, figures never do."""
     columns = WIDE_COLUMNS if wide and result.title == "vaults" else result.columns
     grid = Table(title=result.title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1))
     grid.add_column("name", no_wrap=True)
     for key, label in columns.items():
-        grid.add_column(label, no_wrap=key in ("address", "verdict"), overflow="fold")
+        grid.add_column(label, no_wrap=key not in ("address", "reason"), overflow="fold")
     for row in result.rows:
         grid.add_row(row["name"], *(_cell(row, key, wide) for key in columns))
     if result.totals is not None and len(result.rows) > 1:
@@ -496,6 +556,10 @@ def status(
     """
     addresses = vault or []
     cfg = engine_config(config)
+    if cfg.security.data_key_file:  # one that does not parse would fail every store
+        from tierkv.seal import read_data_keys
+
+        read_data_keys(cfg.security.data_key_file)
     for address in addresses:
         try:
             parse_cold_address(address)
@@ -529,14 +593,29 @@ def _watch(
     wide: bool,
     interval: float,
 ) -> list[CheckResult]:
-    """Refresh the tables in place every `interval` s until Ctrl-C; the last results."""
-    with Live(Group(render(results, wide), *reasons(results)), auto_refresh=False) as live:
-        try:
-            while True:
-                time.sleep(interval)
-                results = run_checks(cfg, addresses, exo_path)
-                stamp = Text(time.strftime("checked %H:%M:%S (Ctrl-C stops)"), style="dim")
-                live.update(Group(render(results, wide), *reasons(results), stamp), refresh=True)
-        except KeyboardInterrupt:
-            pass
+    """Check again every `interval` s until Ctrl-C or SIGTERM (whatever signal dispositions this
+    process inherited); the last results. On a terminal the tables refresh in place; to a pipe
+    or a file each check is one frame, flushed at once."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler)
+    console = Console()
+
+    def frame(results: list[CheckResult]) -> Group:
+        stamp = Text(time.strftime("checked %H:%M:%S (Ctrl-C stops)"), style="dim")
+        return Group(render(results, wide), *reasons(results), stamp)
+
+    try:
+        if console.is_terminal:
+            with Live(frame(results), console=console, auto_refresh=False) as live:
+                while True:
+                    time.sleep(interval)
+                    results = run_checks(cfg, addresses, exo_path)
+                    live.update(frame(results), refresh=True)
+        while True:
+            console.print(frame(results))
+            console.file.flush()
+            time.sleep(interval)
+            results = run_checks(cfg, addresses, exo_path)
+    except KeyboardInterrupt:
+        pass
     return results

@@ -10,11 +10,18 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import shutil
+import socket
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from tierkv.config import ConfigError
+from tierkv.errors import TierKVError
 
 CONNECTOR_CLASS = "TierKVConnector"
 CONNECTOR_MODULE = "tierkv.connectors.vllm.connector"
@@ -58,6 +65,62 @@ def is_hybrid(hf_config: Mapping[str, Any]) -> bool:
     return False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+"""Files of which a model directory holds at least one: its tokenizer."""
+HUB_PROBE_S = 5.0
+"""How long a model name not in the local cache waits for the Hugging Face Hub to answer."""
+
+
+def check_model(model: str, flag: str, *, hub: bool = True) -> None:
+    """Raise ConfigError (or TierKVError when the Hub is unreachable) unless `model` is a local
+    model directory (config.json and a tokenizer) or a Hub name this machine has or can fetch
+    (not asked with `hub` False); so a bad --model is one line at once, not an engine's
+    traceback minutes later."""
+    path = Path(model).expanduser()
+    if path.exists() or model.startswith(("/", ".", "~")) or model.count("/") > 1:
+        if not path.is_dir():
+            raise ConfigError(f"{flag} {model}: not a model directory (no such directory)")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{flag} {model}: not a model directory (no config.json in it)")
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            expected = " or ".join(TOKENIZER_FILES)
+            raise ConfigError(f"{flag} {model}: no tokenizer in it (expected {expected})")
+        return
+    if not hub or read_hf_config(model) is not None:
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0"):
+        raise ConfigError(
+            f"{flag} {model}: not a local directory nor in the Hugging Face cache, and "
+            "HF_HUB_OFFLINE is set"
+        )
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    why = _unreachable(endpoint)
+    if why:
+        raise TierKVError(
+            f"{flag} {model}: not a local directory nor in the Hugging Face cache, and "
+            f"{endpoint} cannot be reached ({why})"
+        )
+
+
+def _unreachable(url: str) -> str | None:
+    """Why nothing answers TCP at `url`'s host within HUB_PROBE_S (name lookup included)."""
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    found: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((parts.hostname or "", port), timeout=HUB_PROBE_S).close()
+            found.append(None)
+        except OSError as exc:
+            found.append(exc.strerror or str(exc))
+
+    thread = threading.Thread(target=probe, daemon=True)  # name lookups take no timeout
+    thread.start()
+    thread.join(HUB_PROBE_S)
+    return found[0] if found else f"no answer in {HUB_PROBE_S:.0f} s"
+
+
 def read_hf_config(model: str) -> dict[str, Any] | None:
     """The model's config.json from a local directory or the Hugging Face cache; None if absent
     (nothing is downloaded)."""
@@ -66,9 +129,13 @@ def read_hf_config(model: str) -> dict[str, Any] | None:
         return dict(json.loads(local.read_text()))
     try:
         from huggingface_hub import try_to_load_from_cache
+        from huggingface_hub.errors import HFValidationError
     except ImportError:
         return None
-    cached = try_to_load_from_cache(model, "config.json")
+    try:
+        cached = try_to_load_from_cache(model, "config.json")
+    except HFValidationError:  # not a name the Hub could have
+        return None
     if isinstance(cached, str):
         return dict(json.loads(Path(cached).read_text()))
     return None
