@@ -468,6 +468,48 @@ def test_sliding_window_layers_spill_their_window_and_restore_the_same_tokens(
         assert runtime.flush(10)
 
 
+@pytest.mark.parametrize("block_tokens", [16, 128])
+def test_a_512_token_window_restores_exos_own_hit_to_the_block(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    exo_source: Path | None,
+    block_tokens: int,
+) -> None:
+    """Gemma 3's 512-token window, prompts from below the window to two and a half windows: a
+    turn's restore from the vault starts at the last block boundary of what the previous turn's
+    entry held (its prompt but the last two tokens, which EXO feeds to decoding), at least EXO's
+    own hit of the same turn rounded down to a block (its prefix cache still holding the previous
+    turn: nothing for rotating layers where EXO keeps no snapshot of them), and gives the cold
+    tokens."""
+    exo = start_exo(
+        tmp_path, monkeypatch, vault.address, block_tokens=block_tokens, exo_source=exo_source
+    )
+    skip_unless_stored_before_decoding(exo)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    model = tiny_gemma3(window=512)
+    for seed, length in enumerate((300, 700, 1300)):
+        prompt = random_tokens(length, seed=60 + seed)
+        turn = mx.concatenate([prompt, random_tokens(20, seed=70 + seed)])
+        own_cache = exo.cache.KVPrefixCache(None)
+        exo.generate.mlx_generate(model, prompt, own_cache, max_tokens=3)
+        own_hit = len(turn) - exo.generate.mlx_generate(model, turn, own_cache, 8).prefilled
+        prefix_cache = exo.cache.KVPrefixCache(None)
+        exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+        evict_everything(exo, monkeypatch, prefix_cache)
+        assert runtime.flush(10)
+        restored = exo.generate.mlx_generate(model, turn, prefix_cache, max_tokens=8)
+        cold = exo.generate.mlx_generate(model, turn, None, max_tokens=8)
+        hit = len(turn) - restored.prefilled
+        print(
+            f"window 512, block {block_tokens}, {len(turn)} tokens: restored {hit}, own {own_hit}"
+        )
+        own_blocks = own_hit // block_tokens
+        assert hit == (length - 2) // block_tokens * block_tokens >= own_blocks * block_tokens
+        assert restored.tokens == cold.tokens
+
+
 def test_nothing_stored_for_one_window_restores_into_another(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
 ) -> None:

@@ -83,6 +83,15 @@ def serve(
     if hybrid_model is None:
         hf_config = read_hf_config(model)
         hybrid = hf_config is not None and is_hybrid(hf_config)
+        if hf_config is None:
+            console.print(
+                f"[yellow]note[/yellow]: cannot tell whether {model} has recurrent-state (SSM / "
+                "linear-attention) layers: its config.json is neither local nor in the Hugging "
+                "Face cache; serving it as attention-only: pass --hybrid if it has such layers, "
+                "--no-hybrid to say it has not",
+                highlight=False,
+                soft_wrap=True,
+            )
     else:
         hybrid = hybrid_model
     if hybrid and not cfg.cluster.ssm_cold:
