@@ -16,7 +16,7 @@ from tierkv.quant import (
     get_codec,
 )
 from tierkv.quant.payload import header_bytes
-from tierkv.quant.sinks import token_axis
+from tierkv.quant.sinks import FLAT, token_axis
 
 SHAPES = [
     # shape, (token axis, sink tokens): vLLM's [tokens, heads, d], EXO's [heads, tokens, d],
@@ -114,6 +114,15 @@ def test_config_takes_a_preset(tmp_path) -> None:  # type: ignore[no-untyped-def
     path.write_text('[compression]\nenabled = true\ncodec = "k4cv9s"\n')
     with pytest.raises(ConfigError, match="k4cv9s"):
         load_config(path)
+
+
+def test_a_block_whose_token_axis_splits_vectors_is_flat_without_sinks() -> None:
+    """As a K/V pair's half of (2, 128) at group_size 128 (the warm-up's block): 64 values per
+    token, so each vector of 128 is taken as a token."""
+    x = keys_like((4, 64), 0, "fp16")
+    payload = get_codec("tq4c", 128).encode(x, "fp16")
+    assert payload[header_bytes(2)] == FLAT
+    assert fidelity(x, decoded(payload, x), "fp16").cosine > 0.99
 
 
 def test_default_token_axis() -> None:

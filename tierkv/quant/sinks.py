@@ -38,6 +38,9 @@ from tierkv.quant.payload import (
 from tierkv.quant.turbo import NO_CENTRE, TurboCodec, check_group_size
 
 PREFIX = struct.Struct("<BBH")
+FLAT = 0xFF
+"""The token axis of a block whose axes the encoder was not told and whose longer axis does not
+hold whole vectors: each vector of group_size values its own token (no sinks)."""
 Sinks = tuple[int, int]
 """(token axis, sink tokens): where a block's tokens run and how many of its first are kept
 lossless (0 for every block but a sequence's first)."""
@@ -57,10 +60,10 @@ def token_axis(shape: tuple[int, ...]) -> int:
 
 def geometry(shape: tuple[int, ...], axis: int, d: int) -> tuple[int, int, int]:
     """(outer, tokens, inner): the block as [outer, tokens, inner] values along token `axis`
-    (a 1-D block: one vector per token). ValueError when a token's values are not whole vectors
-    of d."""
-    if len(shape) == 1:
-        return 1, shape[0] // d, d
+    (FLAT or a 1-D block: each vector of d a token). ValueError when a token's values are not
+    whole vectors of d."""
+    if len(shape) == 1 or axis == FLAT:
+        return 1, math.prod(shape) // d, d
     if not 0 <= axis < len(shape):
         raise ValueError(f"token axis {axis} does not fit a block of shape {shape}")
     inner = math.prod(shape[axis + 1 :])
@@ -99,9 +102,14 @@ class SinkTurboCodec:
         words, dtype = input_words(src, dtype)
         shape = tuple(src.shape)
         self.turbo.check_encodable(words, shape)
-        axis, count = sinks if sinks is not None else (token_axis(shape), 0)
-        if len(shape) > 1 and -len(shape) <= axis < 0:
-            axis %= len(shape)
+        if sinks is None:
+            axis, count = token_axis(shape), 0
+            if len(shape) > 1 and math.prod(shape[axis + 1 :]) % self.group_size:
+                axis = FLAT
+        else:
+            axis, count = sinks
+            if len(shape) > 1 and -len(shape) <= axis < 0:
+                axis %= len(shape)
         outer, tokens, inner = geometry(shape, axis, self.group_size)
         if not 0 <= count <= min(tokens, 0xFFFF):
             raise ValueError(f"{count} sink tokens do not fit a block of {tokens} tokens")
