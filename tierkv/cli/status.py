@@ -140,9 +140,9 @@ def unreachable(address: str, timeout_s: float) -> str | None:
 def tls_refused(host: str, port: int, cfg: TierKVConfig) -> str | None:
     """Why the certificate of the vault at `host`:`port` fails our verification (security.tls_ca,
     the vault's name); None when it passes, or we speak no TLS, or nothing answers there."""
-    from tierkv.vault.auth import ssl_context
+    from tierkv.backends.security import ssl_context
 
-    context = ssl_context(cfg.security, server=False)
+    context = ssl_context(cfg.security)
     if context is None:
         return None
     try:
