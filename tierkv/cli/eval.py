@@ -156,7 +156,6 @@ def eval_command(
                 'pair like "k8v4"',
                 2,
             )
-    check_model(model, "--model")
     hf_config = read_hf_config(model) or {}
     model_dtype = _model_dtype(hf_config)
     dtypes = _dtypes(dtype, model_dtype)
@@ -175,6 +174,7 @@ def eval_command(
         longest = min(longest, context - TASK_NEW_TOKENS - 16)
     prompt_set += passkey_probes(probes, longest) if probes else []
     kv_bytes = _size_option("--kv-cache-bytes", kv_cache_bytes)
+    check_model(model, "--model")
     with vault_addresses(vault or []) as addresses:
         settings: dict[str, object] = {"cluster.kv_cold": addresses, "cluster.ssm_cold": addresses}
         try:

