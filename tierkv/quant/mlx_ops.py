@@ -116,9 +116,7 @@ def _sink_decode(host: np.ndarray, header: PayloadHeader) -> tuple[mx.array, Par
     parts, turbo_body = codec.parts(header, host)
     x = _turbo_decode(turbo_body, codec.turbo, header.shape)
     if parts.means.size:
-        outer, tokens, inner = parts.blocks
-        means = mx.array(parts.means).reshape(outer, 1, inner)
-        x = (x.reshape(outer, tokens, inner) + means).reshape(-1)
+        x = (x.reshape(parts.blocks) + mx.array(parts.mean_values())).reshape(-1)
     return x, parts
 
 

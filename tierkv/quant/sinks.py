@@ -19,6 +19,7 @@ The token axis must leave whole vectors of group_size values per token (inner % 
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from functools import lru_cache
@@ -35,7 +36,7 @@ from tierkv.quant.payload import (
     new_payload,
     pack_header,
 )
-from tierkv.quant.turbo import NO_CENTRE, TurboCodec, check_group_size
+from tierkv.quant.turbo import TurboCodec, check_group_size
 
 PREFIX = struct.Struct("<BBH")
 FLAT = 0xFF
@@ -44,9 +45,7 @@ hold whole vectors: each vector of group_size values its own token (no sinks).""
 Sinks = tuple[int, int]
 """(token axis, sink tokens): where a block's tokens run and how many of its first are kept
 lossless (0 for every block but a sequence's first)."""
-_MAX_FINITE = {"fp16": 65504.0, "bf16": 3.3895313892515355e38, "fp32": 3.4028234663852886e38}
-_MEAN_MARGIN = 1.01
-"""Headroom of the decoder's no-clamp test for the rounding of a value plus its mean."""
+_FP16_MAX = 65504.0
 
 
 def token_axis(shape: tuple[int, ...]) -> int:
@@ -118,8 +117,7 @@ class SinkTurboCodec:
             raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
         means = np.zeros((outer, inner), np.float16)
         if self.centred and count < tokens:
-            bound = _MAX_FINITE["fp16"]
-            means[:] = np.clip(x[:, count:].mean(axis=1, dtype=np.float64), -bound, bound)
+            means[:] = np.clip(x[:, count:].mean(axis=1, dtype=np.float64), -_FP16_MAX, _FP16_MAX)
         residual = x - means.astype(np.float32)[:, None, :]
         residual[:, :count] = 0.0
         raw = words.reshape(outer, tokens, inner)[:, :count]
@@ -144,51 +142,60 @@ class SinkTurboCodec:
         its prefix or length does not fit the header."""
         if len(body) < PREFIX.size:
             raise PayloadError(f"{self.name} payload body of {len(body)} bytes has no prefix")
-        axis, centred, count = PREFIX.unpack(body[: PREFIX.size].tobytes())
+        prefix = PREFIX.unpack(body[: PREFIX.size].tobytes())
+        blocks, means_end, head, expected = self._spans(header.shape, header.dtype, prefix)
+        if len(body) != expected:
+            raise PayloadError(
+                f"{self.name} payload body is {len(body)} bytes, shape {header.shape} with "
+                f"{prefix[2]} sink tokens needs {expected}"
+            )
+        means, raw = body[PREFIX.size : means_end], body[means_end:head]
+        return Parts(blocks, prefix[2], means, raw), body[head:]
+
+    @functools.lru_cache(maxsize=256)  # noqa: B019 (the codecs live as long as the process)
+    def _spans(
+        self, shape: tuple[int, ...], dtype: str, prefix: tuple[int, int, int]
+    ) -> tuple[tuple[int, int, int], int, int, int]:
+        """(blocks, end of the means, end of the sink tokens, body length) of a body with this
+        prefix; PayloadError when the prefix does not fit the shape."""
+        axis, centred, count = prefix
         try:
-            outer, tokens, inner = geometry(header.shape, axis, self.group_size)
+            outer, tokens, inner = geometry(shape, axis, self.group_size)
         except ValueError as exc:
             raise PayloadError(f"invalid {self.name} payload: {exc}") from None
         if centred != self.centred or count > tokens:
             raise PayloadError(
                 f"invalid {self.name} payload: centred {centred}, {count} sink tokens of {tokens}"
             )
-        means_bytes = 2 * outer * inner if centred else 0
-        raw_bytes = outer * count * inner * DTYPE_BYTES[header.dtype]
-        head = PREFIX.size + means_bytes + raw_bytes
-        expected = head + self.turbo.layout(header.shape).body_bytes
-        if len(body) != expected:
-            raise PayloadError(
-                f"{self.name} payload body is {len(body)} bytes, shape {header.shape} with "
-                f"{count} sink tokens needs {expected}"
-            )
-        means = body[PREFIX.size : PREFIX.size + means_bytes].view("<f2").astype(np.float32)
-        raw = body[PREFIX.size + means_bytes : head]
-        parts = Parts((outer, tokens, inner), count, means.reshape(-1, self.group_size), raw)
-        return parts, body[head:]
+        means_end = PREFIX.size + (2 * outer * inner if centred else 0)
+        head = means_end + outer * count * inner * DTYPE_BYTES[dtype]
+        return (outer, tokens, inner), means_end, head, head + self.turbo.layout(shape).body_bytes
 
     def decode_words(self, header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) -> None:
         """Decode a body into the flat words of the output (PayloadError when malformed)."""
         parts, turbo_body = self.parts(header, body)
-        centre = NO_CENTRE
-        if self.centred:
-            top = float(np.abs(parts.means).max()) if parts.means.size else 0.0
-            reach = top * _MEAN_MARGIN / _MAX_FINITE[header.dtype]
-            _, tokens, inner = parts.blocks
-            centre = (parts.means, inner // self.group_size, tokens, reach)
+        _, tokens, inner = parts.blocks
+        centre = (parts.means, inner // self.group_size, tokens)
         self.turbo.decode_words(turbo_body, header.dtype, header.shape, out_words, centre)
         parts.put_sinks(out_words)
 
 
 class Parts:
     """What a body holds besides its TurboQuant body: the block as [outer, tokens, inner]
-    (`blocks`), its sink tokens (`count`, their raw words as bytes `raw`) and its means
-    ([rows, group_size] float32, no rows when not centred)."""
+    (`blocks`), its sink tokens (`count`, their raw words as bytes `raw`) and its means (fp16
+    bytes, none when not centred)."""
 
     def __init__(
         self, blocks: tuple[int, int, int], count: int, means: np.ndarray, raw: np.ndarray
     ) -> None:
         self.blocks, self.count, self.means, self.raw = blocks, count, means, raw
+
+    def mean_values(self) -> np.ndarray:
+        """The means as float32 [outer, 1, inner] (to add to the block as [outer, tokens,
+        inner]); empty when not centred."""
+        outer, _, inner = self.blocks
+        values = self.means.view("<f2").astype(np.float32)
+        return values.reshape(outer, 1, inner) if values.size else values
 
     def sink_words(self, word_bytes: int) -> np.ndarray:
         """The sink tokens' raw words as [outer, count, inner]."""

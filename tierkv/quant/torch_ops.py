@@ -233,9 +233,8 @@ def _sink_decode(
     start = len(host) - len(turbo_body)
     x = _turbo_decode(raw[start:], codec.turbo, header.shape, turbo_body)
     if parts.means.size:
-        outer, tokens, inner = parts.blocks
-        means = torch.from_numpy(parts.means).to(raw.device).view(outer, 1, inner)
-        x = (x.view(outer, tokens, inner) + means).view(-1)
+        means = torch.from_numpy(parts.mean_values()).to(raw.device)
+        x = (x.view(parts.blocks) + means).view(-1)
     return x, parts
 
 

@@ -145,7 +145,7 @@ _NO_INSTANCE = (
 )
 
 
-NO_CENTRE = (np.zeros((0, 0), np.float32), 1, 1, 0.0)
+NO_CENTRE = (np.zeros(0, np.uint8), 1, 1)
 """The decoders' `centre` of a codec that adds no means (see _to_words)."""
 
 
@@ -493,12 +493,12 @@ def _to_words(src, d, v0, n, off, inst, body, norms, pow2k, code, scaling, dst, 
     src; scaling = (factors, reach). Clamped to the dtype's finite range, except for the vectors
     whose norm times reach (from _reach) is under 1: by _peak's bound every value lies within
     it (the clamp takes a quarter of the pass; skipping it where it cannot act changes no
-    bit). centre = (means, iv, tokens, mean_reach): with rows of means (a centred codec, one
-    instance), vector v gets row (v // (iv * tokens)) * iv + v % iv added, and mean_reach (the
+    bit). centre = (means, iv, tokens, mean_reach): with means (a centred codec, one instance;
+    rows of d), vector v gets row (v // (iv * tokens)) * iv + v % iv added, and mean_reach (the
     largest |mean| over the dtype's largest finite value) counts in the clamp test."""
     factors, reach = scaling
     at = (v0, n, off, inst[0], direct, reach)
-    if centre[0].shape[0]:
+    if centre[0].size:
         if code == FP16:
             _centred_words(src, d, at, body, norms, pow2k, factors, dst, FP16, centre)
         elif code == BF16:
@@ -555,14 +555,22 @@ def _scaled_words(src, d, at, body, norms, pow2k, factors, dst, code):
 def _centred_words(src, d, at, body, norms, pow2k, factors, dst, code, centre):
     """_scaled_words of a centred codec: each value plus its channel's mean (see _to_words)."""
     v0, n, off, m, direct, reach = at
-    means, iv, tokens, mean_reach = centre
+    flat_means, iv, tokens, mean_reach = centre
     norm_at, norm_stride = norms
-    flat_means = means.reshape(-1)
+    outer, in_row = v0 // (iv * tokens), v0 % iv  # counted on, not divided per vector
+    token = (v0 // iv) % tokens
     for t in range(n):
         at = t * d + off
         v = v0 + t
         to = v * d if direct else at
-        row = ((v // (iv * tokens)) * iv + v % iv) * d
+        row = (outer * iv + in_row) * d
+        in_row += 1
+        if in_row == iv:
+            in_row = 0
+            token += 1
+            if token == tokens:
+                token = 0
+                outer += 1
         norm = half_to_f32(read_u16(body, norm_at + v * norm_stride))
         clamp = not reach * np.float64(norm) + mean_reach < 1.0
         if code == FP16:
@@ -755,7 +763,8 @@ def _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k, ce
 @njit(cache=True, nogil=True)
 def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, centre, t_lo, t_hi):
     """Decode tiles [t_lo, t_hi) (of _TILE_VALUES // d vectors) of a TurboQuant body
-    into `out_words`; see _encode_tiles, and _to_words for `centre`."""
+    into `out_words`; see _encode_tiles. centre = (means, iv, tokens): a centred codec's means
+    as fp16 bytes (none: a plain codec), and its vector v's row of them, as _to_words says."""
     norms_offset, indices_offset, bpv = offsets
     n_vectors = out_words.size // d
     tile = _TILE_VALUES // d
@@ -770,6 +779,13 @@ def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, centre, t_l
         (lo_factors, _reach(lo, lo_factors, pow2k, code)),
     )
     plan = _merge_plan(select, hi[0], n_inst == 2, out_words.itemsize)
+    means_bytes, iv, tokens = centre
+    means = np.empty(means_bytes.size // 2, np.float32)
+    top = 0.0
+    for i in range(means.size):
+        means[i] = half_to_f32(read_u16(means_bytes, 2 * i))
+        top = max(top, abs(np.float64(means[i])))
+    centred = (means, iv, tokens, top * _PEAK_MARGIN / max_finite(code))
     mixes = n_inst == 2 or hi[3].shape[0] > 1
     y = np.empty(tile * d, np.float32)
     z = np.empty(tile * d if mixes else 0, np.float32)
@@ -778,7 +794,7 @@ def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, centre, t_l
     at = (norms_offset, 2 * n_inst, indices_offset, bpv)
     for v0 in range(t_lo * tile, min(t_hi * tile, n_vectors), tile):
         n = min(tile, n_vectors - v0)
-        _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k, centre)
+        _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k, centred)
 
 
 @njit(cache=True, nogil=True)
@@ -931,7 +947,7 @@ def decode_rows(run, code, d, select, mask_bytes, rows, out_rows, ok, offsets, h
             if not _mask_channels(masks, hi[0], channels):
                 ok[i] = False
                 continue
-        centre = (np.zeros((0, 0), np.float32), 1, 1, 0.0)
+        centre = (np.zeros(0, np.uint8), 1, 1)
         decode_serial(body, code, d, select, out_rows[rows[i]], offsets, hi, lo, centre)
 
 
@@ -1065,7 +1081,7 @@ class TurboCodec:
         dtype: str,
         shape: tuple[int, ...],
         out_words: np.ndarray,
-        centre: tuple[np.ndarray, int, int, float] = NO_CENTRE,
+        centre: tuple[np.ndarray, int, int] = NO_CENTRE,
     ) -> None:
         """Decode a body (length already checked) into the flat words of the output; `centre`:
         the means a centred codec adds (see _to_words)."""
