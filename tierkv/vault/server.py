@@ -360,7 +360,9 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         tenant = access.tenant(context)
         if tenant.prefix:  # one of several tenants: its own blocks and calls, nothing else
             reply.tenant = tenant.name
-            reply.entries, reply.bytes_used, reply.evictions = self.store.usage(tenant.prefix)
+            reply.entries, reply.bytes_used, reply.evictions = self.store.usage(
+                tenant.name.encode()
+            )
             reply.hits, reply.misses, reply.rejected = self._tenant_counts.get(tenant)
             return reply
         stats = self.store.stats()
