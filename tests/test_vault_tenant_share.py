@@ -5,19 +5,28 @@ baseline in the same run (printed with -s for the closing note), never against a
 
 from __future__ import annotations
 
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 
+import grpc
 import pytest
-from helpers import key
+from helpers import key, wait_until
 
-from tierkv.backends.vault import VaultClient
+from tierkv.backends.base import BackendUnavailable
+from tierkv.backends.security import proving_channel
+from tierkv.backends.vault import VaultClient, VaultRefused
 from tierkv.checksum import block_checksum
-from tierkv.vault.auth import Tokens
+from tierkv.config import LimitsConfig
+from tierkv.vault.auth import ReplayGuard, Tokens
 from tierkv.vault.server import VaultServer, serve
+from tierkv.wire._pb import vault_pb2
+from tierkv.wire.proofs import CALL_NONCE_BYTES
 
 ALICE = "alice-token-0123456789abcdef"
 MALLORY = "mallory-token-0123456789abcd"
@@ -104,3 +113,80 @@ def test_stats_of_a_tenant_with_many_namespaces_leaves_the_others_calls_alone(
     )
     assert put_during < 10 * put_before + 5  # (a scan: 0.2 -> 260 ms on a loaded 2-core box)
     assert promote_during < 10 * promote_before + 5
+
+
+def test_a_tenant_at_its_remembered_proofs_bound_leaves_the_others_calls_alone() -> None:
+    """Each tenant has its own bound of remembered proofs: one filling it has its own calls
+    refused, never another tenant's (one shared set refused every tenant for minutes)."""
+    tokens = Tokens([("alice", ALICE), ("mallory", MALLORY)], remembered_proofs=20)
+    server = serve("127.0.0.1:0", 0, tokens=tokens)
+    try:
+        with VaultClient(server.address, token=MALLORY) as mallory:
+            for _ in range(20):
+                mallory.stats()
+            with pytest.raises(VaultRefused, match="more than 20 calls"):
+                mallory.stats()
+        with VaultClient(server.address, token=ALICE) as alice:
+            assert alice.stats().tenant == "alice"
+    finally:
+        server.stop(grace=None)
+
+
+def test_a_remembered_proof_costs_less_than_a_hundred_bytes() -> None:
+    guard = ReplayGuard(limit=200_000)
+    now = time.time()
+    nonces = [os.urandom(CALL_NONCE_BYTES).hex() for _ in range(100_000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for nonce in nonces:
+            assert guard.admit(nonce, now) is None
+        per_entry = (tracemalloc.get_traced_memory()[0] - before) / len(nonces)
+    finally:
+        tracemalloc.stop()
+    print(f"\nremembered call proof: {per_entry:.0f} bytes each")
+    assert per_entry < 100
+    assert guard.admit(nonces[0], now) == "tierkv call proof replayed"
+
+
+def test_a_tenant_holding_its_calls_leaves_the_others_theirs() -> None:
+    """Mallory holds her limit of calls open (Put streams that send nothing): her next call is
+    refused, naming the limit, and Alice's calls are served."""
+    limits = LimitsConfig(max_concurrent_rpcs=16, max_concurrent_rpcs_per_tenant=4)
+    tokens = Tokens([("alice", ALICE), ("mallory", MALLORY)])
+    server = serve("127.0.0.1:0", 0, tokens=tokens, limits=limits)
+    release = threading.Event()
+
+    def nothing_until_released() -> Iterator[bytes]:
+        release.wait(30)
+        yield from ()
+
+    try:
+        with grpc.insecure_channel(server.address) as plain:
+            channel = proving_channel(plain, MALLORY)
+            put = channel.stream_unary(
+                "/tierkv.v1.Vault/Put",
+                request_serializer=bytes,
+                response_deserializer=vault_pb2.PutSummary.FromString,
+            )
+            held = [put.future(nothing_until_released(), timeout=60) for _ in range(4)]
+            with VaultClient(server.address, token=MALLORY) as mallory:
+
+                def refused() -> bool:
+                    try:
+                        mallory.stats()
+                    except BackendUnavailable as exc:
+                        assert "max_concurrent_rpcs_per_tenant" in str(exc)
+                        return True
+                    return False
+
+                assert wait_until(refused, 20)
+            with VaultClient(server.address, token=ALICE) as alice:
+                for _ in range(8):
+                    assert alice.stats().tenant == "alice"
+            release.set()
+            for call in held:
+                call.result(timeout=30)
+    finally:
+        release.set()
+        server.stop(grace=None)

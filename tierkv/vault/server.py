@@ -589,7 +589,12 @@ def serve(
     servicer = VaultServicer(store, role, limits, inflight, access)
     calls = limits.max_concurrent_rpcs
     metrics = servicer.metrics
-    call_limit = CallLimit(calls, lambda: metrics.refused_call("concurrency_limit"))
+    call_limit = CallLimit(
+        calls,
+        metrics.refused_call,
+        limits.max_concurrent_rpcs_per_tenant,
+        lambda context: access.tenant(context).name,
+    )
     interceptors: list[grpc.ServerInterceptor] = [call_limit]
     if tokens:
         interceptors.append(AuthInterceptor(tokens, lambda: metrics.auth_failed("grpc")))
