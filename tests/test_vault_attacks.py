@@ -30,6 +30,8 @@ from tierkv.backends.security import proving_channel
 from tierkv.backends.vault import VaultClient
 from tierkv.backends.vault_bulk import BulkConnection, BulkRefused
 from tierkv.checksum import block_checksum
+from tierkv.config import LimitsConfig
+from tierkv.vault.limits import max_put_index_bytes
 from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
 from tierkv.wire.framing import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE_REPLY, PUT, WELCOME
 from tierkv.wire.messages import encode_bulk
@@ -570,3 +572,21 @@ def test_a_client_refused_at_its_tenants_limit_uses_grpc_without_a_failure(
             counters = client.counters()
         assert (counters["transport"], counters["bulk_refusals"]) == ("grpc", 1)
         assert (counters["failed_calls"], client.breaker_state) == (0, "closed")
+
+
+def test_a_put_index_larger_than_any_request_is_refused_from_its_header(vault: Any) -> None:
+    """A PUT frame announcing a 15 MB index (no request within the limits has one larger than
+    max_put_index_bytes, 6.3 MB by default) is refused before its index is received: eight of
+    them at once grew a vault by about 1 GiB while it parsed them."""
+    limit = max_put_index_bytes(LimitsConfig())
+    sock = bulk_socket(vault.bulk_port)
+    with sock:
+        sock.sendall(HEADER.pack(MAGIC, PUT, 15_000_000, 0))
+        sock.settimeout(1.0)  # less than the fixture's stall_timeout_s: refused, not timed out
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:
+            closed = False  # still waiting for the 15 MB
+    assert closed and limit < 15_000_000

@@ -38,6 +38,19 @@ def request_problem(limits: LimitsConfig, keys: int, parts: int) -> str | None:
     return None
 
 
+INDEX_BYTES_PER_BLOCK = 32
+"""What a PutIndex holds per block besides its key: the key's tag and length (3), part (at
+most 5), length (at most 10) and checksum (8) of a packed field each, rounded up."""
+
+
+def max_put_index_bytes(limits: LimitsConfig) -> int:
+    """The largest PutIndex a request within `limits` serialises to (its namespace, the packed
+    fields' headers and limits.max_blocks_per_request blocks of the longest keys): a bulk PUT
+    frame announcing a larger one is refused from its header, before its index is received."""
+    blocks = limits.max_blocks_per_request * (limits.max_key_bytes + INDEX_BYTES_PER_BLOCK)
+    return limits.max_namespace_bytes + 64 + blocks
+
+
 def block_problem(limits: LimitsConfig, namespace: bytes, key: bytes, size: int) -> str | None:
     """Why one block of a Put is refused before it is looked at; None when it may be stored."""
     if size == 0:
