@@ -30,6 +30,8 @@ from tierkv.backends.security import proving_channel
 from tierkv.backends.vault import VaultClient
 from tierkv.backends.vault_bulk import BulkConnection, BulkRefused
 from tierkv.checksum import block_checksum
+from tierkv.config import LimitsConfig
+from tierkv.vault.limits import max_put_index_bytes
 from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
 from tierkv.wire.framing import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE_REPLY, PUT, WELCOME
 from tierkv.wire.messages import encode_bulk
@@ -570,3 +572,47 @@ def test_a_client_refused_at_its_tenants_limit_uses_grpc_without_a_failure(
             counters = client.counters()
         assert (counters["transport"], counters["bulk_refusals"]) == ("grpc", 1)
         assert (counters["failed_calls"], client.breaker_state) == (0, "closed")
+
+
+def test_a_put_index_larger_than_any_request_is_refused_from_its_header(vault: Any) -> None:
+    """A PUT frame announcing a 15 MB index (no request within the limits has one larger than
+    max_put_index_bytes, 6.3 MB by default) is refused before its index is received: eight of
+    them at once grew a vault by about 1 GiB while it parsed them."""
+    limit = max_put_index_bytes(LimitsConfig())
+    sock = bulk_socket(vault.bulk_port)
+    with sock:
+        sock.sendall(HEADER.pack(MAGIC, PUT, 15_000_000, 0))
+        sock.settimeout(1.0)  # less than the fixture's stall_timeout_s: refused, not timed out
+        try:
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:
+            closed = False  # still waiting for the 15 MB
+    assert closed and limit < 15_000_000
+
+
+def test_promote_streams_nobody_reads_hold_no_more_than_the_in_flight_budget(
+    vault_factory: Callable[..., Any],
+) -> None:
+    """16 gRPC Promote streams of one 16 MiB block, never read, on a vault sending at most
+    32 MiB at once: a block gRPC has taken into its send buffers still counts until the reader
+    takes it (it used to be let go once handed to gRPC, so each unread stream held one more)."""
+    limits = '[limits]\nmax_concurrent_rpcs = 64\nmax_inflight_bytes = "32MiB"\n'
+    limits += "stream_timeout_s = 20.0\nstall_timeout_s = 2.0\n"
+    vault = vault_factory(max_bytes="1GiB", subprocess=True, config=limits)
+    block = os.urandom(16 * MIB)
+    with VaultClient(vault.address) as client:
+        client.put(ATTACKER_NS, key(1), 0, block)
+        assert client.flush(timeout=60)
+    before = peak_rss_bytes(vault.process.pid)
+    request = vault_pb2.PromoteRequest(namespace=ATTACKER_NS, keys=[key(1)], parts=[0])
+    with grpc.insecure_channel(vault.address) as channel:
+        stub = vault_pb2_grpc.VaultStub(channel)
+        promotes = [stub.Promote(request, timeout=60) for _ in range(16)]
+        time.sleep(4)  # past stall_timeout_s: the streams that found no room gave up
+        grown = peak_rss_bytes(vault.process.pid) - before
+        for call in promotes:
+            call.cancel()
+    print(f"\n16 unread Promote streams of 16 MiB: vault RSS +{grown / MIB:.0f} MiB (budget 32)")
+    assert grown < 96 * MIB

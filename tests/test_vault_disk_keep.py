@@ -10,6 +10,7 @@ import os
 import stat
 import subprocess
 import sys
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,3 +143,23 @@ def test_a_torn_tail_of_record_magic_costs_a_bounded_scan(
         assert [bytes(item[0]) for item in found if item] == [payload(i) for i in range(4)]
     finally:
         disk.close(timeout=30)
+
+
+def test_the_disk_index_costs_less_than_600_bytes_a_block(tmp_path: Path) -> None:
+    """What recovery builds in RAM per one-byte block (one namespace): 738 bytes before the
+    index kept each key's parts in a tuple (not a set) and one copy of each namespace."""
+    blocks = 20_000
+    disk = DiskTier(tmp_path / "disk", 256 * MIB)
+    for i in range(blocks):
+        block_key = i.to_bytes(16, "little")
+        disk.write(NS, block_key, 0, b"x", block_checksum(NS, block_key, 0, b"x"))
+    disk.close(timeout=60)
+    tracemalloc.start()
+    try:
+        disk = DiskTier(tmp_path / "disk", 256 * MIB)
+        per_block = tracemalloc.get_traced_memory()[0] / blocks
+    finally:
+        tracemalloc.stop()
+    disk.close(timeout=60)
+    print(f"\ndisk index: {per_block:.0f} bytes per block")
+    assert disk.recovery.blocks == blocks and per_block < 600

@@ -134,7 +134,9 @@ def test_the_replay_window_is_bounded_and_forgets_expired_nonces() -> None:
     assert guard.admit("a", now) is None and guard.admit("a", now) == "tierkv call proof replayed"
     assert guard.admit("b", now) is None
     assert "calls in" in (guard.admit("c", now) or "")  # full: refused, never unbounded
-    later = now + 2 * PROOF_WINDOW_S + 1  # "a" and "b" can no longer pass the time check
+    soon = now + 2 * PROOF_WINDOW_S + 1  # "a" and "b" can no longer pass the time check...
+    assert guard.admit("a", soon) == "tierkv call proof replayed"  # ...but are remembered
+    later = now + 4 * PROOF_WINDOW_S + 1  # two generations on: forgotten
     assert guard.admit("c", later) is None and guard.admit("d", later) is None
 
 

@@ -155,6 +155,9 @@ class LimitsConfig:
     max_concurrent_rpcs: int = 64
     """gRPC calls served at once; more are answered RESOURCE_EXHAUSTED. Put and Promote
     streams may take at most half of them, so lookups and health checks always get through."""
+    max_concurrent_rpcs_per_tenant: int = 32
+    """gRPC calls of one tenant served at once, on a vault of several tenants; more of its calls
+    are answered RESOURCE_EXHAUSTED, so one tenant cannot take every call of the vault."""
     stream_timeout_s: float = 120.0
     """A gRPC Put or Promote stream still open after this long is cancelled by the vault."""
     max_message_bytes: int = 64 * MIB
@@ -414,6 +417,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "idle_timeout_s": _positive_float,
             "stall_timeout_s": _positive_float,
             "max_concurrent_rpcs": _positive_int,
+            "max_concurrent_rpcs_per_tenant": _positive_int,
             "stream_timeout_s": _positive_float,
             "max_message_bytes": _positive_size,
             "max_blocks_per_request": _positive_int,

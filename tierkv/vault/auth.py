@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import math
 import os
 import socket
 import ssl
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -64,9 +64,10 @@ from tierkv.wire.secrets import (
 
 Payload = bytes | memoryview
 
-MAX_REMEMBERED_NONCES = 1_000_000
-"""Call proofs remembered within the window; beyond it calls are refused until older ones expire
-(only a caller with a valid token can add one)."""
+MAX_REMEMBERED_PROOFS_PER_TENANT = 250_000
+"""Call proofs of one tenant remembered (each for 2 to 4 x PROOF_WINDOW_S); beyond it that
+tenant's calls are refused until older ones are forgotten, the other tenants' are not (only a
+caller with the tenant's token can add one). About 60 bytes each: 15 MB at the bound."""
 
 
 @dataclass(frozen=True)
@@ -155,26 +156,34 @@ def configured_tokens(security: SecurityConfig) -> list[tuple[str, str]]:
 
 
 class ReplayGuard:
-    """The nonces of call proofs admitted within the last 2 x PROOF_WINDOW_S (a proof's time may
-    be PROOF_WINDOW_S either side of now), so a recorded proof is refused when played again."""
+    """The nonces of one tenant's admitted call proofs, so a recorded proof is refused when
+    played again: a proof's time may be PROOF_WINDOW_S either side of now, so a nonce must be
+    remembered for 2 x PROOF_WINDOW_S. Kept compactly: 60 bits of each nonce (a small int) in two
+    sets, each gathering the nonces of 2 x PROOF_WINDOW_S, so a nonce is remembered for 2 to 4
+    windows (about 60 bytes each, against 330 as strings with their expiry)."""
 
-    def __init__(self, limit: int = MAX_REMEMBERED_NONCES) -> None:
+    def __init__(self, limit: int = MAX_REMEMBERED_PROOFS_PER_TENANT) -> None:
         self._limit = limit
         self._lock = threading.Lock()
-        self._seen: set[str] = set()
-        self._order: deque[tuple[float, str]] = deque()
+        self._current: set[int] = set()
+        self._previous: set[int] = set()
+        self._started = -math.inf  # when _current began gathering
 
     def admit(self, nonce: str, now: float) -> str | None:
-        """None when `nonce` is new (then remembered), else why the call is refused."""
+        """None when `nonce` (hex) is new (then remembered), else why the call is refused."""
+        seen = int(nonce[:15], 16)
+        generation = 2 * PROOF_WINDOW_S
         with self._lock:
-            while self._order and self._order[0][0] < now:
-                self._seen.discard(self._order.popleft()[1])
-            if nonce in self._seen:
+            if now - self._started >= generation:
+                recent = now - self._started < 2 * generation
+                self._previous = self._current if recent else set()
+                self._current = set()
+                self._started = now
+            if seen in self._current or seen in self._previous:
                 return "tierkv call proof replayed"
-            if len(self._seen) >= self._limit:
-                return f"more than {self._limit} calls in {2 * PROOF_WINDOW_S:.0f} s"
-            self._seen.add(nonce)
-            self._order.append((now + 2 * PROOF_WINDOW_S, nonce))
+            if len(self._current) + len(self._previous) >= self._limit:
+                return f"more than {self._limit} calls in {2 * generation:.0f} s (of this tenant)"
+            self._current.add(seen)
             return None
 
 
@@ -190,7 +199,11 @@ class Tokens:
     """The tokens a vault accepts, each naming its tenant, and the vault's run (drawn here, at
     each start) that every call proof must be made for."""
 
-    def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
+    def __init__(
+        self,
+        entries: Sequence[tuple[str, str]],
+        remembered_proofs: int = MAX_REMEMBERED_PROOFS_PER_TENANT,
+    ) -> None:
         multi = len({tenant for tenant, _ in entries}) > 1
         self.several_tenants = multi
         """Whether namespaces are filed under each tenant (see the module docstring)."""
@@ -199,7 +212,8 @@ class Tokens:
             for tenant, token in entries
         ]
         self._by_key_id = {key_id(token): (token, tenant) for token, tenant in self._entries}
-        self._replays = ReplayGuard()
+        self._replays = {tenant.name: ReplayGuard(remembered_proofs) for _, tenant in self._entries}
+        """Per tenant, so one tenant filling its own cannot refuse another's calls."""
         self.run = new_run()
         """This vault's run: random, so a proof made for it is good for no other vault sharing a
         token, nor for this one once restarted."""
@@ -236,7 +250,7 @@ class Tokens:
             return Refusal(
                 f"tierkv call proof expired: clocks differ by more than {PROOF_WINDOW_S:.0f} s?"
             )
-        replayed = self._replays.admit(fields.nonce, now)
+        replayed = self._replays[found[1].name].admit(fields.nonce, now)
         return None if replayed is None else Refusal(replayed)
 
     def tenant_of_metadata(self, metadata: Sequence[tuple[str, Any]] | None) -> Tenant:

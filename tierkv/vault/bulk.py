@@ -34,7 +34,12 @@ from tierkv.config import LimitsConfig
 from tierkv.sizes import KIB
 from tierkv.transfer import batched_by_size
 from tierkv.vault.auth import OPEN, Access, Tenant
-from tierkv.vault.limits import ByteBudget, ConnectionSlots, request_problem
+from tierkv.vault.limits import (
+    ByteBudget,
+    ConnectionSlots,
+    max_put_index_bytes,
+    request_problem,
+)
 from tierkv.vault.metrics import VaultMetrics
 from tierkv.wire._pb import vault_pb2
 from tierkv.wire.framing import (
@@ -149,6 +154,8 @@ class BulkServer:
         self._limits = limits
         self._tokens = access.tokens if access else None
         self._tls = tls
+        self.max_index_bytes = min(max_put_index_bytes(limits), limits.max_inflight_bytes // 2)
+        """Bytes of the largest PUT index received (refused from the header beyond it)."""
         self.max_frame_bytes = min(limits.max_inflight_bytes, max_bytes or sys.maxsize)
         """Payload bytes of the largest PUT frame received (Hello tells clients)."""
         self._inflight = inflight
@@ -290,18 +297,26 @@ class BulkServer:
         if kind == PUT:
             if data_len > self.max_frame_bytes:
                 raise ValueError(f"PUT frame of {data_len} bytes exceeds {self.max_frame_bytes}")
-            index = parse_message(vault_pb2.PutIndex, recv_bytes(sock, index_len, deadline))
-            problem = request_problem(self._limits, len(index.lengths), 1)
-            if problem is not None:
-                raise ValueError(problem)
-            check_lengths(index.lengths, data_len)
-            if not self._inflight.acquire(data_len, stall_s):
-                raise ValueError("no room for the frame's payloads in time")
+            if index_len > self.max_index_bytes:
+                raise ValueError(
+                    f"PUT index of {index_len} bytes exceeds {self.max_index_bytes} (the largest "
+                    "of limits.max_blocks_per_request blocks)"
+                )
+            # The index counts in the budget while it is parsed (a frame of the largest payload
+            # the vault takes holds all of it).
+            held = min(index_len + data_len, self._inflight.capacity)
+            if not self._inflight.acquire(held, stall_s):
+                raise ValueError("no room for the frame's index and payloads in time")
             try:
+                index = parse_message(vault_pb2.PutIndex, recv_bytes(sock, index_len, deadline))
+                problem = request_problem(self._limits, len(index.lengths), 1)
+                if problem is not None:
+                    raise ValueError(problem)
+                check_lengths(index.lengths, data_len)
                 payloads = _recv_put_payloads(sock, index.lengths, deadline)
                 answer = self._handler.put_blocks(index, payloads, tenant)
             finally:
-                self._inflight.release(data_len)
+                self._inflight.release(held)
             if unanswered is not None:
                 self._reply(sock, unanswered)
             return _Unanswered(answer, deadline, data_len, started)

@@ -184,8 +184,12 @@ class _Space:
     are queued. A clear drops the whole object, so it costs the same however many blocks the
     namespace (or the tier) holds."""
 
+    namespace: bytes = b""
+    """The namespace, one bytes object that every index entry of the namespace shares (each
+    record's header would otherwise bring its own copy)."""
     index: dict[BlockKey, Location] = field(default_factory=dict)
-    parts: dict[bytes, set[int]] = field(default_factory=dict)
+    parts: dict[bytes, tuple[int, ...]] = field(default_factory=dict)
+    """Tuples, not sets: an empty set alone is 216 bytes, a tuple of one part 48."""
     read: set[BlockKey] = field(default_factory=set)  # kept on eviction
     live_bytes: int = 0
     queued: dict[BlockKey, _Op] = field(default_factory=dict)
@@ -584,10 +588,12 @@ class DiskTier:
     def _reindex(self, entry_key: EntryKey, loc: Location) -> None:
         """Index a new copy of the block at `loc` (unread so far)."""
         namespace, key, part = entry_key
-        space = self._spaces.setdefault(namespace, _Space())
+        space = self._spaces.get(namespace)
+        if space is None:
+            space = self._spaces[namespace] = _Space(namespace)
         old = space.index.get((key, part))
         if old is None:
-            space.parts.setdefault(key, set()).add(part)
+            space.parts[key] = (*space.parts.get(key, ()), part)
             self._indexed += 1
         else:
             space.read.discard((key, part))
@@ -596,7 +602,7 @@ class DiskTier:
         space.index[key, part] = loc
         space.live_bytes += loc.length
         self._live_bytes += loc.length
-        self._segment_keys[loc.segment].add(entry_key)
+        self._segment_keys[loc.segment].add((space.namespace, key, part))
 
     def _unindex(self, entry_key: EntryKey) -> None:
         """Forget where a block lies (the caller prunes its space once done with it)."""
@@ -609,9 +615,10 @@ class DiskTier:
         space.read.discard((key, part))
         space.live_bytes -= loc.length
         self._live_bytes -= loc.length
-        parts = space.parts[key]
-        parts.discard(part)
-        if not parts:
+        parts = tuple(other for other in space.parts[key] if other != part)
+        if parts:
+            space.parts[key] = parts
+        else:
             del space.parts[key]
 
     def _unqueue(self, space: _Space, block: BlockKey) -> None:
@@ -653,7 +660,9 @@ class DiskTier:
         if self._closing:
             return
         if op.kind == KIND_BLOCK:
-            space = self._spaces.setdefault(op.namespace, _Space())
+            space = self._spaces.get(op.namespace)
+            if space is None:
+                space = self._spaces[op.namespace] = _Space(op.namespace)
             old = space.queued.pop((op.key, op.part), None)
             size = len(op.payload) - (len(old.payload) if old else 0)
             space.queued[op.key, op.part] = op

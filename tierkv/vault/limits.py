@@ -38,6 +38,19 @@ def request_problem(limits: LimitsConfig, keys: int, parts: int) -> str | None:
     return None
 
 
+INDEX_BYTES_PER_BLOCK = 32
+"""What a PutIndex holds per block besides its key: the key's tag and length (3), part (at
+most 5), length (at most 10) and checksum (8) of a packed field each, rounded up."""
+
+
+def max_put_index_bytes(limits: LimitsConfig) -> int:
+    """The largest PutIndex a request within `limits` serialises to (its namespace, the packed
+    fields' headers and limits.max_blocks_per_request blocks of the longest keys): a bulk PUT
+    frame announcing a larger one is refused from its header, before its index is received."""
+    blocks = limits.max_blocks_per_request * (limits.max_key_bytes + INDEX_BYTES_PER_BLOCK)
+    return limits.max_namespace_bytes + 64 + blocks
+
+
 def block_problem(limits: LimitsConfig, namespace: bytes, key: bytes, size: int) -> str | None:
     """Why one block of a Put is refused before it is looked at; None when it may be stored."""
     if size == 0:
@@ -101,8 +114,10 @@ class ConnectionSlots:
 
 
 class CallLimit(grpc.ServerInterceptor):
-    """At most `max_calls` gRPC calls served at once; a call beyond them is answered
-    RESOURCE_EXHAUSTED and `on_refusal()` is told.
+    """At most `max_calls` gRPC calls served at once, and at most `per_tenant` of one tenant's
+    (`tenant_of(context)`: its name, "" for a vault of one tenant, whose calls count in all
+    only); a call beyond them is answered RESOURCE_EXHAUSTED and `on_refusal(reason)` is told
+    ("concurrency_limit" or "tenant_concurrency_limit").
 
     gRPC's own `maximum_concurrent_rpcs` refuses before any interceptor could count it, so the
     server runs `reserve_threads()` more workers than `max_calls` and gRPC's limit sits that far
@@ -111,11 +126,20 @@ class CallLimit(grpc.ServerInterceptor):
     starts on a worker until it ends (a streamed reply: until the stream ends).
     """
 
-    def __init__(self, max_calls: int, on_refusal: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        max_calls: int,
+        on_refusal: Callable[[str], None] = lambda reason: None,
+        per_tenant: int = 0,
+        tenant_of: Callable[[grpc.ServicerContext], str] = lambda context: "",
+    ) -> None:
         self.max_calls = max_calls
+        self.per_tenant = per_tenant or max_calls
         self._on_refusal = on_refusal
+        self._tenant_of = tenant_of
         self._lock = threading.Lock()
         self._active = 0
+        self._by_tenant: dict[str, int] = {}
 
     def reserve_threads(self) -> int:
         """Workers beyond max_calls that answer refusals."""
@@ -151,39 +175,57 @@ class CallLimit(grpc.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
 
-    def _enter(self, context: grpc.ServicerContext) -> None:
+    def _enter(self, context: grpc.ServicerContext) -> str:
+        """Take a slot for the call (its tenant's too); the tenant, for `_leave`."""
+        tenant = self._tenant_of(context)
         with self._lock:
-            admitted = self._active < self.max_calls
-            if admitted:
+            held = self._by_tenant.get(tenant, 0)
+            full = self._active >= self.max_calls
+            tenant_full = bool(tenant) and held >= self.per_tenant
+            if not (full or tenant_full):
                 self._active += 1
-        if not admitted:
-            self._on_refusal()
+                if tenant:
+                    self._by_tenant[tenant] = held + 1
+        if tenant_full:
+            self._on_refusal("tenant_concurrency_limit")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the vault serves at most {self.per_tenant} calls of tenant {tenant} at once"
+                " (limits.max_concurrent_rpcs_per_tenant)",
+            )
+        if full:
+            self._on_refusal("concurrency_limit")
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the vault serves at most {self.max_calls} calls at once",
             )
+        return tenant
 
-    def _leave(self) -> None:
+    def _leave(self, tenant: str) -> None:
         with self._lock:
             self._active -= 1
+            if tenant:
+                held = self._by_tenant.pop(tenant) - 1
+                if held:
+                    self._by_tenant[tenant] = held
 
     def _answered(self, behaviour: Handler) -> Handler:
         def limited(request: Any, context: grpc.ServicerContext) -> Any:
-            self._enter(context)
+            tenant = self._enter(context)
             try:
                 return behaviour(request, context)
             finally:
-                self._leave()
+                self._leave(tenant)
 
         return limited
 
     def _streamed(self, behaviour: Callable[[Any, grpc.ServicerContext], Iterator[Any]]) -> Any:
         def limited(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            self._enter(context)
+            tenant = self._enter(context)
             try:
                 yield from behaviour(request, context)
             finally:
-                self._leave()
+                self._leave(tenant)
 
         return limited
 

@@ -66,6 +66,9 @@ from tierkv.wire.messages import (
 SERVICE_NAME = vault_pb2.DESCRIPTOR.services_by_name["Vault"].full_name
 CHUNK_BYTES = 8 * 1024 * 1024
 """Target payload bytes per Promote chunk (a larger single payload gets a chunk of its own)."""
+CHUNK_INDEX_BYTES = 32
+"""What a Promote chunk's index adds per block, at most (its key index, part, length and
+checksum), counted with the payloads."""
 MAX_REPORTED_REJECTIONS = 100
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", -1),  # Promote chunks are bounded by CHUNK_BYTES
@@ -97,14 +100,6 @@ def _bind_problem(host: str, port: int) -> str:
 
 def _decode_put_batch(buf: bytes) -> tuple[vault_pb2.PutIndex, memoryview]:
     return decode_bulk(buf, vault_pb2.PutIndex, vault_pb2.PutBatch)
-
-
-def encode_promote_chunks(
-    found: Iterable[StoredBlock], chunk_bytes: int = CHUNK_BYTES
-) -> Iterator[bytes]:
-    """Serialised PromoteChunk messages of about `chunk_bytes` payload bytes each, built lazily."""
-    for batch in batched_by_size(found, lambda b: len(b.payload), chunk_bytes):
-        yield encode_bulk(_promote_index(batch), [b.payload for b in batch])
 
 
 def _promote_index(blocks: Sequence[StoredBlock]) -> vault_pb2.PromoteIndex:
@@ -142,6 +137,9 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self.inflight = inflight
         """Bytes on their way in or out, shared with the bulk path (limits.max_inflight_bytes)."""
         self.receiving = ByteBudget(max(limits.max_inflight_bytes, limits.max_message_bytes))
+        self.sending = ByteBudget(limits.max_inflight_bytes)
+        """Bytes of Promote chunks on their way out over gRPC (a budget of their own, so unread
+        streams holding theirs never keep Puts from being received)."""
         """Bytes of gRPC Put messages admitted and not yet stored."""
         self.access = access
         self._tenant_counts = TenantCounters()
@@ -298,16 +296,40 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         _check_request(context, request_problem(self.limits, len(request.keys), len(request.parts)))
         started = time.perf_counter()
         found = self._get_many(request, self.access.tenant(context))
-        for chunk in encode_promote_chunks(found):
-            # The stream waits while the reader does not read: count the chunk until it is sent.
-            if not self.inflight.acquire(len(chunk), self.limits.stall_timeout_s):
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the vault is busy sending")
-            try:
-                yield chunk
-            finally:
-                self.inflight.release(len(chunk))
+        batches = batched_by_size(found, lambda b: len(b.payload), CHUNK_BYTES)
+        yield from self._counted(batches, context)
         nbytes = sum(len(block.payload) for block in found)
         self.metrics.call("promote", "grpc", nbytes, time.perf_counter() - started)
+
+    def _counted(
+        self, batches: Iterable[list[StoredBlock]], context: grpc.ServicerContext
+    ) -> Iterator[bytes]:
+        """A serialised PromoteChunk message of each batch, each counted in `sending`
+        (limits.max_inflight_bytes) from before it is built (a stream waiting for room holds no
+        copy) until the next one has been handed to gRPC, the last one until the call ends:
+        gRPC takes a message into its send buffers and asks for the next one before the reader
+        has taken it, so an unread stream holds one there. When a chunk does not fit beside the
+        one before, that one is let go first (a stream never waits for itself)."""
+        held = 0  # bytes of the chunk handed to gRPC last
+        try:
+            for batch in batches:
+                size = sum(len(block.payload) for block in batch) + CHUNK_INDEX_BYTES * len(batch)
+                if held + size > self.sending.capacity:
+                    self.sending.release(held)
+                    held = 0
+                if not self.sending.acquire(size, self.limits.stall_timeout_s):
+                    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the vault is busy sending")
+                try:
+                    yield encode_bulk(_promote_index(batch), [block.payload for block in batch])
+                except BaseException:
+                    self.sending.release(size)
+                    raise
+                self.sending.release(held)
+                held = size
+        finally:
+            last = held
+            if last and not context.add_callback(lambda: self.sending.release(last)):
+                self.sending.release(last)  # the call has ended already
 
     def promote_blocks(
         self, request: vault_pb2.PromoteRequest, tenant: Tenant
@@ -360,7 +382,9 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         tenant = access.tenant(context)
         if tenant.prefix:  # one of several tenants: its own blocks and calls, nothing else
             reply.tenant = tenant.name
-            reply.entries, reply.bytes_used, reply.evictions = self.store.usage(tenant.prefix)
+            reply.entries, reply.bytes_used, reply.evictions = self.store.usage(
+                tenant.name.encode()
+            )
             reply.hits, reply.misses, reply.rejected = self._tenant_counts.get(tenant)
             return reply
         stats = self.store.stats()
@@ -587,7 +611,12 @@ def serve(
     servicer = VaultServicer(store, role, limits, inflight, access)
     calls = limits.max_concurrent_rpcs
     metrics = servicer.metrics
-    call_limit = CallLimit(calls, lambda: metrics.refused_call("concurrency_limit"))
+    call_limit = CallLimit(
+        calls,
+        metrics.refused_call,
+        limits.max_concurrent_rpcs_per_tenant,
+        lambda context: access.tenant(context).name,
+    )
     interceptors: list[grpc.ServerInterceptor] = [call_limit]
     if tokens:
         interceptors.append(AuthInterceptor(tokens, lambda: metrics.auth_failed("grpc")))

@@ -65,15 +65,12 @@ class StoredBlock(NamedTuple):
 
 @dataclass
 class _Namespace:
-    """The RAM tier's (key → parts) of one namespace, and what they count against the cap."""
+    """The RAM tier's (key → parts) of one namespace."""
 
     parts: dict[bytes, tuple[int, ...]] = field(default_factory=dict)
     """Tuples, not sets: a tuple of ints is not tracked by Python's cyclic garbage collector
     (a set always is), and a full collection visits every tracked object, so a set per key
     made it pause the vault for about 0.4 ms per thousand keys stored (110 ms at 300k)."""
-    entries: int = 0
-    bytes_used: int = 0
-    evictions: int = 0
 
 
 @dataclass
@@ -146,6 +143,8 @@ class VaultStore:
         self._tenant_of = tenant_of
         self._tenants: dict[bytes, _TenantLRU] = {}
         """tenant → its entries, with `tenant_of` only."""
+        self._tenant_evictions: dict[bytes, int] = {}
+        """tenant → how many of its entries were evicted, with `tenant_of` only."""
         self._bytes_used = self._payload_bytes = 0
         self._hits = self._misses = self._evictions = self._rejected = 0
 
@@ -282,16 +281,14 @@ class VaultStore:
             return len(doomed)
         return len(cleared) + sum((key, part) not in cleared for _, key, part in doomed)
 
-    def usage(self, prefix: bytes) -> tuple[int, int, int]:
-        """(entries, bytes_used, evictions) of the RAM tier's namespaces starting with `prefix`
-        (a tenant's); evictions count only namespaces that still hold blocks."""
+    def usage(self, tenant: bytes) -> tuple[int, int, int]:
+        """(entries, bytes_used, evictions) of a tenant's blocks in the RAM tier (with
+        `tenant_of`), from counters kept as they change: the same cost however many namespaces
+        any tenant holds."""
         with self._lock:
-            spaces = [s for ns, s in self._namespaces.items() if ns.startswith(prefix)]
-            return (
-                sum(s.entries for s in spaces),
-                sum(s.bytes_used for s in spaces),
-                sum(s.evictions for s in spaces),
-            )
+            held = self._tenants.get(tenant)
+            evictions = self._tenant_evictions.get(tenant, 0)
+            return (len(held.order), held.bytes_used, evictions) if held else (0, 0, evictions)
 
     def held(self) -> dict[EntryKey, bytes | memoryview]:
         """The RAM tier's entries now, (namespace, key, part) → payload, least recently used
@@ -301,7 +298,9 @@ class VaultStore:
             return {entry_key: payload for entry_key, (payload, _) in self._entries.items()}
 
     def stats(self) -> StoreStats:
-        """A consistent snapshot of the counters."""
+        """A consistent snapshot of the RAM tier's counters, with the disk tier's (taken after
+        the store lock is released: they cost the disk tier's lock, not the store's)."""
+        disk = self.disk.stats() if self.disk else None
         with self._lock:
             return StoreStats(
                 entries=len(self._entries),
@@ -316,7 +315,7 @@ class VaultStore:
                 ram_reads_per_s=self._ram_rate.per_second(),
                 disk_hits=self._disk_hits,
                 disk_reads_per_s=self._disk_rate.per_second(),
-                disk=self.disk.stats() if self.disk else None,
+                disk=disk,
             )
 
     def durability_mark(self) -> int:
@@ -353,8 +352,6 @@ class VaultStore:
         self._entries[entry_key] = (payload, checksum)
         space = self._namespaces.setdefault(namespace, _Namespace())
         space.parts[key] = (*space.parts.get(key, ()), part)  # _remove took `part` out
-        space.entries += 1
-        space.bytes_used += size
         self._bytes_used += size
         self._payload_bytes += len(payload)
         if self._tenant_of is not None:
@@ -367,8 +364,9 @@ class VaultStore:
                 self.disk.spill(*victim, *self._entries[victim])
             self._remove(victim)
             self._evictions += 1
-            if victim[0] in self._namespaces:
-                self._namespaces[victim[0]].evictions += 1
+            if self._tenant_of is not None:
+                owner = self._tenant_of(victim[0])
+                self._tenant_evictions[owner] = self._tenant_evictions.get(owner, 0) + 1
 
     def _victim(self) -> EntryKey:
         """The entry to evict next: the least recently used of all, or with tenants that of the
@@ -408,8 +406,6 @@ class VaultStore:
             if not tenant.order:
                 del self._tenants[name]
         space = self._namespaces[namespace]
-        space.entries -= 1
-        space.bytes_used -= size
         parts = tuple(other for other in space.parts[key] if other != part)
         if parts:
             space.parts[key] = parts

@@ -94,7 +94,7 @@ def proof_fields(metadata: Sequence[tuple[str, Any]] | None) -> CallProof | None
         _, key, stamp, nonce, run, mac = parts
         if len(nonce) != 2 * CALL_NONCE_BYTES or len(run) != 2 * RUN_BYTES or len(mac) != 64:
             return None
-        if not _HEX.fullmatch(run):
+        if not all(map(_HEX.fullmatch, (nonce, run, mac))):
             return None
         return CallProof(key, int(stamp), nonce, run, mac)
     return None
