@@ -695,7 +695,7 @@ def _stored_forms(
     its key (encoded on the tier's encode threads, as store encodes), each state layer as a part
     of the last key."""
     kv_ns, state_ns = namespaces
-    blocks = tier.stored_forms(kv.blocks)
+    blocks = tier.stored_forms(kv.blocks, kv_split=(1, 1))  # (layers, K|V, ...): a pair splits
     forms = {(kv_ns, keys[b], 0): form for b, form in enumerate(blocks)}
     for part, state in enumerate(kv.states):
         forms[(state_ns, keys[-1], part)] = tier.stored_form(state, vault=SSM_VAULT)
