@@ -1,10 +1,10 @@
-"""Regenerate the vault's Python gRPC code from proto/tierkv/v1/vault.proto with grpcio-tools.
+"""Regenerate the vault wire's Python gRPC code from proto/tierkv/v1/vault.proto with grpcio-tools.
 
-    python scripts/gen_proto.py            # rewrite tierkv/vault/_pb/ in place
+    python scripts/gen_proto.py            # rewrite tierkv/wire/_pb/ in place
     python scripts/gen_proto.py --out DIR  # write the same tree under DIR (the staleness test)
 
-The proto is mapped onto the virtual path tierkv/vault/_pb/ so that the generated modules import
-each other as `tierkv.vault._pb.*` without any post-processing.
+The proto is mapped onto the virtual path tierkv/wire/_pb/ so that the generated modules import
+each other as `tierkv.wire._pb.*` without any post-processing.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROTO = REPO / "proto" / "tierkv" / "v1" / "vault.proto"
-PACKAGE_DIR = Path("tierkv") / "vault" / "_pb"
+PACKAGE_DIR = Path("tierkv") / "wire" / "_pb"
 GENERATED = ("vault_pb2.py", "vault_pb2.pyi", "vault_pb2_grpc.py")
 
 
 def generate(out_root: Path) -> list[Path]:
-    """Write the generated modules under `out_root`/tierkv/vault/_pb and return their paths."""
+    """Write the generated modules under `out_root`/tierkv/wire/_pb and return their paths."""
     from grpc_tools import protoc
 
     (out_root / PACKAGE_DIR).mkdir(parents=True, exist_ok=True)
@@ -40,7 +40,7 @@ def generate(out_root: Path) -> list[Path]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--out", type=Path, default=REPO, help="root to write tierkv/vault/_pb under"
+        "--out", type=Path, default=REPO, help="root to write tierkv/wire/_pb under"
     )
     for path in generate(parser.parse_args().out):
         print(path)

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from tierkv.checksum import block_checksum
-from tierkv.vault import bulk
-from tierkv.vault._pb import vault_pb2
-from tierkv.vault.wire import split_payloads
+from tierkv.wire._pb import vault_pb2
+from tierkv.wire.framing import HEADER, MAGIC, PROMOTE_REPLY
+from tierkv.wire.messages import split_payloads
 
 LOOPBACK = "127.0.0.1"
 
@@ -120,20 +120,18 @@ class BulkReplyRewriter:
     def feed(self, data: bytes) -> bytes:
         self._pending += data
         out = []
-        while len(self._pending) >= bulk.HEADER.size:
-            _, kind, index_len, data_len = bulk.HEADER.unpack_from(self._pending)
-            end = bulk.HEADER.size + index_len + data_len
+        while len(self._pending) >= HEADER.size:
+            _, kind, index_len, data_len = HEADER.unpack_from(self._pending)
+            end = HEADER.size + index_len + data_len
             if len(self._pending) < end:
                 break
             frame, self._pending = self._pending[:end], self._pending[end:]
-            out.append(self._rewritten(frame, index_len) if kind == bulk.PROMOTE_REPLY else frame)
+            out.append(self._rewritten(frame, index_len) if kind == PROMOTE_REPLY else frame)
         return b"".join(out)
 
     def _rewritten(self, frame: bytes, index_len: int) -> bytes:
-        index = vault_pb2.PromoteIndex.FromString(
-            frame[bulk.HEADER.size : bulk.HEADER.size + index_len]
-        )
-        data = memoryview(frame)[bulk.HEADER.size + index_len :]
+        index = vault_pb2.PromoteIndex.FromString(frame[HEADER.size : HEADER.size + index_len])
+        data = memoryview(frame)[HEADER.size + index_len :]
         payloads = self.tamper(index, [bytes(p) for p in split_payloads(data, index.lengths)])
         del index.lengths[:]
         index.lengths.extend(len(payload) for payload in payloads)
@@ -146,4 +144,4 @@ class BulkReplyRewriter:
         )
         raw = index.SerializeToString()
         body = b"".join(payloads)
-        return bulk.HEADER.pack(bulk.MAGIC, bulk.PROMOTE_REPLY, len(raw), len(body)) + raw + body
+        return HEADER.pack(MAGIC, PROMOTE_REPLY, len(raw), len(body)) + raw + body

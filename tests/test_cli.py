@@ -144,7 +144,7 @@ from tierkv.cli import app
 for args in (["--help"], ["vault", "--help"], ["status", "--vault", "127.0.0.1:{free_port}"]):
     CliRunner().invoke(app, args)
 import tierkv.cli.vault, tierkv.vault.server, tierkv.vault.memory  # what `vault` runs
-import tierkv.vault.auth, tierkv.vault.disk, tierkv.vault.metrics
+import tierkv.vault.auth, tierkv.vault.bulk, tierkv.vault.disk, tierkv.vault.metrics
 """
     assert _imported_after(code) == set()
 

@@ -20,9 +20,10 @@ from typer.testing import CliRunner
 
 from tierkv.backends.vault import VaultClient
 from tierkv.cli import app
-from tierkv.vault.auth import TOKEN_ENV, Tokens
+from tierkv.vault.auth import Tokens
 from tierkv.vault.disk import DiskTier
 from tierkv.vault.server import VaultServer, serve
+from tierkv.wire.secrets import TOKEN_ENV
 
 MIB = 1 << 20
 NS = b"status-test"

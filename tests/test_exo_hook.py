@@ -38,10 +38,13 @@ from mlx_lm.models.llama import ModelArgs
 
 import tierkv.config as config_module
 import tierkv.quant.codec as quant_codec
+from tierkv.codecs import SINK_TOKENS
 from tierkv.connectors.exo import boot, hook
-from tierkv.keys import weights_fingerprint
+from tierkv.keys import chain_block_keys, weights_fingerprint
 from tierkv.quant import read_header
 from tierkv.quant.kernels import Threaded
+from tierkv.quant.payload import header_bytes
+from tierkv.quant.sinks import PREFIX
 from tierkv.seal import MAGIC as SEAL_MAGIC
 from tierkv.seal import new_data_key_line
 
@@ -341,6 +344,40 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
     assert restored.prefilled == 48 - 32
 
 
+def test_a_sequences_first_block_keeps_its_sink_tokens_lossless(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+) -> None:
+    """With a sink codec (the kv4 preset) the spill stores the first block of a prompt with its
+    first SINK_TOKENS tokens lossless along EXO's token axis ([heads, tokens, dim]), keys
+    centred, and the later blocks without sinks; the prompt restores."""
+    exo = start_exo(
+        tmp_path,
+        monkeypatch,
+        vault.address,
+        extra_config='[compression]\nenabled = true\ncodec = "kv4"\ngroup_size = 16\n',
+    )
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    model = tiny_llama(dtype=mx.bfloat16)
+    prompt = random_tokens(40, seed=3)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+    evict_everything(exo, monkeypatch, prefix_cache)
+    assert runtime.flush(10)
+    first = chain_block_keys(np.asarray(prompt), BLOCK)[0]
+    held = vault.store.held()
+    assert len(held) == 8  # 2 blocks of 2 layers, keys and values
+    for (_, key, part), payload in held.items():
+        header = read_header(payload)
+        assert header.codec == ("tq4c" if part % 2 == 0 else "tq4s")
+        at = header_bytes(len(header.shape))
+        axis, centred, count = PREFIX.unpack(bytes(payload[at : at + PREFIX.size]))
+        assert (axis, centred, count) == (1, part % 2 == 0, SINK_TOKENS if key == first else 0)
+    longer = mx.concatenate([prompt, random_tokens(8, seed=4)])
+    restored = exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=3)
+    assert restored.prefilled == 48 - 32
+
+
 def test_a_local_hit_as_long_as_the_vault_prefix_is_left_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle, exo_source: Path | None
 ) -> None:
@@ -466,6 +503,48 @@ def test_sliding_window_layers_spill_their_window_and_restore_the_same_tokens(
         assert restored.tokens == cold.tokens
         evict_everything(exo, monkeypatch, prefix_cache)  # what the next turn restores from
         assert runtime.flush(10)
+
+
+@pytest.mark.parametrize("block_tokens", [16, 128])
+def test_a_512_token_window_restores_exos_own_hit_to_the_block(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    vault: VaultHandle,
+    exo_source: Path | None,
+    block_tokens: int,
+) -> None:
+    """Gemma 3's 512-token window, prompts from below the window to two and a half windows: a
+    turn's restore from the vault starts at the last block boundary of what the previous turn's
+    entry held (its prompt but the last two tokens, which EXO feeds to decoding), at least EXO's
+    own hit of the same turn rounded down to a block (its prefix cache still holding the previous
+    turn: nothing for rotating layers where EXO keeps no snapshot of them), and gives the cold
+    tokens."""
+    exo = start_exo(
+        tmp_path, monkeypatch, vault.address, block_tokens=block_tokens, exo_source=exo_source
+    )
+    skip_unless_stored_before_decoding(exo)
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    model = tiny_gemma3(window=512)
+    for seed, length in enumerate((300, 700, 1300)):
+        prompt = random_tokens(length, seed=60 + seed)
+        turn = mx.concatenate([prompt, random_tokens(20, seed=70 + seed)])
+        own_cache = exo.cache.KVPrefixCache(None)
+        exo.generate.mlx_generate(model, prompt, own_cache, max_tokens=3)
+        own_hit = len(turn) - exo.generate.mlx_generate(model, turn, own_cache, 8).prefilled
+        prefix_cache = exo.cache.KVPrefixCache(None)
+        exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+        evict_everything(exo, monkeypatch, prefix_cache)
+        assert runtime.flush(10)
+        restored = exo.generate.mlx_generate(model, turn, prefix_cache, max_tokens=8)
+        cold = exo.generate.mlx_generate(model, turn, None, max_tokens=8)
+        hit = len(turn) - restored.prefilled
+        print(
+            f"window 512, block {block_tokens}, {len(turn)} tokens: restored {hit}, own {own_hit}"
+        )
+        own_blocks = own_hit // block_tokens
+        assert hit == (length - 2) // block_tokens * block_tokens >= own_blocks * block_tokens
+        assert restored.tokens == cold.tokens
 
 
 def test_nothing_stored_for_one_window_restores_into_another(

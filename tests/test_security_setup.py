@@ -5,8 +5,10 @@ cannot take effect is refused with one line naming it.
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import threading
@@ -21,7 +23,7 @@ from tierkv.backends.base import BackendStats, BackendUnavailable
 from tierkv.backends.vault import VaultClient
 from tierkv.cli import app
 from tierkv.config import ConfigError, load_config
-from tierkv.vault.auth import TOKEN_ENV
+from tierkv.wire.secrets import TOKEN_ENV
 
 runner = CliRunner()
 
@@ -131,6 +133,32 @@ def test_secrets_init_refuses_a_bad_tenant_name(tmp_path: Path) -> None:
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("name", [".", ".."])
+def test_secrets_init_refuses_a_tenant_named_like_a_directory(tmp_path: Path, name: str) -> None:
+    target = tmp_path / "lan" / "x"
+    result = runner.invoke(app, ["secrets", "init", str(target), "--tenant", name])
+    assert result.exit_code == 2 and f"--tenant {name!r}" in result.output
+    assert not (tmp_path / "lan").exists()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_secrets_init_refuses_a_wildcard_tls_address(tmp_path: Path, host: str) -> None:
+    result = runner.invoke(app, ["secrets", "init", str(tmp_path / "x"), "--tls", host])
+    assert result.exit_code == 2 and f"--tls {host!r}" in result.output
+    assert not (tmp_path / "x").exists()
+
+
+def test_secrets_init_makes_its_directory_private_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        result = runner.invoke(app, ["secrets", "init", str(tmp_path / "x"), "--tenant", "a"])
+    finally:
+        os.umask(old)
+    assert result.exit_code == 0, result.output
+    for directory in [tmp_path / "x", *(p for p in (tmp_path / "x").rglob("*") if p.is_dir())]:
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+
+
 def _secret(path: Path, text: str, mode: int = 0o600) -> Path:
     path.write_text(text)
     path.chmod(mode)
@@ -190,3 +218,31 @@ def test_an_engine_refuses_a_secret_file_others_can_read(tmp_path: Path, setting
     secret.chmod(0o600)
     if setting != "tls_key":  # then nothing to refuse (the client is never started here)
         VaultClient.from_config("127.0.0.1:1", ClientConfig(), SecurityConfig(**paths)).close()
+
+
+def test_an_engine_whose_vaults_are_all_redis_refuses_a_data_key_file_others_can_read(
+    tmp_path: Path,
+) -> None:
+    """The check runs for every tier, whatever its backends: no vault client is built here."""
+    from tests.redis_servers import start_redis
+    from tierkv.seal import new_data_key_line
+    from tierkv.tier import ColdTier
+
+    server = start_redis(tmp_path)
+    try:
+        data_key = tmp_path / "data.key"
+        data_key.write_text(new_data_key_line(1))
+        data_key.chmod(0o644)
+        config = tmp_path / "tierkv.toml"
+        config.write_text(
+            f'[cluster]\nkv_cold = "redis://{server.address}"\n'
+            f'[security]\ndata_key_file = "{data_key}"\n'
+        )
+        with pytest.raises(ConfigError, match=r"security\.data_key_file .*open to group or others"):
+            ColdTier.from_config(load_config(config), warm_dtypes=())
+        result = runner.invoke(app, ["status", "--config", str(config)])
+        assert result.exit_code == 2 and "security.data_key_file" in result.output
+        data_key.chmod(0o600)
+        ColdTier.from_config(load_config(config), warm_dtypes=()).close()
+    finally:
+        server.stop()

@@ -26,22 +26,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import SLOW_BOX_MARGIN_S, key, wait_until
 
+from tierkv.backends.security import proving_channel
 from tierkv.backends.vault import VaultClient
+from tierkv.backends.vault_bulk import BulkConnection, BulkRefused
 from tierkv.checksum import block_checksum
-from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import proof, proving_channel
-from tierkv.vault.bulk import (
-    AUTH,
-    CHALLENGE,
-    HEADER,
-    MAGIC,
-    PROMOTE_REPLY,
-    PUT,
-    WELCOME,
-    BulkConnection,
-    BulkRefused,
-)
-from tierkv.vault.wire import encode_bulk
+from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
+from tierkv.wire.framing import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE_REPLY, PUT, WELCOME
+from tierkv.wire.messages import encode_bulk
+from tierkv.wire.proofs import proof
 
 MIB = 1024 * 1024
 CAP = 256 * MIB

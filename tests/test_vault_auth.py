@@ -24,15 +24,19 @@ from helpers import key
 from tls_certs import make_certs
 from typer.testing import CliRunner
 
+from tierkv.backends.security import proving_channel
 from tierkv.backends.vault import VaultClient, VaultRefused
 from tierkv.checksum import block_checksum
 from tierkv.cli import app
 from tierkv.config import ConfigError, SecurityConfig
-from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import TOKEN_ENV, Tokens, proof, proving_channel, read_token_file
-from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE, PROMOTE_REPLY, WELCOME
+from tierkv.seal import new_data_key_line
+from tierkv.vault.auth import Tokens
 from tierkv.vault.server import serve
-from tierkv.vault.wire import encode_bulk
+from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
+from tierkv.wire.framing import AUTH, CHALLENGE, HEADER, MAGIC, PROMOTE, PROMOTE_REPLY, WELCOME
+from tierkv.wire.messages import encode_bulk
+from tierkv.wire.proofs import proof
+from tierkv.wire.secrets import TOKEN_ENV, read_token_file
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef00"
@@ -176,7 +180,7 @@ def test_status_shows_auth_required_and_whether_ours_was_accepted(
     assert ALICE not in accepted.output and ALICE not in refused.output
     assert (row["tls"], row["sealed"]) == (False, False)
     data_key = tmp_path / "data_key"
-    data_key.write_text("1 unused-by-status\n")
+    data_key.write_text(new_data_key_line(1))
     data_key.chmod(0o600)
     config.write_text(f'[security]\ndata_key_file = "{data_key}"\n')
     [row] = json.loads(runner.invoke(app, args).stdout)["vaults"]

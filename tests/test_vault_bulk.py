@@ -24,8 +24,11 @@ from tests.tls_certs import make_certs
 from tierkv.backends.vault import VaultClient
 from tierkv.config import LimitsConfig
 from tierkv.transfer import ReceiveBuffers
-from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.bulk import (
+from tierkv.vault.memory import HUGE_PAGE_TUNABLE, with_huge_pages
+from tierkv.vault.server import VaultBindError, serve
+from tierkv.vault.store import entry_bytes
+from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
+from tierkv.wire.framing import (
     AUTH,
     CHALLENGE,
     HEADER,
@@ -34,12 +37,9 @@ from tierkv.vault.bulk import (
     RECV_BUFFERS,
     WELCOME,
     Deadline,
-    _recv_into,
-    _recv_scattered,
+    recv_into,
+    recv_scattered,
 )
-from tierkv.vault.memory import HUGE_PAGE_TUNABLE, with_huge_pages
-from tierkv.vault.server import VaultBindError, serve
-from tierkv.vault.store import entry_bytes
 
 NS = b"b" * 16
 
@@ -137,7 +137,7 @@ def test_a_scattered_receive_fills_every_buffer_however_the_bytes_arrive() -> No
         return rng.choice([1, 7, 4093, 65_536, 300_000])
 
     with trickling(sender, receiver, data, pieces, 0.0005):
-        _recv_scattered(receiver, buffers, Deadline(time.monotonic() + 30, 30))
+        recv_scattered(receiver, buffers, Deadline(time.monotonic() + 30, 30))
     assert b"".join(received) == data
 
 
@@ -159,7 +159,7 @@ def test_a_receive_asks_the_kernel_once_however_the_bytes_trickle_in() -> None:
     receiver = CountingSocket(fileno=plain.detach())
     view = memoryview(bytearray(len(data)))
     with trickling(sender, receiver, data, lambda: 1 << 16, 0.002):
-        _recv_into(receiver, view, Deadline(time.monotonic() + 30, 30))
+        recv_into(receiver, view, Deadline(time.monotonic() + 30, 30))
     assert view == data
     assert CountingSocket.calls == 1
 
@@ -173,7 +173,7 @@ def test_a_silent_peer_times_out_a_receive_by_its_deadline_or_stall_time(
     started = time.monotonic()
     try:
         with pytest.raises(TimeoutError):
-            _recv_into(
+            recv_into(
                 receiver, memoryview(bytearray(4096)), Deadline(started + deadline_s, stall_s)
             )
     finally:
@@ -207,9 +207,7 @@ def test_a_silent_tls_peer_times_out_a_receive_by_its_deadline_or_stall_time(
     sender.sendall(b"x" * 40_000)  # records of a part of the buffer arrive, then nothing
     started = time.monotonic()
     with pytest.raises(TimeoutError):
-        _recv_into(
-            receiver, memoryview(bytearray(1 << 20)), Deadline(started + deadline_s, stall_s)
-        )
+        recv_into(receiver, memoryview(bytearray(1 << 20)), Deadline(started + deadline_s, stall_s))
     assert 0.25 < time.monotonic() - started < 5
 
 
@@ -230,7 +228,7 @@ def test_a_tls_receive_sets_its_timeout_again_only_when_the_deadline_is_near(
     view = memoryview(bytearray(len(data)))
     with futures.ThreadPoolExecutor(1) as pool:
         sent = pool.submit(sender.sendall, data)
-        _recv_into(receiver, view, Deadline(time.monotonic() + deadline_s, 30))
+        recv_into(receiver, view, Deadline(time.monotonic() + deadline_s, 30))
         sent.result()
     assert view == data
     if once:
@@ -242,7 +240,7 @@ def test_a_tls_receive_sets_its_timeout_again_only_when_the_deadline_is_near(
 def test_a_block_sent_twice_is_placed_once() -> None:
     """A vault that sends a block again must not overwrite the copy already verified in place:
     the second goes to a run buffer (and is checked on its own)."""
-    from tierkv.vault.bulk import _placed
+    from tierkv.backends.vault_bulk import _placed
 
     index = vault_pb2.PromoteIndex(key_indices=[0, 1, 0], parts=[0, 0, 0], lengths=[4, 4, 4])
     given = {(0, 0): [memoryview(bytearray(4))], (1, 0): [memoryview(bytearray(2))]}

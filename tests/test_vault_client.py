@@ -14,8 +14,8 @@ from helpers import SLOW_BOX_MARGIN_S, key, stop_process, wait_until
 from tierkv.backends.vault import VaultClient
 from tierkv.config import LimitsConfig
 from tierkv.sizes import MIB
-from tierkv.vault._pb import vault_pb2
 from tierkv.vault.server import VaultServicer, serve
+from tierkv.wire._pb import vault_pb2
 
 NS = b"n" * 16
 KIB = 1024

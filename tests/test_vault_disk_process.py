@@ -21,11 +21,11 @@ from test_vault_disk import forged_record
 
 from tierkv.backends.base import BackendStats
 from tierkv.backends.vault import VaultClient
+from tierkv.backends.vault_bulk import BulkConnection, BulkError
 from tierkv.checksum import block_checksum
 from tierkv.sizes import MIB
-from tierkv.vault._pb import vault_pb2
-from tierkv.vault.bulk import BulkConnection, BulkError
 from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR
+from tierkv.wire._pb import vault_pb2
 
 NS = b"disk-test-000000"
 BLOCK = 256 * 1024

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from tierkv.backends.vault import VaultClient
 from tierkv.checksum import block_checksum
-from tierkv.vault._pb import vault_pb2
-from tierkv.vault.bulk import AUTH, CHALLENGE, HEADER, MAGIC
-from tierkv.vault.wire import encode_bulk
+from tierkv.wire._pb import vault_pb2
+from tierkv.wire.framing import AUTH, CHALLENGE, HEADER, MAGIC
+from tierkv.wire.messages import encode_bulk
 
 NAMESPACES = [b"fuzz-ns-00000000", b"fuzz-ns-11111111"]
 KEYS = [bytes([i]) * 16 for i in range(4)]

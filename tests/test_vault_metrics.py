@@ -203,8 +203,8 @@ def test_vault_command_serves_metrics(where: str, tmp_path: Path) -> None:
 
 
 def test_failed_authentication_is_counted_per_path() -> None:
+    from tierkv.backends.vault_bulk import BulkConnection, BulkError
     from tierkv.vault.auth import Tokens
-    from tierkv.vault.bulk import BulkConnection, BulkError
 
     server = serve(
         "127.0.0.1:0", 0, tokens=Tokens([("default", "right-token-0123")]), metrics_port=0
@@ -232,7 +232,7 @@ def test_grpc_connections_and_calls_refused_by_a_concurrency_limit_are_counted()
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from tierkv.config import LimitsConfig
-    from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
+    from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
 
     limits = LimitsConfig(max_concurrent_rpcs=4)  # at most 2 Put / Promote streams
     server = serve("127.0.0.1:0", max_bytes=0, metrics_port=0, limits=limits)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tierkv.transfer import batched_by_size
-from tierkv.vault._pb import vault_pb2
-from tierkv.vault.wire import MalformedMessage, decode_bulk, encode_bulk, split_payloads
+from tierkv.wire._pb import vault_pb2
+from tierkv.wire.messages import MalformedMessage, decode_bulk, encode_bulk, split_payloads
 
 REPO = Path(__file__).resolve().parent.parent
 

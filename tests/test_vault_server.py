@@ -15,7 +15,6 @@ from helpers import alias_entry, key
 from tierkv.backends.base import BackendUnavailable
 from tierkv.backends.vault import VaultClient
 from tierkv.checksum import block_checksum
-from tierkv.vault._pb import vault_pb2
 from tierkv.vault.server import (
     CHUNK_BYTES,
     MAX_REPORTED_REJECTIONS,
@@ -24,7 +23,8 @@ from tierkv.vault.server import (
     serve,
 )
 from tierkv.vault.store import entry_bytes
-from tierkv.vault.wire import encode_bulk
+from tierkv.wire._pb import vault_pb2
+from tierkv.wire.messages import encode_bulk
 
 NS = b"n" * 16
 MIB = 1024 * 1024
@@ -159,7 +159,7 @@ def test_generated_stub_interoperates_with_the_fast_codec(vault: Any) -> None:
     """A plain protobuf client (any language) sees an ordinary PromoteChunk stream."""
     payload = b"p" * 5000
     vault.store.put(NS, key(7), 3, payload, block_checksum(NS, key(7), 3, payload))
-    from tierkv.vault._pb import vault_pb2_grpc
+    from tierkv.wire._pb import vault_pb2_grpc
 
     with grpc.insecure_channel(vault.address) as channel:
         stub = vault_pb2_grpc.VaultStub(channel)

@@ -111,6 +111,11 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
             outs = llm.generate(list(prompts), params, lora_request=list(loras), use_tqdm=False)
             tokens = [list(out.outputs[0].token_ids) for out in outs]
             conn.send((tokens, time.perf_counter() - started))
+        elif command == "generate_cached":  # one prompt: its greedy tokens, vLLM's cached tokens
+            prompts, loras = zip(*(_prompt(one) for one in [arg]), strict=True)
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+            out = llm.generate(list(prompts), params, lora_request=list(loras), use_tqdm=False)[0]
+            conn.send((list(out.outputs[0].token_ids), out.num_cached_tokens))
         elif command == "flush":
             conn.send(all(llm.collective_rpc(_flush_worker)))
         elif command == "stats":  # the scheduler's, rank 0's and each rank's ("ranks")

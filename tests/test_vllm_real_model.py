@@ -123,13 +123,13 @@ def test_eval_verdict_is_what_codec_auto_stores_with(
         f'[cluster]\nkv_cold = "{vault[1]}"\n[connector]\nstore = "on_finish"\n'
         '[compression]\nenabled = true\ncodec = "auto"\n'
     )
-    args = ["eval", "--model", str(real_model), "--codecs", "none,tq4", "--tokens", "256"]
-    args += ["--new-tokens", "4", "--passkey-lengths", "256", "--no-counting"]
-    args += ["--min-identical", "0", "--max-kl", "100", "--vault", vault[1]]
+    args = ["eval", "--model", str(real_model), "--codecs", "none,tq4", "--tokens", "600"]
+    args += ["--new-tokens", "4", "--probes", "0"]
+    args += ["--min-top1", "0", "--max-kl", "100", "--vault", vault[1]]
     args += ["--kv-cache-bytes", "64MiB"]
     out = CliRunner().invoke(app, [*args, "--json", "--write-config", str(config)])
     assert out.exit_code == 0, out.output
-    assert "tierkv: eval: tq4: restore prompt" in out.stderr
+    assert "tierkv: eval (bfloat16): tq4: restore" in out.stderr
     assert list(load_config(config).codec_verdicts.values()) == ["tq4"]
 
     auto = Engine(real_model, {"config_path": str(config)}, ENGINE)

@@ -101,6 +101,23 @@ def test_hybrid_can_be_forced_for_a_model_not_downloaded(tmp_path: Path, vault: 
     assert HYBRID_FLAG in command
 
 
+def test_a_model_it_cannot_read_is_named_with_how_to_choose(tmp_path: Path, vault: VaultHandle):
+    """Not downloaded (no config.json here or in the Hugging Face cache): one line says tierkv
+    cannot tell whether the model is hybrid and how to choose; a model it can read, or a choice
+    made, gets no such line."""
+    config = write_config(tmp_path, kv_cold=vault.address)
+    code, command, stderr = dry_run("org/not-downloaded-model", "--config", str(config))
+    assert code == 0 and HYBRID_FLAG not in command
+    (line,) = [line for line in stderr.splitlines() if "cannot tell" in line]
+    assert "org/not-downloaded-model" in line and "--hybrid" in line and "--no-hybrid" in line
+    model = write_model(tmp_path, model_type="llama")
+    unknown = "org/not-downloaded-model"
+    for args in ([str(model)], [unknown, "--no-hybrid"], [unknown, "--hybrid"]):
+        config = write_config(tmp_path, kv_cold=vault.address, ssm_cold=vault.address)
+        code, _, stderr = dry_run(*args, "--config", str(config))
+        assert code == 0 and "cannot tell" not in stderr, stderr
+
+
 def test_serve_without_vllm_says_how_to_install_it(
     tmp_path: Path, vault: VaultHandle, monkeypatch: pytest.MonkeyPatch
 ):

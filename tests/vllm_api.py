@@ -40,7 +40,7 @@ class WheelUnavailable(RuntimeError):
 
 
 def vllm_requirement(pyproject: Path = REPO / "pyproject.toml") -> str:
-    """The `vllm` extra's requirement, e.g. 'vllm>=0.32,<0.34'."""
+    """The `vllm` extra's requirement, e.g. 'vllm>=0.32,<0.35'."""
     extras = tomlkit.parse(pyproject.read_text())["project"]["optional-dependencies"]
     (requirement,) = (str(r) for r in extras["vllm"] if str(r).startswith("vllm"))
     return requirement

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.addresses import parse_address, parse_cold_address, parse_ip_address, redact
-from tierkv.codecs import AUTO_CODEC, TURBO_QUANT_CODECS, kv_pair_codecs, kv_pair_name
+from tierkv.codecs import AUTO_CODEC, PRESETS, TURBO_QUANT_CODECS, kv_pair_codecs, kv_pair_name
 from tierkv.errors import TierKVError
 from tierkv.logs import get_logger
 from tierkv.sizes import GIB, MIB, SIZE_FORMS, parse_size
@@ -118,7 +118,8 @@ class VaultConfig:
 
 @dataclass(frozen=True)
 class SecurityConfig:
-    """Tokens and TLS (tierkv/vault/auth.py); paths of files, never secrets themselves.
+    """Tokens and TLS (tierkv/wire/secrets.py; the vault: tierkv/vault/auth.py, a client:
+    tierkv/backends/security.py); paths of files, never secrets themselves.
 
     A vault uses token_file (its tokens, tenants), tls_cert/tls_key (its certificate) and
     client_ca (require client certificates signed by it); a client uses token_file (its token,
@@ -294,7 +295,8 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
 
 
 def _codec_choice(value: Any) -> str:
-    """`[compression] codec`: a lossy codec, "auto", a K/V pair ("k8v4" or {k = .., v = ..})."""
+    """`[compression] codec`: a lossy codec, "auto", a K/V pair ("k8v4" or {k = .., v = ..}) or
+    a preset ("kv4": the pair it names)."""
     if isinstance(value, Mapping):
         if set(value) != {"k", "v"}:
             raise ValueError(f"a K/V pair is a table with keys k and v, got {dict(value)!r}")
@@ -305,8 +307,9 @@ def _codec_choice(value: Any) -> str:
     if pair is not None:
         return kv_pair_name(*pair)
     raise ValueError(
-        f"expected one of {', '.join(TURBO_QUANT_CODECS)}, {AUTO_CODEC}, a K/V pair like "
-        f'"k8v4" or {{ k = "int8", v = "tq4" }}; got {value!r}'
+        f"expected one of {', '.join(TURBO_QUANT_CODECS)}, {AUTO_CODEC}, a preset "
+        f'({", ".join(PRESETS)}), a K/V pair like "k8v4" or {{ k = "int8", v = "tq4" }}; '
+        f"got {value!r}"
     )
 
 

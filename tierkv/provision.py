@@ -31,6 +31,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tierkv.seal import new_data_key_line
+from tierkv.wire.secrets import make_private_dir
 
 TOKEN_BYTES = 32
 CERT_DAYS = 825
@@ -41,7 +42,7 @@ _HOST_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 def write_private(path: Path, data: bytes | str) -> Path:
     """Write `data` to a new file `path` readable by its owner only (0600 from its creation)."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    make_private_dir(path.parent)
     raw = data.encode() if isinstance(data, str) else data
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "wb") as file:
@@ -60,10 +61,10 @@ def _name(common_name: str) -> x509.Name:
 
 def valid_host(host: str) -> bool:
     """Whether `host` is an IP address or a DNS name (dot-separated labels of letters, digits
-    and inner hyphens), as a certificate may name it."""
+    and inner hyphens), as a certificate may name it; never an unspecified address (0.0.0.0,
+    ::), which names no host an engine could reach."""
     try:
-        ipaddress.ip_address(host)
-        return True
+        return not ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return len(host) <= 253 and all(map(_HOST_LABEL.fullmatch, host.split(".")))
 
@@ -140,6 +141,7 @@ def init_secrets(
     """Write the layout of the module docstring into `directory` (none of its files may exist
     yet; FileExistsError) and return the paths written. With `tls_hosts` the vault certificate
     names them, and the engine fragment points at the first of them on `port`."""
+    make_private_dir(directory)
     vault_dir = directory / "vault"
     written: list[Path] = []
     tokens = {tenant: new_token() for tenant in tenants}

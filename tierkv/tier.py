@@ -39,6 +39,7 @@ import numpy as np
 
 from tierkv.backends import open_backend
 from tierkv.backends.base import Backend
+from tierkv.backends.security import check_client_security
 from tierkv.config import KV_VAULT, VAULT_ROLE, TierKVConfig
 from tierkv.load import SWITCH_INTERVAL_WHILE_LOADING, Block, Consume, Load, decode_each
 from tierkv.logs import get_logger
@@ -131,12 +132,14 @@ class ColdTier:
     def from_config(cls, cfg: TierKVConfig, warm_dtypes: Sequence[str] = DTYPES) -> ColdTier:
         """A tier with the configured codec, a backend for each configured vault role, and a
         sealer of `[security] data_key_file`'s keys when it is set (ConfigError naming the file
-        when it holds no valid keys).
+        when it holds no valid keys). `[security]` is checked first, whatever the backends
+        (backends.security.check_client_security: e.g. a data key file others may read).
 
         The kernels of that codec and of the lossless one are compiled (or loaded from Numba's
         cache) for `warm_dtypes` first, so no request pays for it; `warmup_s` says how long that
         took. Pass the engine's KV dtypes, or none for a side that never encodes or decodes.
         """
+        check_client_security(cfg.security)
         vaults = {
             vault: open_backend(cfg.cluster.endpoints(vault), cfg.client, cfg.security)
             for vault in VAULT_ROLE
@@ -186,6 +189,7 @@ class ColdTier:
         vault: str = KV_VAULT,
         on_done: Callable[[], None] | None = None,
         kv_split: tuple[int, int] | None = None,
+        sink_tokens: tuple[int, int] | None = None,
     ) -> None:
         """Encode `block` and send it to `vault` in the background; never blocks.
 
@@ -194,7 +198,9 @@ class ColdTier:
         put is done; pass a staging copy, not engine memory). When more than the
         pending-encode budget is already waiting, the block is dropped and counted.
         `kv_split`: (axis, keys along it) where the block's keys end and its values begin; a
-        K/V pair codec needs it (without one the block is not stored).
+        K/V pair codec needs it (without one the block is not stored). `sink_tokens`: (token
+        axis, count) of the block's first tokens a sink codec keeps lossless: SINK_TOKENS for a
+        sequence's first block, 0 for the others (see tierkv.quant.sinks).
         """
         client = self._client(vault)
         with self._lock:
@@ -218,6 +224,7 @@ class ColdTier:
             dtype,
             on_done,
             kv_split,
+            sink_tokens,
         )
         with self._lock:
             self._encoding.add(future)
@@ -368,15 +375,17 @@ class ColdTier:
         dtype: str | None = None,
         vault: str = KV_VAULT,
         kv_split: tuple[int, int] | None = None,
+        sink_tokens: tuple[int, int] | None = None,
     ) -> PutPayload:
         """`block` as `store` hands it to `vault`'s backend, before sealing: stored lossless (the
         "ssm" vault's state, or the lossless codec), its header and the block's own memory (no
-        copy); else encoded by the codec (`encode_block`: the min_cosine fallback, `kv_split`).
+        copy); else encoded by the codec (`encode_block`: the min_cosine fallback, `kv_split`,
+        `sink_tokens`).
         NonFiniteError: the block holds NaN or infinity."""
         codec = self.codec if vault == KV_VAULT else self._lossless
         if isinstance(codec, LosslessCodec):
             return codec.encode_pieces(block, dtype)
-        return encode_block(codec, block, dtype, self.min_cosine, kv_split)
+        return encode_block(codec, block, dtype, self.min_cosine, kv_split, sink_tokens)
 
     def stored_forms(
         self, blocks: Sequence[np.ndarray], kv_split: tuple[int, int] | None = None
@@ -398,10 +407,11 @@ class ColdTier:
         dtype: str | None,
         on_done: Callable[[], None] | None,
         kv_split: tuple[int, int] | None,
+        sink_tokens: tuple[int, int] | None,
     ) -> None:
         release = None  # what the put calls once it is done with `block`
         try:
-            payload = self.stored_form(block, dtype, vault, kv_split)
+            payload = self.stored_form(block, dtype, vault, kv_split, sink_tokens)
             if isinstance(payload, tuple) and self.sealer is None:  # sent from block memory
                 release, on_done = on_done, None
             if self.sealer is not None:  # the sealed copy is sent: `block` is free after this

@@ -23,7 +23,7 @@ Into = Callable[[Sequence[int], Sequence[int]], dict[tuple[int, int], list[memor
 """into(key indices, parts) -> by (key index, part), the writable buffers a promoted payload of
 that block is received straight into, in order; a block not given, or whose buffers do not add
 up to its payload's length, goes into the client's own (a vault's bulk path:
-vault.bulk.BulkConnection.promote)."""
+backends.vault_bulk.BulkConnection.promote)."""
 CLIENT_RUN_BYTES = 8 * MIB
 """The client receives promoted payloads into buffers of this size (a larger payload: its own)."""
 MAX_POOLED_BYTES = 1024 * MIB

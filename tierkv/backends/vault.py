@@ -8,7 +8,7 @@ After `breaker_failures` consecutive failed calls the circuit breaker opens: cal
 at once and queued puts are dropped, while a background probe checks the vault's health every
 `breaker_cooldown_s` and closes the breaker when it answers again (gRPC reconnects by itself).
 
-Put and Promote payloads travel over the vault's bulk data path (vault/bulk.py: plain TCP, a few
+Put and Promote payloads travel over the vault's bulk data path (vault_bulk.py: plain TCP, a few
 pooled connections) when the vault offers one and its port answers, else over gRPC streams;
 lookups and management calls always use gRPC. A call that fails on the bulk path counts as a
 failure toward the breaker, and so does a bulk connection refused or not welcomed in time; the
@@ -38,21 +38,26 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tierkv.addresses import parse_address
 from tierkv.backends.base import BackendStats, BackendUnavailable, StorageTierStats
+from tierkv.backends.security import (
+    channel_credentials,
+    check_client_security,
+    client_token,
+    proving_channel,
+    ssl_context,
+)
+from tierkv.backends.vault_bulk import (
+    MIN_PUT_BLOCKS_PER_S,
+    BulkConnection,
+    BulkError,
+    BulkRefused,
+)
 from tierkv.checksum import address_prefix, block_checksum, checksum_at
 from tierkv.config import ClientConfig, SecurityConfig
 from tierkv.reliability import CircuitBreaker, PendingPut, Piece, PutPayload, PutQueue
 from tierkv.sizes import KIB, MIB
 from tierkv.transfer import Into, batched_by_size
-from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
-from tierkv.vault.auth import (
-    channel_credentials,
-    client_token,
-    proving_channel,
-    refuse_ineffective_settings,
-    ssl_context,
-)
-from tierkv.vault.bulk import MIN_PUT_BLOCKS_PER_S, BulkConnection, BulkError, BulkRefused
-from tierkv.vault.wire import (
+from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
+from tierkv.wire.messages import (
     CHANNEL_OPTIONS,
     already_encoded,
     decode_bulk,
@@ -74,7 +79,7 @@ PUT_MESSAGE_FRAMING_BYTES = 64
 lengths, part and checksum), for the check against the vault's max_message_bytes."""
 MIN_PUT_BYTES_PER_S = 50e6
 """A Put stream's deadline is deadline_s plus its bytes at this rate, plus its blocks at
-bulk.MIN_PUT_BLOCKS_PER_S."""
+vault_bulk.MIN_PUT_BLOCKS_PER_S."""
 CLIENT_OPTIONS = [
     *CHANNEL_OPTIONS,
     # Reconnect quickly after a vault restarts (gRPC's default backoff grows to 2 minutes).
@@ -138,7 +143,7 @@ class VaultClient:
         self.max_pending_bytes = max_pending_bytes
         self._token = token
         security = security or SecurityConfig()
-        self._tls = ssl_context(security, server=False)
+        self._tls = ssl_context(security)
         credentials = channel_credentials(security)
         if credentials is None:
             channel = grpc.insecure_channel(address, options=CLIENT_OPTIONS)
@@ -147,7 +152,7 @@ class VaultClient:
         self._channel = proving_channel(channel, token)  # a fresh call proof on every call
         self._stub = vault_pb2_grpc.VaultStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        # The bulk methods bypass per-message protobuf copies (see wire.py).
+        # The bulk methods bypass per-message protobuf copies (see wire/messages.py).
         self._put_call = self._channel.stream_unary(
             _METHOD + "Put",
             request_serializer=already_encoded,
@@ -195,7 +200,7 @@ class VaultClient:
         """A client using the `[client]` and `[security]` sections of tierkv.toml (its token:
         $TIERKV_TOKEN, else security.token_file)."""
         security = security or SecurityConfig()
-        refuse_ineffective_settings(security, vault=False)
+        check_client_security(security)
         return cls(
             address,
             deadline_s=client_cfg.deadline_ms / 1000,

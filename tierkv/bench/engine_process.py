@@ -52,8 +52,10 @@ def start_vllm(
     connector_config: dict[str, object],
     kv_cache_bytes: int | None,
     max_logprobs: int = 20,
+    dtype: str = "auto",
 ) -> Any:
-    """An in-process vLLM `LLM` with prefix caching and the TierKVConnector (eager, stats on)."""
+    """An in-process vLLM `LLM` with prefix caching and the TierKVConnector (eager, stats on),
+    computing in `dtype` ("auto": the model's own)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM
     from vllm.config import KVTransferConfig
@@ -69,6 +71,7 @@ def start_vllm(
         kv_cache_memory_bytes=kv_cache_bytes,
         max_model_len=max_model_len,
         max_logprobs=max_logprobs,
+        dtype=dtype,  # type: ignore[arg-type]  # vLLM checks the name
         # Hybrid models need vLLM's hybrid KV-cache manager; ask for it so vLLM fails loudly.
         disable_hybrid_kv_cache_manager=False if is_hybrid(hf_config) else None,
         kv_transfer_config=KVTransferConfig(**kv_transfer_config(connector_config)),

@@ -1,17 +1,22 @@
-"""`tierkv eval`: what a restore through each codec does to a model's greedy continuations and
-task answers, and the gate that records the smallest codec a model tolerates.
+"""`tierkv eval`: what a restore through each codec does to a model's next-token distributions and
+its passkey answers, measured against the engine's own prefix-cache hit, and the gate that
+records the smallest codec a model tolerates.
 
-All in one vLLM engine. Each prompt first runs cold, then at once again: vLLM's own prefix-cache
-hit of it (the same block boundaries a restore has, no tierkv), the baseline of every codec; the
-hit against the cold run is the engine's own floor (in bf16 the two can part: prefilling the last
-block over cached KV rounds differently). Then for every codec each prompt is prefilled once under
-the codec's cache salt (its blocks are stored through the codec when it finishes), vLLM's prefix
-cache is dropped, and the prompt runs again, restored from the vault. The restored continuation is
-compared with the hit and with the cold run: identical or not, where it first differs, and the KL
-divergence of the next-token distributions over the positions both reached with the same tokens,
-estimated from the top-k log-probabilities (`topk_kl`). Scored tasks (passkey retrieval in long
-filler, and a few-shot counting task) give cold and restored accuracy. `none` must generate the
-hit's tokens on every prompt: the harness's self-test.
+One vLLM engine per compute dtype (float32, where a codec's own error shows, and the model's
+dtype, what users run), each shared by every codec and prompt. Per text prompt the engine first
+generates `new_tokens` greedy tokens cold (the fixed continuation), then runs prompt +
+continuation as its own prefix-cache hit with `prompt_logprobs` (teacher forcing: the prompt's
+full blocks come from vLLM's cache, the rest is computed), and once more with the cache skipped
+(the cold run, for the floor row). Per codec every prompt is prefilled once under the codec's
+cache salt (its full blocks are stored through the codec), vLLM's prefix cache is dropped, and
+prompt + continuation run again, the prompt's full blocks restored from the vault. Both runs
+computed the same positions over the same tokens, so their distributions at the continuation's
+positions differ only by what the codec changed: `teacher_forced` scores them (KL, top-1
+agreement, and the first position whose top-1 differs, a tie when the hit's top-2 gap there is
+under `tie_nats`: with the hit's own greedy tokens as the continuation, the restored run's greedy
+tokens would be the hit's up to that position). Passkey probes (`passkey_probes`) are generated
+greedily, cold, as the hit, and restored. `none` must give the hit's log-probabilities exactly:
+the harness's self-test.
 """
 
 from __future__ import annotations
@@ -30,21 +35,22 @@ import tomlkit
 from tierkv.bench.engine_process import in_engine_process, progress, start_vllm, worker_connector
 from tierkv.bench.prompts import long_prompt
 
-TOP_K = 20
-"""Log-probabilities vLLM returns per generated position (its default `max_logprobs`)."""
+TOP_K = 100
+"""Log-probabilities vLLM returns per teacher-forced position (`prompt_logprobs`): on a trained
+model the top 100 of the vocabulary hold nearly all of a next-token distribution's mass, so the
+KL's one folded bucket for the rest (see `topk_kl`) holds little."""
+TIE_NATS = 0.1
+"""A first top-1 difference where the hit's two most likely tokens are closer than this (in
+log-probability) is a tie: rounding alone could flip it."""
 BUILTIN_PROMPTS = 8
 BUILTIN_LENGTHS = (0.25, 0.5, 0.75, 1.0)
 """The built-in prompts' lengths, as shares of `--tokens` (two texts of each)."""
-ARTICLE_TOKENS = 50
-"""The TurboQuant restore article's check: the first 50 greedy tokens identical after restore."""
-PASSKEY_DEPTHS = (0.1, 0.5, 0.9)
-"""Where in the filler the passkey sits, as shares of the prompt."""
-COUNTING_PROMPTS = 8
-COUNTING_SHOTS = 30
-"""The counting task: 30 solved examples ("17, 18, 19, 20"), then one to finish (SmolLM2-135M
-solved 12 of 12 cold in a first measurement; adding two-digit numbers it solved 1 of 12)."""
+PASSKEY_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+"""Where in the filler a probe's key sits, as shares of the filler."""
+PASSKEY_SHORTEST = 1024
+"""The shortest passkey probe, in tokens (or the longest, when that is shorter)."""
 TASK_NEW_TOKENS = 8
-"""Greedy tokens generated for a task's answer."""
+"""Greedy tokens generated for a passkey answer."""
 
 
 def builtin_prompts(tokens: int) -> list[dict[str, Any]]:
@@ -55,25 +61,25 @@ def builtin_prompts(tokens: int) -> list[dict[str, Any]]:
     ]
 
 
-def task_prompts(passkey_lengths: Sequence[int]) -> list[dict[str, Any]]:
-    """The scored tasks: a passkey at each depth of filler of each length (built in the engine,
-    where its tokenizer measures the filler), then the counting prompts."""
-    found: list[dict[str, Any]] = [
-        {"task": "passkey", "tokens": length, "depth": depth, "seed": 500 + index}
-        for index, (length, depth) in enumerate(
-            (length, depth) for length in passkey_lengths for depth in PASSKEY_DEPTHS
-        )
+def passkey_probes(count: int, longest: int) -> list[dict[str, Any]]:
+    """`count` passkey probes: lengths spaced evenly in log scale from PASSKEY_SHORTEST (or
+    `longest`, if shorter) up to `longest` tokens, every depth of PASSKEY_DEPTHS at each length
+    in turn, and a different key (seed) for each."""
+    shortest = min(PASSKEY_SHORTEST, longest)
+    steps = max(1, math.ceil(count / len(PASSKEY_DEPTHS)))
+    lengths = [
+        round(shortest * (longest / shortest) ** (step / max(1, steps - 1)))
+        for step in range(steps)
     ]
-    for index in range(COUNTING_PROMPTS):
-        rng = random.Random(900 + index)
-        shots = []
-        for _ in range(COUNTING_SHOTS + 1):
-            first = rng.randrange(1, 90)
-            shots.append([first, first + 1, first + 2, first + 3])
-        text = "".join(f"{a}, {b}, {c}, {d}\n" for a, b, c, d in shots[:-1])
-        a, b, c, d = shots[-1]
-        found.append({"task": "counting", "text": f"{text}{a}, {b}, {c}, ", "answer": str(d)})
-    return found
+    return [
+        {
+            "task": "passkey",
+            "tokens": lengths[index * steps // count],
+            "depth": PASSKEY_DEPTHS[index % len(PASSKEY_DEPTHS)],
+            "seed": 500 + index,
+        }
+        for index in range(count)
+    ]
 
 
 def passkey_ids(tokenizer: Any, spec: Mapping[str, Any]) -> tuple[list[int], str]:
@@ -90,6 +96,21 @@ def passkey_ids(tokenizer: Any, spec: Mapping[str, Any]) -> tuple[list[int], str
     filler = tokenizer(long_prompt(spec["tokens"], seed=spec["seed"]))["input_ids"][:room]
     at = int(len(filler) * spec["depth"])
     return filler[:at] + needle_ids + filler[at:] + question_ids, key
+
+
+def restorable_length(tokens: int, block: int, new_tokens: int) -> int:
+    """The length a text prompt is cut to so that its greedy continuation of `new_tokens` never
+    completes a block: the continuation's tokens must not enter the prefix cache, or the hit would
+    start later than a restore (which has only the prompt's full blocks). 0 when no full block
+    would be left to restore."""
+    room = block - new_tokens - 1  # the most tokens after the last full block
+    if room < 1:
+        raise ValueError(f"--new-tokens {new_tokens}: at most {block - 2} with blocks of {block}")
+    full, tail = divmod(tokens, block)
+    if tail == 0:
+        full, tail = full - 1, room
+    cut = full * block + min(tail, room)
+    return cut if full >= 1 else 0
 
 
 def topk_kl(reference: Mapping[int, float], restored: Mapping[int, float], vocab: int) -> float:
@@ -120,152 +141,243 @@ def topk_kl(reference: Mapping[int, float], restored: Mapping[int, float], vocab
     return max(0.0, kl)
 
 
-def first_difference(reference: Sequence[int], restored: Sequence[int]) -> int | None:
-    """Index of the first differing token (a length difference counts), None when identical."""
-    for index, (a, b) in enumerate(zip(reference, restored, strict=False)):
-        if a != b:
-            return index
-    return None if len(reference) == len(restored) else min(len(reference), len(restored))
+def top2_gap(logprobs: Mapping[int, float]) -> float:
+    """The most likely token's log-probability minus the second's (inf with one listed)."""
+    first, second = [*sorted(logprobs.values(), reverse=True), -math.inf][:2]
+    return first - second
 
 
 @dataclass
 class PromptEval:
-    """One prompt through one codec (or, in the floor row, vLLM's hit against the cold run)."""
+    """One prompt through one codec against the hit (or, in the floor row, the hit against the
+    cold run)."""
 
     prompt_tokens: int
     restored_tokens: int
-    first_diff: int | None
-    """Against vLLM's own prefix-cache hit of the prompt."""
-    mean_kl: float
-    cold_first_diff: int | None = None
-    cold_kl: float = 0.0
+    """Prompt tokens the run did not compute (from the vault, or vLLM's cache in the floor)."""
     task: str | None = None
-    """The scored task this prompt belongs to ("passkey", "counting"), None for a plain text."""
+    """"passkey" for a probe, None for a text."""
+    positions: int = 0
+    """Teacher-forced positions compared (the continuation's tokens)."""
+    kl: float = 0.0
+    """Mean KL(reference || run) over those positions, nats."""
+    top1: int = 0
+    """Positions whose most likely token is the reference's."""
+    first_diff: int | None = None
+    """The first position whose most likely token is not the reference's."""
+    tie: bool = False
+    """That difference is a tie (the reference's top-2 gap there under the tie threshold)."""
     correct: bool | None = None
-    cold_correct: bool | None = None
+    """A probe: this run answered its key."""
+    reference_correct: bool | None = None
+    """A probe: the reference answered its key."""
+
+
+def teacher_forced(
+    reference: Sequence[Mapping[int, float]],
+    restored: Sequence[Mapping[int, float]],
+    vocab: int,
+    tie_nats: float = TIE_NATS,
+) -> dict[str, Any]:
+    """Two runs' top-k log-probabilities over the same continuation, position by position: the
+    mean KL, the positions whose top-1 agrees, and the first that does not (a tie or not)."""
+    if len(reference) != len(restored):
+        raise ValueError(f"{len(reference)} reference positions, {len(restored)} restored")
+    kls = [topk_kl(a, b, vocab) for a, b in zip(reference, restored, strict=True)]
+    agree = [
+        max(a, key=a.__getitem__) == max(b, key=b.__getitem__)
+        for a, b in zip(reference, restored, strict=True)
+    ]
+    first = agree.index(False) if not all(agree) else None
+    return {
+        "positions": len(agree),
+        "kl": statistics.fmean(kls) if kls else 0.0,
+        "top1": sum(agree),
+        "first_diff": first,
+        "tie": first is not None and top2_gap(reference[first]) < tie_nats,
+    }
 
 
 @dataclass
 class CodecEval:
-    """One codec over the prompt set (identity figures over the plain texts, accuracy over the
-    task prompts)."""
+    """One codec (or the floor) over the prompt set in one compute dtype."""
 
     codec: str
-    new_tokens: int
     stored_ratio: float
     prompts: list[PromptEval] = field(default_factory=list)
 
     @property
     def texts(self) -> list[PromptEval]:
-        return [p for p in self.prompts if p.task is None] or self.prompts
+        return [p for p in self.prompts if p.task is None]
 
     @property
-    def identical(self) -> float:
-        """Share of prompts whose continuation is identical to vLLM's own hit."""
-        return sum(p.first_diff is None for p in self.texts) / len(self.texts)
+    def probes(self) -> list[PromptEval]:
+        return [p for p in self.prompts if p.task == "passkey"]
 
     @property
-    def cold_identical(self) -> float:
-        """Share of prompts whose continuation is identical to the cold run."""
-        return sum(p.cold_first_diff is None for p in self.texts) / len(self.texts)
+    def positions(self) -> int:
+        return sum(p.positions for p in self.texts)
 
     @property
-    def mean_first_diff(self) -> float:
-        """Mean position of the first token differing from the hit (an identical continuation
-        counts as its length)."""
-        return statistics.fmean(
-            self.new_tokens if p.first_diff is None else p.first_diff for p in self.texts
-        )
+    def kl(self) -> float:
+        """Mean teacher-forced KL over every compared position of every text."""
+        return sum(p.kl * p.positions for p in self.texts) / max(1, self.positions)
 
     @property
-    def mean_kl(self) -> float:
-        return statistics.fmean(p.mean_kl for p in self.texts)
+    def top1(self) -> float:
+        """Share of compared positions whose most likely token is the reference's."""
+        return sum(p.top1 for p in self.texts) / max(1, self.positions)
 
     @property
-    def mean_cold_kl(self) -> float:
-        return statistics.fmean(p.cold_kl for p in self.texts)
+    def identical(self) -> int:
+        """Texts whose greedy tokens stay the reference's over the whole continuation."""
+        return sum(p.first_diff is None for p in self.texts)
+
+    @property
+    def ties(self) -> int:
+        """Texts whose first difference is a tie."""
+        return sum(p.first_diff is not None and p.tie for p in self.texts)
+
+    @property
+    def diverged(self) -> int:
+        """Texts that part from the reference where it was not a tie."""
+        return len(self.texts) - self.identical - self.ties
+
+    @property
+    def reference_found(self) -> int:
+        """Probes the reference (the hit) answers."""
+        return sum(bool(p.reference_correct) for p in self.probes)
+
+    @property
+    def found(self) -> int:
+        return sum(bool(p.correct) for p in self.probes)
+
+    @property
+    def kept(self) -> int:
+        """Probes the reference answers and this run answers too."""
+        return sum(bool(p.reference_correct and p.correct) for p in self.probes)
 
     @property
     def restored_fraction(self) -> float:
-        """Share of all prompt tokens that came from the vault (or the prefix cache, in the
-        floor row) instead of a prefill."""
-        return sum(p.restored_tokens for p in self.prompts) / sum(
-            p.prompt_tokens for p in self.prompts
-        )
-
-    @property
-    def article_identical(self) -> int:
-        """Prompts whose first ARTICLE_TOKENS generated tokens are identical to the hit's."""
-        reach = min(ARTICLE_TOKENS, self.new_tokens)
-        return sum(p.first_diff is None or p.first_diff >= reach for p in self.texts)
-
-    def accuracy(self, task: str, cold: bool = False) -> float | None:
-        """Share of `task`'s prompts answered right (by the cold run with `cold`)."""
-        scored = [p.cold_correct if cold else p.correct for p in self.prompts if p.task == task]
-        return sum(bool(ok) for ok in scored) / len(scored) if scored else None
-
-    def tasks(self) -> list[str]:
-        return list(dict.fromkeys(p.task for p in self.prompts if p.task is not None))
-
-    def passes(self, min_identical: float, max_kl: float, min_task_accuracy: float = 0.0) -> bool:
-        """The gate: enough continuations identical to the hit, a small enough mean KL, and
-        every task answered at least that well."""
-        accurate = all((self.accuracy(task) or 0.0) >= min_task_accuracy for task in self.tasks())
-        return self.identical >= min_identical and self.mean_kl <= max_kl and accurate
+        """Share of all prompt tokens that came from the vault (or the cache, in the floor)."""
+        total = sum(p.prompt_tokens for p in self.prompts)
+        return sum(p.restored_tokens for p in self.prompts) / max(1, total)
 
     def as_json(self) -> dict[str, Any]:
         return {
             "codec": self.codec,
-            "identical": self.identical,
-            "mean_first_diff": self.mean_first_diff,
-            "mean_kl": self.mean_kl,
-            "cold_identical": self.cold_identical,
-            "mean_cold_kl": self.mean_cold_kl,
-            "restored_fraction": self.restored_fraction,
             "stored_ratio": self.stored_ratio,
-            f"first_{ARTICLE_TOKENS}_identical": self.article_identical,
-            "accuracy": {task: self.accuracy(task) for task in self.tasks()},
-            "cold_accuracy": {task: self.accuracy(task, cold=True) for task in self.tasks()},
+            "kl": self.kl,
+            "top1": self.top1,
+            "positions": self.positions,
+            "texts": len(self.texts),
+            "identical": self.identical,
+            "ties": self.ties,
+            "diverged": self.diverged,
+            "probes": len(self.probes),
+            "reference_found": self.reference_found,
+            "found": self.found,
+            "kept": self.kept,
+            "restored_fraction": self.restored_fraction,
             "prompts": [asdict(p) for p in self.prompts],
         }
 
 
 @dataclass
+class DtypeEval:
+    """Every codec in one engine computing in `dtype`, and the engine's own floor (its hit
+    against its cold run)."""
+
+    dtype: str
+    seconds: float
+    codecs: list[CodecEval]
+    floor: CodecEval
+
+    def codec(self, name: str) -> CodecEval | None:
+        return next((c for c in self.codecs if c.codec == name), None)
+
+    def self_test_failures(self) -> int:
+        """Prompts on which `none` did not reproduce the hit exactly (0 without `none`)."""
+        lossless = self.codec("none")
+        if lossless is None:
+            return 0
+        return sum(
+            p.kl != 0.0 or p.first_diff is not None or p.correct != p.reference_correct
+            for p in lossless.prompts
+        )
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "seconds": self.seconds,
+            "self_test_failures": self.self_test_failures(),
+            "floor": self.floor.as_json(),
+            "codecs": [c.as_json() for c in self.codecs],
+        }
+
+
+@dataclass
+class Gate:
+    """What a codec must keep to be recorded: every passkey the hit finds in the model's own
+    dtype, and in float32 compute a mean teacher-forced KL and a top-1 agreement."""
+
+    max_kl: float = 0.005
+    min_top1: float = 0.97
+
+    def describe(self) -> str:
+        return (
+            f"every passkey the hit finds (model dtype), KL <= {self.max_kl:g} and top-1 >= "
+            f"{self.min_top1:.1%} (float32)"
+        )
+
+
+@dataclass
 class EvalReport:
-    """Every codec's figures for one model, the engine's own floor, and the gate's verdict."""
+    """Every codec's figures for one model in each compute dtype evaluated."""
 
     model: str
     fingerprint: str | None
+    model_dtype: str
     new_tokens: int
     top_k: int
-    seconds: float
-    codecs: list[CodecEval]
-    floor: CodecEval | None = None
-    """vLLM's own prefix-cache hit against the cold run, no tierkv."""
+    tie_nats: float
+    runs: list[DtypeEval]
 
-    def verdict(
-        self, min_identical: float, max_kl: float, min_task_accuracy: float = 0.0
-    ) -> CodecEval | None:
-        """The codec storing the fewest bytes among those that pass the gate."""
-        passing = [c for c in self.codecs if c.passes(min_identical, max_kl, min_task_accuracy)]
+    def run(self, dtype: str) -> DtypeEval | None:
+        return next((r for r in self.runs if r.dtype == dtype), None)
+
+    def passes(self, codec: str, gate: Gate) -> bool | None:
+        """Whether `codec` passes `gate`; None when a run the gate needs is missing."""
+        own, fp32 = self.run(self.model_dtype), self.run("float32")
+        if own is None or fp32 is None:
+            return None
+        here, there = own.codec(codec), fp32.codec(codec)
+        if here is None or there is None:
+            return None
+        kept = here.kept == here.reference_found
+        return kept and there.kl <= gate.max_kl and there.top1 >= gate.min_top1
+
+    def verdict(self, gate: Gate) -> CodecEval | None:
+        """The codec storing the fewest bytes (in the model's dtype) among those that pass."""
+        own = self.run(self.model_dtype)
+        if own is None:
+            return None
+        passing = [c for c in own.codecs if self.passes(c.codec, gate)]
         return max(passing, key=lambda c: c.stored_ratio, default=None)
 
     def self_test_failures(self) -> int:
-        """Prompts on which the lossless codec did not generate vLLM's own hit's tokens (the
-        harness or the restore is broken; 0 when `none` was not evaluated)."""
-        lossless = [c for c in self.codecs if c.codec == "none"]
-        return sum(p.first_diff is not None for c in lossless for p in c.prompts)
+        return sum(run.self_test_failures() for run in self.runs)
 
     def as_json(self) -> dict[str, Any]:
         return {
             "model": self.model,
             "fingerprint": self.fingerprint,
+            "model_dtype": self.model_dtype,
             "new_tokens": self.new_tokens,
             "top_k": self.top_k,
-            "seconds": self.seconds,
-            "floor": self.floor.as_json() if self.floor else None,
+            "tie_nats": self.tie_nats,
             "self_test_failures": self.self_test_failures(),
-            "codecs": [c.as_json() for c in self.codecs],
+            "runs": [run.as_json() for run in self.runs],
         }
 
 
@@ -278,48 +390,82 @@ def vllm_eval(
     prompts: Sequence[Mapping[str, Any]],
     codecs: Sequence[str],
     *,
+    dtypes: Sequence[str],
+    model_dtype: str,
     new_tokens: int,
     connector_config: dict[str, object],
     group_size: int,
     kv_cache_bytes: int | None = None,
+    tie_nats: float = TIE_NATS,
 ) -> EvalReport:
-    """Evaluate `codecs` on `prompts` (see `builtin_prompts` and `task_prompts`) in one vLLM
-    engine run in a fresh process (see `in_engine_process`); its progress goes to stderr."""
-    started = time.perf_counter()
-    found = in_engine_process(
-        "eval",
-        {
-            "model": model,
-            "prompts": [dict(prompt) for prompt in prompts],
-            "codecs": list(codecs),
-            "new_tokens": new_tokens,
-            "connector_config": connector_config,
-            "group_size": group_size,
-            "kv_cache_bytes": kv_cache_bytes,
-        },
-    )
-    if "error" in found:
-        raise EngineFailed(found["error"])
-    return engine_report(model, new_tokens, time.perf_counter() - started, found)
-
-
-def engine_report(model: str, new_tokens: int, seconds: float, found: dict[str, Any]) -> EvalReport:
-    """The report of what `eval_in_this_process` returned."""
+    """Evaluate `codecs` on `prompts` (see `builtin_prompts` and `passkey_probes`) in one vLLM
+    engine per dtype of `dtypes`, each in a fresh process (see `in_engine_process`); progress
+    goes to stderr."""
     from tierkv.connectors.vllm.groups import model_fingerprint
 
-    def row(codec: dict[str, Any]) -> CodecEval:
-        prompts = [PromptEval(**p) for p in codec["prompts"]]
-        return CodecEval(codec["codec"], new_tokens, codec["stored_ratio"], prompts)
-
+    runs = []
+    for dtype in dtypes:
+        started = time.perf_counter()
+        found = in_engine_process(
+            "eval",
+            {
+                "model": model,
+                "dtype": dtype,
+                "prompts": [dict(prompt) for prompt in prompts],
+                "codecs": list(codecs),
+                "new_tokens": new_tokens,
+                "connector_config": connector_config,
+                "group_size": group_size,
+                "kv_cache_bytes": kv_cache_bytes,
+            },
+        )
+        if "error" in found:
+            raise EngineFailed(found["error"])
+        runs.append(score_run(dtype, time.perf_counter() - started, found, tie_nats))
     return EvalReport(
         model=model,
         fingerprint=model_fingerprint(model),
+        model_dtype=model_dtype,
         new_tokens=new_tokens,
         top_k=TOP_K,
-        seconds=seconds,
-        codecs=[row(c) for c in found["codecs"]],
-        floor=row(found["floor"]),
+        tie_nats=tie_nats,
+        runs=runs,
     )
+
+
+def score_run(dtype: str, seconds: float, found: dict[str, Any], tie_nats: float) -> DtypeEval:
+    """A `DtypeEval` of what `eval_in_this_process` measured: each codec's runs scored against
+    the hit's, and the hit's against the cold run's (the floor)."""
+    vocab = found["vocab"]
+
+    def row(
+        name: str, ratio: float, runs: list[dict[str, Any]], references: list[dict[str, Any]]
+    ) -> CodecEval:
+        prompts = []
+        for run, reference in zip(runs, references, strict=True):
+            scored = PromptEval(run["prompt_tokens"], run["cached_tokens"], run["task"])
+            if run["positions"] is not None:
+                compared = teacher_forced(
+                    _maps(reference["positions"]), _maps(run["positions"]), vocab, tie_nats
+                )
+                for key, value in compared.items():
+                    setattr(scored, key, value)
+            else:
+                scored.correct, scored.reference_correct = run["correct"], reference["correct"]
+            prompts.append(scored)
+        return CodecEval(name, ratio, prompts)
+
+    hits = found["hit"]
+    return DtypeEval(
+        dtype=dtype,
+        seconds=seconds,
+        floor=row("vLLM hit vs cold", 1.0, hits, found["cold"]),
+        codecs=[row(c["codec"], c["stored_ratio"], c["runs"], hits) for c in found["codecs"]],
+    )
+
+
+def _maps(positions: list[list[list[float]]]) -> list[dict[int, float]]:
+    return [{int(token): logprob for token, logprob in position} for position in positions]
 
 
 def engine_start_error(exc: BaseException, kv_cache_bytes: int | None) -> str:
@@ -334,6 +480,7 @@ def engine_start_error(exc: BaseException, kv_cache_bytes: int | None) -> str:
 
 def eval_in_this_process(
     model: str,
+    dtype: str,
     prompts: list[dict[str, Any]],
     codecs: list[str],
     new_tokens: int,
@@ -341,9 +488,10 @@ def eval_in_this_process(
     group_size: int,
     kv_cache_bytes: int | None,
 ) -> dict[str, Any]:
-    """The engine side of `vllm_eval`: one engine; the cold and hit references once per
-    prompt, then one pass per codec (its codec set on the worker's tier, which encodes every
-    stored block), as plain dicts ({"error": line} when the engine did not start)."""
+    """The engine side of `vllm_eval`: one engine computing in `dtype`; the cold and hit runs
+    once per prompt, then one pass per codec (its codec set on the worker's tier, which encodes
+    every stored block); the raw measurements as plain dicts ({"error": line} when the engine
+    did not start)."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -352,17 +500,16 @@ def eval_in_this_process(
     token_ids: list[list[int]] = []
     answers: list[str | None] = []
     for spec in prompts:
-        answer: str | None
         if spec.get("task") == "passkey":
-            ids, answer = passkey_ids(tokenizer, spec)
+            ids, key = passkey_ids(tokenizer, spec)
+            token_ids.append(ids)
+            answers.append(key)
         else:
-            ids, answer = tokenizer(spec["text"])["input_ids"], spec.get("answer")
-            ids = ids[: spec["keep"]] if spec.get("keep") else ids
-        token_ids.append(ids)
-        answers.append(answer)
-    tasks = [spec.get("task") for spec in prompts]
+            ids = tokenizer(spec["text"])["input_ids"]
+            token_ids.append(ids[: spec["keep"]] if spec.get("keep") else ids)
+            answers.append(None)
     settings = {**connector_config, "connector.store": "on_finish", "compression.enabled": False}
-    progress(f"eval: starting vLLM for {len(prompts)} prompts x {len(codecs)} codecs")
+    progress(f"eval: starting vLLM ({dtype}) for {len(prompts)} prompts x {len(codecs)} codecs")
     try:
         llm = start_vllm(
             model,
@@ -370,113 +517,122 @@ def eval_in_this_process(
             connector_config=settings,
             kv_cache_bytes=kv_cache_bytes,
             max_logprobs=TOP_K,
+            dtype=dtype,
         )
     except Exception as exc:  # vLLM raises many kinds; the user needs one line, not a traceback
         return {"error": engine_start_error(exc, kv_cache_bytes)}
     from tierkv.quant import get_codec  # Numba only once vLLM has started (see in_engine_process)
 
-    vocab = llm.llm_engine.model_config.get_vocab_size()
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    texts = [index for index, answer in enumerate(answers) if answer is None]
+    for index in texts:
+        cut = restorable_length(len(token_ids[index]), block, new_tokens)
+        if cut == 0:
+            short = len(token_ids[index])
+            return {
+                "error": f"a prompt of {short} tokens holds no block of {block}: raise --tokens"
+            }
+        token_ids[index] = token_ids[index][:cut]
+    continuations: list[list[int]] = [[] for _ in prompts]
+    store = SamplingParams(max_tokens=1, detokenize=False)  # a prefill, stored when it finishes
     started = time.perf_counter()
 
-    def generate(index: int, salt: str, max_tokens: int | None = None) -> Any:
-        # One prompt at a time: a prompt's runs then differ only in where its prefill starts,
-        # not in which other prompts share the batch.
-        limit = max_tokens or (TASK_NEW_TOKENS if tasks[index] else new_tokens)
-        params = SamplingParams(max_tokens=limit, temperature=0, logprobs=TOP_K)
-        request = TokensPrompt(prompt_token_ids=token_ids[index], cache_salt=salt)
-        return llm.generate([request], params, use_tqdm=False)[0]
-
-    def say(what: str, index: int) -> None:
-        progress(
-            f"eval: {what} prompt {index + 1}/{len(prompts)} ({len(token_ids[index])} tokens, "
-            f"{time.perf_counter() - started:.0f} s)"
+    def params(index: int, forced: bool, skip_cache: bool = False) -> SamplingParams:
+        if answers[index] is not None:  # a probe: its answer, greedy
+            return SamplingParams(max_tokens=TASK_NEW_TOKENS, temperature=0, detokenize=False)
+        if not forced:  # a text's greedy continuation
+            return SamplingParams(max_tokens=new_tokens, temperature=0, detokenize=False)
+        return SamplingParams(
+            max_tokens=1,
+            temperature=0,
+            prompt_logprobs=TOP_K,
+            skip_reading_prefix_cache=skip_cache,
+            detokenize=False,
         )
 
-    colds, hits = [], []
-    for index in range(len(prompts)):
-        say("cold and vLLM hit,", index)
-        colds.append(generate(index, "tierkv-eval-reference"))
-        hits.append(generate(index, "tierkv-eval-reference"))
+    def request(index: int, salt: str, forced: bool) -> TokensPrompt:
+        return TokensPrompt(
+            prompt_token_ids=token_ids[index] + (continuations[index] if forced else []),
+            cache_salt=salt,
+        )
 
-    def scored(index: int, run: Any) -> tuple[str | None, bool | None]:
-        answer = answers[index]
-        if answer is None:
-            return tasks[index], None
-        return tasks[index], answer in tokenizer.decode(run.outputs[0].token_ids)
+    def measured(index: int, output: Any) -> dict[str, Any]:
+        found: dict[str, Any] = {
+            "prompt_tokens": len(token_ids[index]),
+            "cached_tokens": output.num_cached_tokens or 0,
+            "task": None if answers[index] is None else "passkey",
+            "positions": None,
+            "correct": None,
+        }
+        if answers[index] is not None:
+            found["correct"] = answers[index] in tokenizer.decode(output.outputs[0].token_ids)
+        elif output.prompt_logprobs is not None:  # those predicting each continuation token
+            at = len(token_ids[index])
+            found["positions"] = [
+                [[token, lp.logprob] for token, lp in output.prompt_logprobs[i].items()]
+                for i in range(at, at + len(continuations[index]))
+            ]
+        return found
 
-    def row(codec: str, ratio: float, runs: list[Any], references: list[Any]) -> dict[str, Any]:
-        found = []
-        for index, run in enumerate(runs):
-            task, correct = scored(index, run)
-            against_hit = _compare(references[index], run, vocab)
-            against_cold = _compare(colds[index], run, vocab)
-            found.append(
-                {
-                    **asdict(against_hit),
-                    "cold_first_diff": against_cold.first_diff,
-                    "cold_kl": against_cold.mean_kl,
-                    "task": task,
-                    "correct": correct,
-                    "cold_correct": scored(index, colds[index])[1],
-                }
-            )
-        return {"codec": codec, "stored_ratio": ratio, "prompts": found}
+    def one(index: int, salt: str, forced: bool, skip_cache: bool = False) -> Any:
+        # One prompt at a time: batching changes float rounding, and `none` must reproduce
+        # the hit exactly (its self-test).
+        sampling = params(index, forced, skip_cache)
+        return llm.generate(request(index, salt, forced), sampling, use_tqdm=False)[0]
 
-    floor = row("vLLM hit", 1.0, hits, references=colds)
+    def say(what: str) -> None:
+        progress(f"eval ({dtype}): {what} ({time.perf_counter() - started:.0f} s)")
+
+    hits, colds = [], []
+    for index in range(len(prompts)):  # the cold run caches the prompt's blocks for the hit
+        say(
+            f"cold and vLLM hit, prompt {index + 1}/{len(prompts)} ({len(token_ids[index])} tokens)"
+        )
+        cold = one(index, "reference", forced=False)
+        if answers[index] is None:
+            continuations[index] = list(cold.outputs[0].token_ids)
+        colds.append(measured(index, cold))
+        hits.append(measured(index, one(index, "reference", forced=answers[index] is None)))
+    say("cold teacher-forced runs")
+    for index in texts:
+        colds[index] = measured(index, one(index, "cold", forced=True, skip_cache=True))
     tier = worker_connector().tier
     results = []
     for codec in codecs:
         tier.codec = get_codec(codec, group_size)
-        salt = f"tierkv-eval-{codec}"
+        salt = f"codec-{codec}"
         before = tier.stats()
+        say(f"{codec}: store {len(prompts)} prompts")
         for index in range(len(prompts)):
-            say(f"{codec}: store", index)
-            generate(index, salt, max_tokens=1)  # a prefill whose blocks are stored on finish
-        llm.generate(
-            [TokensPrompt(prompt_token_ids=[2, 3])], SamplingParams(max_tokens=1), use_tqdm=False
+            llm.generate(request(index, salt, False), store, use_tqdm=False)
+        llm.generate(  # one more step: the finished prompts' blocks go out
+            [TokensPrompt(prompt_token_ids=[2, 3])], store, use_tqdm=False
         )
-        if not tier.flush(timeout=600):  # ^ one more step: the finished prompts' blocks go out
+        if not tier.flush(timeout=600):
             raise RuntimeError("the vault did not acknowledge the prompts' blocks")
         after = tier.stats()
         llm.reset_prefix_cache()
-        restored = []
-        for index in range(len(prompts)):
-            say(f"{codec}: restore", index)
-            restored.append(generate(index, salt))
+        say(f"{codec}: restore {len(prompts)} prompts")
+        restored = [
+            measured(i, one(i, salt, forced=answers[i] is None)) for i in range(len(prompts))
+        ]
         stored = after["queued_payload_bytes"] - before["queued_payload_bytes"]
         raw = after["queued_raw_bytes"] - before["queued_raw_bytes"]
-        results.append(row(codec, raw / stored if stored else 0.0, restored, references=hits))
-    return {"floor": floor, "codecs": results}
+        ratio = raw / stored if stored else 0.0
+        results.append({"codec": codec, "stored_ratio": ratio, "runs": restored})
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    return {"vocab": vocab, "block": block, "hit": hits, "cold": colds, "codecs": results}
 
 
-def _compare(reference: Any, restored: Any, vocab: int) -> PromptEval:
-    """One prompt's reference and restored vLLM outputs compared."""
-    a, b = reference.outputs[0], restored.outputs[0]
-    diff = first_difference(a.token_ids, b.token_ids)
-    shared = len(a.token_ids) if diff is None else diff + 1  # the first differing position too
-    kls = [
-        topk_kl(
-            {t: lp.logprob for t, lp in a.logprobs[i].items()},
-            {t: lp.logprob for t, lp in b.logprobs[i].items()},
-            vocab,
-        )
-        for i in range(min(shared, len(a.logprobs), len(b.logprobs)))
-    ]
-    return PromptEval(
-        prompt_tokens=len(reference.prompt_token_ids),
-        restored_tokens=restored.num_cached_tokens or 0,
-        first_diff=diff,
-        mean_kl=statistics.fmean(kls) if kls else 0.0,
-    )
-
-
-def write_verdict(
-    path: Path, report: EvalReport, verdict: CodecEval, min_identical: float, max_kl: float
-) -> None:
+def write_verdict(path: Path, report: EvalReport, verdict: CodecEval, gate: Gate) -> None:
     """Record `verdict` for the report's model in `[codec_verdicts]` of the tierkv.toml at
-    `path` (created if missing; everything else in it is kept), the figures as a comment."""
+    `path` (created if missing; everything else in it is kept), its figures as a comment."""
     if report.fingerprint is None:
         raise ValueError(f"no weight files found for {report.model}: nothing to key a verdict by")
+    fp32 = report.run("float32")
+    measured = fp32.codec(verdict.codec) if fp32 else None
+    if measured is None:
+        raise ValueError("the gate needs a float32 run of the codec")
     document = (
         tomlkit.parse(path.read_text(encoding="utf-8")) if path.exists() else tomlkit.document()
     )
@@ -486,10 +642,10 @@ def write_verdict(
         document["codec_verdicts"] = verdicts
     entry = tomlkit.item(verdict.codec)
     entry.comment(
-        f"{Path(report.model).name}: {verdict.identical:.0%} identical over "
-        f"{len(verdict.prompts)} prompts x {report.new_tokens} tokens, mean KL "
-        f"{verdict.mean_kl:.2g}, {verdict.stored_ratio:.2f}x smaller (gate: >= "
-        f"{min_identical:.0%} identical, KL <= {max_kl:g}; tierkv eval {time.strftime('%Y-%m-%d')})"
+        f"{Path(report.model).name}: {verdict.stored_ratio:.2f}x smaller, {verdict.kept}/"
+        f"{verdict.reference_found} of the hit's passkeys ({report.model_dtype}), KL "
+        f"{measured.kl:.2g}, top-1 {measured.top1:.1%} over {measured.positions} positions "
+        f"(float32); gate: {gate.describe()}; tierkv eval {time.strftime('%Y-%m-%d')}"
     )
     verdicts[report.fingerprint] = entry
     path.write_text(tomlkit.dumps(document), encoding="utf-8")

@@ -19,9 +19,10 @@ from rich.text import Text
 
 from tierkv.addresses import parse_cold_address
 from tierkv.cli import app
+from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
 from tierkv.codecs import CODEC_NAMES, kv_pair_codecs
-from tierkv.config import SecurityConfig, TierKVConfig, load_config
+from tierkv.config import SecurityConfig, TierKVConfig
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 from tierkv.sizes import parse_size
 
@@ -48,7 +49,7 @@ def bench(
         str | None,
         typer.Option(
             metavar="NAME",
-            help=f"{', '.join(CODEC_NAMES)} or all.",
+            help=f"A codec ({', '.join(CODEC_NAMES[:7])}, ...) or all.",
             show_default="the config's codec",
         ),
     ] = None,
@@ -131,7 +132,7 @@ def bench(
     With --engine, time to first token of one prompt three ways instead: cold, from the engine's
     own prefix cache, and restored from the vault after the engine's cache lost it.
     """
-    cfg = load_config(config)
+    cfg = engine_config(config)
     origin = "--codec" if codec else f"{cfg.source}: compression.codec"
     codec = codec or cfg.compression.codec_name
     if codec != "all" and codec not in CODEC_NAMES and not _is_pair(codec):

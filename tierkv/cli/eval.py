@@ -10,18 +10,19 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tierkv.bench.eval import TASK_NEW_TOKENS, TIE_NATS, Gate, passkey_probes
 from tierkv.cli import app
 from tierkv.cli.bench import _size_option
+from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
-from tierkv.codecs import CODEC_BITS, kv_pair_codecs
-from tierkv.config import load_config
+from tierkv.codecs import CODEC_NAMES, kv_pair_codecs
+from tierkv.patches.vllm import read_hf_config
 
 if TYPE_CHECKING:
     from tierkv.bench.eval import EvalReport
 
 console = Console(stderr=True)
-DEFAULT_CODECS = "none,int8,k8v4,tq4,tq3.5,tq3"
-DEFAULT_MAX_KL = 0.01
+DEFAULT_GATE = Gate()
 
 
 @app.command("eval")
@@ -35,8 +36,16 @@ def eval_command(
         typer.Option(
             metavar="NAMES",
             help='Codecs to compare, e.g. "none,int8,k8v4,tq4" (none first).',
+            show_default="every codec",
         ),
-    ] = DEFAULT_CODECS,
+    ] = "",
+    dtype: Annotated[
+        str,
+        typer.Option(
+            metavar="DTYPES",
+            help='Compute dtypes, one engine each: "float32", "model" (the model\'s own).',
+        ),
+    ] = "float32,model",
     prompts: Annotated[
         Path | None,
         typer.Option(
@@ -54,40 +63,42 @@ def eval_command(
         ),
     ] = 2048,
     new_tokens: Annotated[
-        int, typer.Option(metavar="N", help="Greedy tokens generated per run.", min=1)
-    ] = 50,
-    min_identical: Annotated[
-        float,
+        int,
+        typer.Option(metavar="N", help="Continuation tokens compared per text.", min=1),
+    ] = 64,
+    probes: Annotated[int, typer.Option(metavar="N", help="Passkey probes (0: none).", min=0)] = 30,
+    passkey_tokens: Annotated[
+        int | None,
         typer.Option(
-            metavar="SHARE",
-            help="Gate: share of prompts with identical continuations.",
-            min=0,
-            max=1,
+            metavar="N",
+            help="The longest passkey probe, in tokens.",
+            show_default="the model's context",
+            min=64,
         ),
-    ] = 0.95,
+    ] = None,
     max_kl: Annotated[
         float,
         typer.Option(
-            metavar="NATS", help="Gate: mean KL divergence (nats) over shared positions.", min=0
+            metavar="NATS", help="Gate: mean teacher-forced KL in float32 compute.", min=0
         ),
-    ] = DEFAULT_MAX_KL,
-    passkey_lengths: Annotated[
-        str,
-        typer.Option(
-            metavar="TOKENS",
-            help="Passkey prompts of these lengths (capped at the model's context); '' for none.",
-        ),
-    ] = "1024,2048,4096,8192",
-    counting: Annotated[bool, typer.Option(help="Score the few-shot counting task.")] = True,
-    min_task_accuracy: Annotated[
+    ] = DEFAULT_GATE.max_kl,
+    min_top1: Annotated[
         float,
         typer.Option(
             metavar="SHARE",
-            help="Gate: share of each task's prompts answered right after a restore.",
+            help="Gate: share of positions whose top-1 is the hit's, float32 compute.",
             min=0,
             max=1,
         ),
-    ] = 0.0,
+    ] = DEFAULT_GATE.min_top1,
+    tie_nats: Annotated[
+        float,
+        typer.Option(
+            metavar="NATS",
+            help="A first difference where the hit's top-2 gap is under this is a tie.",
+            min=0,
+        ),
+    ] = TIE_NATS,
     write_config: Annotated[
         Path | None,
         typer.Option(
@@ -121,20 +132,14 @@ def eval_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Store each prompt through each codec, drop the engine's prefix cache, restore it from the
-    vault and generate again: how often the continuation stays identical, where it first
-    differs, the KL divergence of the next-token distributions and the bytes saved.
+    vault and compare with the engine's own prefix-cache hit: the teacher-forced KL and top-1
+    agreement over a fixed continuation, greedy identity (ties apart), passkeys kept, bytes saved.
     """
-    from tierkv.bench.eval import (
-        EngineFailed,
-        builtin_prompts,
-        task_prompts,
-        vllm_eval,
-        write_verdict,
-    )
+    from tierkv.bench.eval import EngineFailed, builtin_prompts, vllm_eval, write_verdict
     from tierkv.bench.pipeline import vault_addresses  # the codecs (Numba): not for `tierkv --help`
     from tierkv.patches.vllm import check_model
 
-    cfg = load_config(config)
+    cfg = engine_config(config)
     if engine != "vllm":
         raise fail(
             "eval",
@@ -142,19 +147,32 @@ def eval_command(
             "log-probabilities and cannot switch codecs between runs)",
             2,
         )
-    names = [name.strip() for name in codecs.split(",") if name.strip()]
+    names = [name.strip() for name in codecs.split(",") if name.strip()] or list(CODEC_NAMES)
     for name in names:
-        if name not in CODEC_BITS and _pair(name) is None:
+        if name not in CODEC_NAMES and _pair(name) is None:
             raise fail(
                 "eval",
-                f"--codecs: unknown codec {name!r}; use {', '.join(CODEC_BITS)} or a K/V "
+                f"--codecs: unknown codec {name!r}; use {', '.join(CODEC_NAMES)} or a K/V "
                 'pair like "k8v4"',
                 2,
             )
+    hf_config = read_hf_config(model) or {}
+    model_dtype = _model_dtype(hf_config)
+    dtypes = _dtypes(dtype, model_dtype)
+    gate = Gate(max_kl=max_kl, min_top1=min_top1)
+    if write_config is not None and {"float32", model_dtype} - set(dtypes):
+        raise fail(
+            "eval",
+            f"--write-config: the gate needs float32 and the model's {model_dtype}; "
+            f"--dtype {dtype!r} leaves one out",
+            2,
+        )
     prompt_set = _read_prompts(prompts, tokens) if prompts else builtin_prompts(tokens)
-    lengths = _passkey_lengths(passkey_lengths, model, new_tokens)
-    scored = task_prompts(lengths)
-    prompt_set += scored if counting else [p for p in scored if p["task"] != "counting"]
+    context = hf_config.get("max_position_embeddings")
+    longest = passkey_tokens or (context if isinstance(context, int) else 8192)
+    if isinstance(context, int):
+        longest = min(longest, context - TASK_NEW_TOKENS - 16)
+    prompt_set += passkey_probes(probes, longest) if probes else []
     kv_bytes = _size_option("--kv-cache-bytes", kv_cache_bytes)
     check_model(model, "--model")
     with vault_addresses(vault or []) as addresses:
@@ -164,20 +182,25 @@ def eval_command(
                 model,
                 prompt_set,
                 names,
+                dtypes=dtypes,
+                model_dtype=model_dtype,
                 new_tokens=new_tokens,
                 connector_config=settings,
                 group_size=cfg.compression.group_size,
                 kv_cache_bytes=kv_bytes,
+                tie_nats=tie_nats,
             )
         except EngineFailed as exc:
             raise fail("eval", str(exc), 1) from None
-    verdict = report.verdict(min_identical, max_kl, min_task_accuracy)
+    verdict = report.verdict(gate)
     if as_json:
         found = report.as_json()
+        found["gate"] = {"max_kl": gate.max_kl, "min_top1": gate.min_top1}
         found["verdict"] = verdict.codec if verdict else None
         print(json.dumps(found, indent=2))
     else:
-        Console().print(eval_table(report, min_identical, max_kl, min_task_accuracy))
+        for run in report.runs:
+            Console().print(eval_table(report, run.dtype, gate))
     failures = report.self_test_failures()
     if failures:
         raise fail(
@@ -191,7 +214,7 @@ def eval_command(
     if verdict is None:
         raise fail("eval", "no codec passed the gate, not even none: nothing written", 1)
     try:
-        write_verdict(write_config, report, verdict, min_identical, max_kl)
+        write_verdict(write_config, report, verdict, gate)
     except OSError as exc:
         raise fail("eval", f"--write-config {write_config}: {exc.strerror or exc}", 1) from None
     except ValueError as exc:
@@ -202,30 +225,31 @@ def eval_command(
     )
 
 
+def _model_dtype(hf_config: dict[str, Any]) -> str:
+    """The dtype the model's config.json names (vLLM's spelling), float32 when it names none."""
+    named = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+    return {"float": "float32", "half": "float16"}.get(str(named), str(named))
+
+
+def _dtypes(option: str, model_dtype: str) -> list[str]:
+    """--dtype as vLLM dtype names ("model" is the model's own), each once."""
+    found = []
+    for part in (p.strip() for p in option.split(",") if p.strip()):
+        name = model_dtype if part == "model" else part
+        if name not in ("float32", "bfloat16", "float16"):
+            message = f"--dtype {option!r}: {part!r} is not float32, bfloat16, float16 or model"
+            raise fail("eval", message, 2)
+        found.append(name)
+    if not found:
+        raise fail("eval", "--dtype: name at least one dtype", 2)
+    return list(dict.fromkeys(found))
+
+
 def _pair(name: str) -> tuple[str, str] | None:
     try:
         return kv_pair_codecs(name)
     except ValueError:
         return None
-
-
-def _passkey_lengths(option: str, model: str, new_tokens: int) -> list[int]:
-    """--passkey-lengths as token counts, each capped to fit the model's context."""
-    from tierkv.bench.eval import TASK_NEW_TOKENS
-    from tierkv.patches.vllm import read_hf_config
-
-    try:
-        lengths = [int(part) for part in option.split(",") if part.strip()]
-    except ValueError:
-        message = f"--passkey-lengths {option!r}: expected token counts like 1024,4096"
-        raise fail("eval", message, 2) from None
-    if any(length < 64 for length in lengths):
-        raise fail("eval", f"--passkey-lengths {option!r}: each length must be >= 64", 2)
-    context = (read_hf_config(model) or {}).get("max_position_embeddings")
-    if isinstance(context, int):
-        room = context - max(new_tokens, TASK_NEW_TOKENS) - 16
-        lengths = [min(length, room) for length in lengths]
-    return list(dict.fromkeys(lengths))
 
 
 def _read_prompts(path: Path, tokens: int) -> list[dict[str, Any]]:
@@ -255,67 +279,43 @@ def _read_prompts(path: Path, tokens: int) -> list[dict[str, Any]]:
     return found
 
 
-def eval_table(
-    report: EvalReport, min_identical: float, max_kl: float, min_task_accuracy: float = 0.0
-) -> Table:
-    """One row per codec and the engine's own floor first; the gate's verdict in the caption."""
-    from tierkv.bench.eval import ARTICLE_TOKENS
-
-    verdict = report.verdict(min_identical, max_kl, min_task_accuracy)
-    rows = [report.floor, *report.codecs] if report.floor else report.codecs
-    texts = len(rows[0].texts) if rows else 0
-    tasks = rows[0].tasks() if rows else []
+def eval_table(report: EvalReport, dtype: str, gate: Gate) -> Table:
+    """One row per codec in one compute dtype, the engine's own floor first; the gate in the
+    caption."""
+    run = report.run(dtype)
+    assert run is not None
+    verdict = report.verdict(gate)
+    rows = [run.floor, *run.codecs]
+    texts, probes = len(run.floor.texts), len(run.floor.probes)
     table = Table(
         title=(
-            f"tierkv eval: {Path(report.model).name}, {texts} prompts x {report.new_tokens} "
-            f"greedy tokens ({report.seconds:.0f} s)"
+            f"tierkv eval: {Path(report.model).name} computing in {dtype}, {texts} texts x "
+            f"{report.new_tokens} tokens, {probes} passkey probes ({run.seconds:.0f} s)"
         ),
         caption=(
-            "restored run vs vLLM's own prefix-cache hit of the same prompt (vs hit) and vs the "
-            "cold run; the 'vLLM hit' row is the engine's own hit vs cold, no tierkv (the floor). "
-            f"KL: mean over the positions before the first difference (and at it), from the "
-            f"top-{report.top_k} log-probabilities, the rest of the vocabulary folded into one "
-            "bucket. Accuracy: restored (cold). "
-            f"Gate: >= {min_identical:.0%} identical to the hit, KL <= {max_kl:g}, every task "
-            f">= {min_task_accuracy:.0%}: {verdict.codec if verdict else 'nothing passes'}"
+            "Each codec's restored run against vLLM's own prefix-cache hit of the same prompt; "
+            "the first row is the hit against the cold run, no tierkv (the floor). KL: "
+            "KL(hit || restored), mean over the continuation's positions, from the "
+            f"top-{report.top_k} log-probabilities, the rest of the vocabulary one bucket. "
+            "Greedy: "
+            f"texts identical / ties (hit's top-2 gap < {report.tie_nats:g} nat) / diverged. "
+            f"Passkeys: kept of those the hit finds (found by the hit of all probes). Gate: "
+            f"{gate.describe()}: {verdict.codec if verdict else 'nothing passes'}"
         ),
     )
-    columns = [
-        "codec",
-        "identical vs hit",
-        f"first {ARTICLE_TOKENS} identical",
-        "first diff",
-        "KL vs hit",
-        "identical vs cold",
-        "KL vs cold",
-        *tasks,
-        "restored",
-        "ratio",
-        "gate",
-    ]
-    for column in columns:
+    for column in ("codec", "ratio", "KL", "top-1", "greedy", "passkeys", "restored", "gate"):
         table.add_column(column, justify="left" if column == "codec" else "right")
     for c in rows:
-        accuracy = [
-            f"{c.accuracy(task) or 0:.0%} ({c.accuracy(task, cold=True) or 0:.0%})"
-            for task in tasks
-        ]
-        floor = c is report.floor
+        floor = c is run.floor
+        passes = None if floor else report.passes(c.codec, gate)
         table.add_row(
             c.codec,
-            "-" if floor else f"{c.identical:.0%}",
-            f"{c.article_identical}/{len(c.texts)}",
-            f"{c.mean_first_diff:.1f}",
-            "-" if floor else f"{c.mean_kl:.2g}",
-            f"{c.cold_identical:.0%}",
-            f"{c.mean_cold_kl:.2g}",
-            *accuracy,
-            f"{c.restored_fraction:.0%}",
             "-" if floor else f"{c.stored_ratio:.2f}x",
-            "-"
-            if floor
-            else "pass"
-            if c.passes(min_identical, max_kl, min_task_accuracy)
-            else "[red]fail",
+            f"{c.kl:.2g}",
+            f"{c.top1:.1%}",
+            f"{c.identical}/{c.ties}/{c.diverged}",
+            f"{c.kept}/{c.reference_found} ({c.reference_found} of {len(c.probes)})",
+            f"{c.restored_fraction:.0%}",
+            "-" if passes is None else "pass" if passes else "[red]fail",
         )
     return table

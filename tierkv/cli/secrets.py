@@ -43,17 +43,24 @@ def init(
     data key and an engine's tierkv.toml) and, with --tls, DIR/ca/ and the vault's certificate.
     Copy vault/ to each vault and NAME/ to that tenant's engines; run tierkv in that directory."""
     from tierkv.provision import init_secrets, valid_host
-    from tierkv.vault.auth import TENANT_RE
+    from tierkv.wire.secrets import valid_tenant
 
     tenants = tenant or ["default"]
     for name in tenants:
-        if not TENANT_RE.match(name) or name in ("vault", "ca"):
-            raise fail("secrets", f"--tenant {name!r}: letters, digits, _.- (not vault, ca)", 2)
+        if not valid_tenant(name) or name in ("vault", "ca"):
+            raise fail(
+                "secrets", f"--tenant {name!r}: letters, digits, _.- (not ., .., vault, ca)", 2
+            )
     if len(set(tenants)) != len(tenants):
         raise fail("secrets", "--tenant: each tenant once", 2)
     for host in tls or []:
         if not valid_host(host):
-            raise fail("secrets", f"--tls {host!r}: expected a host name or an IP address", 2)
+            raise fail(
+                "secrets",
+                f"--tls {host!r}: expected a host name or an IP address engines reach the "
+                "vault at (not a wildcard such as 0.0.0.0 or ::)",
+                2,
+            )
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise fail("secrets", f"{directory}: not a new or empty directory", 2)
     try:

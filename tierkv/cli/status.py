@@ -38,8 +38,9 @@ from rich.text import Text
 
 from tierkv.addresses import is_redis_url, parse_address, parse_cold_address, redact
 from tierkv.cli import app
+from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
-from tierkv.config import VAULT_ROLES, ConfigError, TierKVConfig, load_config
+from tierkv.config import VAULT_ROLES, ConfigError, TierKVConfig
 from tierkv.patches.exo import hook_state
 from tierkv.sizes import format_size
 
@@ -139,9 +140,9 @@ def unreachable(address: str, timeout_s: float) -> str | None:
 def tls_refused(host: str, port: int, cfg: TierKVConfig) -> str | None:
     """Why the certificate of the vault at `host`:`port` fails our verification (security.tls_ca,
     the vault's name); None when it passes, or we speak no TLS, or nothing answers there."""
-    from tierkv.vault.auth import ssl_context
+    from tierkv.backends.security import ssl_context
 
-    context = ssl_context(cfg.security, server=False)
+    context = ssl_context(cfg.security)
     if context is None:
         return None
     try:
@@ -166,8 +167,8 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     """
     from tierkv.backends import open_one
     from tierkv.backends.base import BackendUnavailable
+    from tierkv.backends.security import client_token
     from tierkv.backends.vault import VaultClient, VaultRefused
-    from tierkv.vault.auth import client_token
 
     row: dict[str, Any] = {
         "name": name,
@@ -554,10 +555,7 @@ def status(
     that the tierkv hook is installed in that EXO checkout.
     """
     addresses = vault or []
-    from tierkv.vault.auth import refuse_ineffective_settings
-
-    cfg = load_config(config)
-    refuse_ineffective_settings(cfg.security, vault=False)
+    cfg = engine_config(config)
     if cfg.security.data_key_file:  # one that does not parse would fail every store
         from tierkv.seal import read_data_keys
 

@@ -114,6 +114,14 @@ def vault(
             show_default="vault.disk_max_bytes, else half the free space",
         ),
     ] = None,
+    disk_reset: Annotated[
+        bool,
+        typer.Option(
+            "--disk-reset",
+            help="Start the disk tier empty: remove its segments and record.key first (every "
+            "block on disk is lost; for a disk_dir whose record.key is lost).",
+        ),
+    ] = False,
     insecure: Annotated[
         bool,
         typer.Option(
@@ -149,7 +157,7 @@ def vault(
         refuse_ineffective_settings,
     )
 
-    refuse_ineffective_settings(cfg.security, vault=True)
+    refuse_ineffective_settings(cfg.security)
     entries = configured_tokens(cfg.security)
     tokens = Tokens(entries) if entries else None
     open_to_lan = listens_open(listen, tokens, cfg.security, insecure=insecure)
@@ -184,7 +192,7 @@ def vault(
     from tierkv.vault.server import VaultBindError, serve
 
     reuse_freed_memory()
-    disk = _open_disk(cfg, disk_dir, disk_max_bytes)
+    disk = _open_disk(cfg, disk_dir, disk_max_bytes, disk_reset)
     _warn_beyond_memory(cap, origin, disk.max_bytes if disk else 0)
     try:
         bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
@@ -284,15 +292,20 @@ def _access_text(tokens: Tokens | None, cfg: TierKVConfig) -> str:
     return ", ".join(parts)
 
 
-def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -> DiskTier | None:
-    """The disk tier the options or the config ask for (recovered), else None; exits on errors."""
-    from tierkv.vault.disk import DiskLockedError, DiskTier, default_max_bytes
+def _open_disk(
+    cfg: TierKVConfig, option: Path | None, cap_option: str | None, reset: bool
+) -> DiskTier | None:
+    """The disk tier the options or the config ask for (recovered, or emptied first when
+    `reset`), else None; exits on errors."""
+    from tierkv.vault.disk import DiskKeyError, DiskLockedError, DiskTier, default_max_bytes
+    from tierkv.wire.secrets import make_private_dir
 
     directory = option or (Path(cfg.vault.disk_dir) if cfg.vault.disk_dir else None)
     origin = "--disk-dir" if option else f"{cfg.source}: vault.disk_dir"
     if directory is None:
-        if cap_option is not None:
-            raise fail("vault", "--disk-max-bytes needs --disk-dir (or vault.disk_dir)", 2)
+        if cap_option is not None or reset:
+            given = "--disk-max-bytes" if cap_option is not None else "--disk-reset"
+            raise fail("vault", f"{given} needs --disk-dir (or vault.disk_dir)", 2)
         return None
     cap = cfg.vault.disk_max_bytes
     if cap_option is not None:
@@ -310,7 +323,7 @@ def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -
             2,
         )
     try:
-        directory.mkdir(exist_ok=True)
+        make_private_dir(directory)  # its parent exists: only the last directory is made
         if cap:
             _warn_beyond_free_space(cap, directory)
         cap = cap or default_max_bytes(directory)
@@ -321,11 +334,16 @@ def _open_disk(cfg: TierKVConfig, option: Path | None, cap_option: str | None) -
                 "with --disk-max-bytes)",
                 1,
             )
-        disk = DiskTier(directory, cap, cfg.vault.fsync)
-    except DiskLockedError as exc:
+        disk = DiskTier(directory, cap, cfg.vault.fsync, reset=reset)
+    except (DiskLockedError, DiskKeyError) as exc:
         raise fail("vault", str(exc), 1) from None
     except OSError as exc:
         raise fail("vault", f"{origin} {directory}: {exc.strerror or exc}", 1) from None
+    if reset:
+        typer.echo(
+            f"tierkv vault: disk tier {directory}: reset (--disk-reset): "
+            f"{disk.reset_segments} segments and the record key removed"
+        )
     found = disk.recovery
     typer.echo(
         f"tierkv vault: disk tier {directory}: recovered {found.blocks} blocks "

@@ -22,7 +22,14 @@ Payloads are tenants' bytes, so a payload may hold what looks like a whole recor
 tenant's namespace or a CLEAR of it. Recovery must never take such bytes for a record: the
 header MAC is keyed BLAKE2b under `record.key`, 32 random bytes made when the directory is first
 used (mode 0600, never sent anywhere), so only the vault can write a header that verifies, and
-the scan resynchronises after damage only at such headers. Records of the first format (magic
+the scan resynchronises after damage only at such headers, checking at most
+MAX_RESYNC_CANDIDATES places per segment (a tail of nothing but record magic costs a bounded
+time; what lies past that is left in place, unread). Without its record key the records cannot
+be told from damage: a directory whose segments hold records but whose key is missing, of the
+wrong length or opens none of them is refused (DiskKeyError, naming the file), never truncated;
+`reset=True` (`tierkv vault --disk-reset`) removes every segment and the key to start empty. The
+directory is made 0700 and every file in it 0600, whatever the umask (payloads are tenants'
+bytes, unsealed where their engines do not seal). Records of the first format (magic
 TKVR, unkeyed xxh3 header checksum) are still read where the chain of records from a segment's
 start reaches them, never as a place to resynchronise at nor after one.
 
@@ -45,6 +52,7 @@ import hashlib
 import os
 import secrets
 import shutil
+import stat
 import struct
 import threading
 import time
@@ -61,6 +69,7 @@ from tierkv.config import FSYNC_MODES
 from tierkv.errors import TierKVError
 from tierkv.logs import get_logger
 from tierkv.sizes import MIB
+from tierkv.wire.secrets import make_private_dir
 
 log = get_logger(__name__)
 
@@ -95,6 +104,11 @@ KIND_BLOCK, KIND_DELETE, KIND_CLEAR = 0, 1, 2
 _FIXED = struct.Struct("<4sBxHHxxIQQ")  # magic kind - ns_len key_len -- part length checksum
 _HEADER_SUM = struct.Struct("<Q")
 _SCAN_CHUNK = 4 * MIB
+MAX_RESYNC_CANDIDATES = 65_536
+"""Places (record magic) a segment's scan checks for a header after damage, at most: past them
+the rest of the segment is left unread (in place), so recovery time is bounded whatever a
+tenant's payloads hold."""
+PRIVATE_FILE_MODE = 0o600
 
 
 DEFAULT_FREE_FRACTION = 0.5
@@ -109,6 +123,11 @@ def default_max_bytes(directory: Path) -> int:
 
 class DiskLockedError(TierKVError, RuntimeError):
     """Another vault holds the disk directory."""
+
+
+class DiskKeyError(TierKVError, RuntimeError):
+    """The directory's record key is missing, of the wrong length or opens none of its records:
+    the vault refuses to start rather than take every record for damage."""
 
 
 class Location(NamedTuple):
@@ -235,6 +254,7 @@ class DiskTier:
         *,
         segment_bytes: int | None = None,
         write_behind_bytes: int = WRITE_BEHIND_BYTES,
+        reset: bool = False,
     ) -> None:
         if fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {fsync!r}")
@@ -248,9 +268,11 @@ class DiskTier:
         self._room = max(1, max_bytes - self._keep_bytes)
         """Bytes of segments new records may fill; the rest is for blocks kept on eviction."""
         self._write_behind = write_behind_bytes
-        self.directory.mkdir(parents=True, exist_ok=True)
+        make_private_dir(self.directory)
         self._lock_fd = self._take_lock()
-        self._record_key = _record_key(self.directory)
+        self.reset_segments = self._reset() if reset else 0
+        """Segments `reset` removed."""
+        self._record_key = _record_key(self.directory, self._segment_ids())
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._spaces: dict[bytes, _Space] = {}
@@ -458,7 +480,7 @@ class DiskTier:
 
     def _take_lock(self) -> int:
         path = self.directory / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_private(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -479,11 +501,20 @@ class DiskTier:
                 ids.append(int(path.stem))
         return sorted(ids)
 
+    def _reset(self) -> int:
+        """Remove every segment and the record key (the lock is held); how many segments."""
+        segments = self._segment_ids()
+        for segment in segments:
+            self._segment_path(segment).unlink()
+        (self.directory / RECORD_KEY_NAME).unlink(missing_ok=True)
+        _sync_dir(self.directory)
+        return len(segments)
+
     def _segment_path(self, segment: int) -> Path:
         return self.directory / f"{segment:010d}{SEGMENT_SUFFIX}"
 
     def _open_segment(self, segment: int) -> int:
-        fd = os.open(self._segment_path(segment), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_private(self._segment_path(segment), os.O_RDWR | os.O_CREAT)
         self._fds[segment] = fd
         self._sizes[segment] = os.fstat(fd).st_size
         self._segment_keys.setdefault(segment, set())
@@ -497,6 +528,7 @@ class DiskTier:
         damaged = []
         pos = 0
         legacy = True  # records of the first format only on the chain from the segment's start
+        budget = [MAX_RESYNC_CANDIDATES]  # places left to check for a header after damage
         while pos < size:
             parsed = _read_header(fd, pos, self._record_key, legacy)
             if parsed is not None and pos + parsed[1] + parsed[2] <= size:
@@ -504,8 +536,14 @@ class DiskTier:
                 self._replay(op, Location(segment, pos, header_len, length, op.checksum))
                 pos += header_len + length
                 continue
-            resume = _next_header(fd, pos + 1, size, self._record_key)
+            resume = _next_header(fd, pos + 1, size, self._record_key, budget)
             legacy = False
+            if resume is None and not budget[0]:
+                damaged.append(
+                    f"{name}: {size - pos} bytes at {pos} left unread (more than "
+                    f"{MAX_RESYNC_CANDIDATES} places to look for a record in them)"
+                )
+                break
             if resume is None:
                 os.ftruncate(fd, pos)
                 damaged.append(f"{name}: torn tail of {size - pos} bytes at {pos} truncated")
@@ -911,20 +949,74 @@ def _read_run(fds: dict[int, int], run: list[tuple[Location, int]]) -> list[memo
     return result
 
 
-def _record_key(directory: Path) -> bytes:
-    """The directory's record key, made on first use (only this vault can write it)."""
+def _open_private(path: Path, flags: int) -> int:
+    """os.open of a file of the directory, made 0600 whatever the umask or its mode before."""
+    fd = os.open(path, flags, PRIVATE_FILE_MODE)
+    if stat.S_IMODE(os.fstat(fd).st_mode) != PRIVATE_FILE_MODE:
+        os.fchmod(fd, PRIVATE_FILE_MODE)
+    return fd
+
+
+def _record_key(directory: Path, segments: Sequence[int]) -> bytes:
+    """The directory's record key, made on first use (only this vault can write it) while no
+    segment holds records; DiskKeyError when segments hold records and the key is missing, of
+    the wrong length, or opens none of them."""
     path = directory / RECORD_KEY_NAME
+    paths = [directory / f"{segment:010d}{SEGMENT_SUFFIX}" for segment in segments]
+    written = [segment for segment in paths if segment.stat().st_size]
+    what_to_do = (
+        "restore it from a backup, or start the vault with --disk-reset to start empty "
+        f"(removes the {len(written)} segments on disk)"
+    )
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        key = path.read_bytes()
-        if len(key) != RECORD_KEY_BYTES:
-            raise ValueError(
-                f"{path} holds {len(key)} bytes, not a record key of {RECORD_KEY_BYTES}: "
-                "restore it from a backup, or remove the disk_dir's files to start empty"
+        fd = _open_private(path, os.O_RDONLY)
+    except FileNotFoundError:
+        if written:
+            raise DiskKeyError(
+                f"{path} is missing, and {len(written)} segments hold records only it opens: "
+                + what_to_do
             ) from None
-        return key
+        return _new_record_key(directory, path)
+    try:
+        key = os.read(fd, RECORD_KEY_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(key) != RECORD_KEY_BYTES:
+        raise DiskKeyError(
+            f"{path} holds {len(key)} bytes, not a record key of {RECORD_KEY_BYTES}: " + what_to_do
+        )
+    verdicts = {_opens_first_record(segment, key) for segment in written}
+    if False in verdicts and True not in verdicts:
+        raise DiskKeyError(
+            f"{path} opens none of the {len(written)} segments' records (not the key that wrote "
+            "them): " + what_to_do
+        )
+    return key
+
+
+def _opens_first_record(segment: Path, record_key: bytes) -> bool | None:
+    """Whether the first record of a written segment verifies under `record_key` (one of the
+    first format, unkeyed, counts as opened); None when its header is not whole (a crash cut
+    the segment's first write), which tells nothing of the key."""
+    fd = os.open(segment, os.O_RDONLY)
+    try:
+        if os.pread(fd, len(LEGACY_MAGIC), 0) == LEGACY_MAGIC:
+            return True
+        if _read_header(fd, 0, record_key, legacy=False) is not None:
+            return True
+        fixed = os.pread(fd, _FIXED.size, 0)
+        if len(fixed) < _FIXED.size:
+            return None
+        ns_len, key_len = _FIXED.unpack(fixed)[2:4]
+        whole = _FIXED.size + ns_len + key_len + _HEADER_SUM.size
+        return None if os.fstat(fd).st_size < whole else False
+    finally:
+        os.close(fd)
+
+
+def _new_record_key(directory: Path, path: Path) -> bytes:
     key = secrets.token_bytes(RECORD_KEY_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
     try:
         os.write(fd, key)
         os.fsync(fd)
@@ -934,13 +1026,17 @@ def _record_key(directory: Path) -> bytes:
     return key
 
 
-def _next_header(fd: int, pos: int, size: int, record_key: bytes) -> int | None:
+def _next_header(fd: int, pos: int, size: int, record_key: bytes, budget: list[int]) -> int | None:
     """Offset of the next record header at or after `pos` that verifies under `record_key`
-    (never one of the first format, whose checksum anyone can compute), else None."""
+    (never one of the first format, whose checksum anyone can compute), else None; checks at
+    most budget[0] places, taking them off it (None when it runs out)."""
     while pos < size:
         chunk = os.pread(fd, _SCAN_CHUNK + _FIXED.size, pos)
         at = chunk.find(MAGIC)
         while at != -1:
+            if budget[0] <= 0:
+                return None
+            budget[0] -= 1
             parsed = _read_header(fd, pos + at, record_key, legacy=False)
             if parsed is not None and pos + at + parsed[1] + parsed[2] <= size:
                 return pos + at

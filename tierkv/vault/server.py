@@ -2,9 +2,9 @@
 
 `serve(listen, max_bytes)` starts a server in this process and returns a running `VaultServer`
 (its `.address` holds the bound port when `listen` asked for port 0); `tierkv vault` and the
-tests use it. The bulk methods (Put, Promote) use the fast codec of `wire.py` so payloads are
-never copied into per-block protobuf messages; the others use the generated classes. Every
-request is held to the `[limits]` of limits.py: a request beyond them is answered
+tests use it. The bulk methods (Put, Promote) use the fast codec of tierkv/wire/messages.py so
+payloads are never copied into per-block protobuf messages; the others use the generated
+classes. Every request is held to the `[limits]` of limits.py: a request beyond them is answered
 INVALID_ARGUMENT or RESOURCE_EXHAUSTED, a block beyond them is rejected with its reason; a
 request that does not parse is answered INVALID_ARGUMENT too (the caller's fault, not ours). A Put
 stream asks gRPC for its next message only once it holds room for the largest one
@@ -31,7 +31,6 @@ from tierkv.addresses import format_address, parse_address
 from tierkv.config import VAULT_ROLES, LimitsConfig, SecurityConfig
 from tierkv.errors import TierKVError
 from tierkv.transfer import batched_by_size
-from tierkv.vault._pb import vault_pb2, vault_pb2_grpc
 from tierkv.vault.auth import (
     Access,
     AuthInterceptor,
@@ -55,7 +54,8 @@ from tierkv.vault.limits import (
 )
 from tierkv.vault.metrics import VaultMetrics, default_metrics_host, grpc_server_ids
 from tierkv.vault.store import StoredBlock, VaultStore
-from tierkv.vault.wire import (
+from tierkv.wire._pb import vault_pb2, vault_pb2_grpc
+from tierkv.wire.messages import (
     MalformedMessage,
     already_encoded,
     decode_bulk,
@@ -576,10 +576,10 @@ def serve(
     host, port = parse_address(listen, allow_port_zero=True)
     limits = limits or LimitsConfig()
     security = security or SecurityConfig()
-    refuse_ineffective_settings(security, vault=True)
+    refuse_ineffective_settings(security)
     listens_open(listen, tokens, security, insecure=insecure)
     credentials = server_credentials(security)
-    tls = ssl_context(security, server=True)
+    tls = ssl_context(security)
     access = Access(tokens, credentials is not None, insecure)
     inflight = ByteBudget(limits.max_inflight_bytes)
     tenant_of = namespace_tenant if tokens and tokens.several_tenants else None

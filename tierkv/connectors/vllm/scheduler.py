@@ -10,7 +10,11 @@ It holds no tensors. Each engine step it decides:
 - **stores**: which engine blocks to copy out: the cached blocks nearest the head of vLLM's
   free-block queue (the next ones its allocator will reuse), walked through the block pool vLLM
   hands every connector (`bind_gpu_block_pool`); with `store = "on_finish"` also a finished
-  request's cached blocks at once. A free block carries only vLLM's (per-process seeded) block
+  request's cached blocks at once; and, in either mode, each sliding-window block a running
+  request lets go of (vLLM frees the blocks behind the window during a long prefill, to the
+  tail of the free queue, where the walk of its head may not reach them before they are reused
+  or a cache reset drops them, and a later hit needs them in the window before its end). A free
+  block carries only vLLM's (per-process seeded) block
   hash, so the scheduler learns hash -> tierkv key pairs from the requests it sees
   (`request.block_hashes` against tierkv's chained keys of the same tokens).
 
@@ -81,6 +85,8 @@ class StoreJob:
     group_id: int
     block_id: int
     key: bytes
+    first: bool = False
+    """The block is its sequence's first (a sink codec keeps its first tokens lossless)."""
 
 
 @dataclass
@@ -96,6 +102,8 @@ class _Tracked:
     request: Request
     keys: list[bytes] = field(default_factory=list)
     mapped: int = 0
+    left: dict[int, int] = field(default_factory=dict)
+    """Sliding-window group -> the first block not yet seen let go of by the request."""
 
 
 @dataclass
@@ -141,13 +149,15 @@ class TierScheduler:
         self._loads: list[LoadJob] = []
         self._stores: list[StoreJob] = []
         self._group_ids = {plan.group_id for plan in self.plans}
+        self._window_plans = [plan for plan in self.plans if plan.window]
         self._tracked: dict[str, _Tracked] = {}
         self._live: set[str] = set()  # requests vLLM asked about and that have not finished
         # request -> (group, engine block, key) of each block it restores
         self._loaded_into: dict[str, list[tuple[int, int, bytes]]] = {}
         self._failed_loads: set[str] = set()  # requests whose restore failed: recompute them
-        # vLLM block hash -> tierkv key, and the (group, key) pairs recently sent; both bounded.
-        self._hash_keys: OrderedDict[bytes, bytes] = OrderedDict()
+        # vLLM block hash -> (tierkv key, whether it is its sequence's first block), and the
+        # (group, key) pairs recently sent; both bounded.
+        self._hash_keys: OrderedDict[bytes, tuple[bytes, bool]] = OrderedDict()
         self._stored: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self._hash_capacity = max(4 * num_engine_blocks * max(1, len(self.plans)), 4096)
 
@@ -344,7 +354,7 @@ class TierScheduler:
                 tokens = request.all_token_ids[start : len(hashes) * self.block_size]
                 tracked.keys.extend(chain_block_keys(list(tokens), self.block_size, parent))
             for index in range(tracked.mapped, min(len(hashes), len(tracked.keys))):
-                self._hash_keys[hashes[index]] = tracked.keys[index]
+                self._hash_keys[hashes[index]] = (tracked.keys[index], index == 0)
                 self._hash_keys.move_to_end(hashes[index])
             tracked.mapped = max(tracked.mapped, min(len(hashes), len(tracked.keys)))
         while len(self._hash_keys) > self._hash_capacity:
@@ -357,13 +367,14 @@ class TierScheduler:
         self._pending_loads.pop(request.request_id, None)
         self._lookups.pop(request.request_id, None)
         pool = self._pool
-        if pool is not None and (
-            self.store_mode == "on_finish" or pool.get_num_free_blocks() < self.watermark
-        ):
+        if pool is not None:
             self._map_hashes()
-            for plan in self.plans:
-                for block_id in block_ids[plan.group_id]:
-                    self._store_if_known(pool.blocks[block_id])
+            if request.request_id in self._tracked:
+                self._collect_left_window(self._tracked[request.request_id])
+            if self.store_mode == "on_finish" or pool.get_num_free_blocks() < self.watermark:
+                for plan in self.plans:
+                    for block_id in block_ids[plan.group_id]:
+                        self._store_if_known(pool.blocks[block_id])
         self._tracked.pop(request.request_id, None)
         self._live.discard(request.request_id)
         self._loaded_into.pop(request.request_id, None)
@@ -378,16 +389,40 @@ class TierScheduler:
                 break
             self._store_if_known(block)
 
+    def _collect_left_window(self, tracked: _Tracked) -> None:
+        """Queue stores for the window blocks the request has let go of since the last look.
+
+        vLLM frees a window group's blocks from the front, as the window moves past them, so
+        each group's look goes on from where the last one stopped, up to the first block the
+        request (or another sharing it) still holds: a few blocks per step."""
+        pool = self._pool
+        if pool is None:
+            return
+        request = tracked.request
+        hashes = request.block_hashes
+        computed = min(len(hashes), tracked.mapped, request.num_computed_tokens // self.block_size)
+        for plan in self._window_plans:
+            index = tracked.left.get(plan.group_id, 0)
+            while index < computed:
+                found = pool.get_cached_block(hashes[index], [plan.group_id])
+                if found is not None:
+                    if found[0].ref_cnt > 0:
+                        break
+                    self._store_if_known(found[0])
+                index += 1
+            tracked.left[plan.group_id] = index
+
     def _store_if_known(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash
         if block_hash is None or block.is_null:
             return
         group_id = get_group_id(block_hash)
-        key = self._hash_keys.get(get_block_hash(block_hash))
-        if key is None or group_id not in self._group_ids:
+        known = self._hash_keys.get(get_block_hash(block_hash))
+        if known is None or group_id not in self._group_ids:
             return
+        key, first = known
         if self._remember_stored((group_id, key)):
-            self._stores.append(StoreJob(group_id, block.block_id, key))
+            self._stores.append(StoreJob(group_id, block.block_id, key, first))
 
     def _remember_stored(self, marker: tuple[int, bytes]) -> bool:
         """Note that (group, key) is in the vaults; False when it was known already."""
@@ -403,6 +438,8 @@ class TierScheduler:
 
     def build_connector_meta(self) -> TierKVMetadata:
         self._map_hashes()
+        for tracked in self._tracked.values():
+            self._collect_left_window(tracked)
         # Also with "on_finish": blocks freed before their request finished (Mamba states the
         # request moved past, preempted requests' blocks) are caught on their way out.
         self._collect_evictions()

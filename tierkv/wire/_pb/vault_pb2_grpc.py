@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from tierkv.vault._pb import vault_pb2 as tierkv_dot_vault_dot___pb_dot_vault__pb2
+from tierkv.wire._pb import vault_pb2 as tierkv_dot_wire_dot___pb_dot_vault__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in tierkv/vault/_pb/vault_pb2_grpc.py depends on'
+        + ' but the generated code in tierkv/wire/_pb/vault_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class VaultStub:
         """
         self.Put = channel.stream_unary(
                 '/tierkv.v1.Vault/Put',
-                request_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.PutBatch.SerializeToString,
-                response_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.PutSummary.FromString,
+                request_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.PutBatch.SerializeToString,
+                response_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.PutSummary.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/tierkv.v1.Vault/Lookup',
-                request_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.LookupRequest.SerializeToString,
-                response_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.LookupReply.FromString,
+                request_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.LookupRequest.SerializeToString,
+                response_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.LookupReply.FromString,
                 _registered_method=True)
         self.Promote = channel.unary_stream(
                 '/tierkv.v1.Vault/Promote',
-                request_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.PromoteRequest.SerializeToString,
-                response_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.PromoteChunk.FromString,
+                request_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.PromoteRequest.SerializeToString,
+                response_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.PromoteChunk.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/tierkv.v1.Vault/Stats',
-                request_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.StatsRequest.SerializeToString,
-                response_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.StatsReply.FromString,
+                request_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.StatsRequest.SerializeToString,
+                response_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.StatsReply.FromString,
                 _registered_method=True)
         self.Delete = channel.unary_unary(
                 '/tierkv.v1.Vault/Delete',
-                request_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteRequest.SerializeToString,
-                response_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteReply.FromString,
+                request_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.DeleteRequest.SerializeToString,
+                response_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.DeleteReply.FromString,
                 _registered_method=True)
         self.Clear = channel.unary_unary(
                 '/tierkv.v1.Vault/Clear',
-                request_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.ClearRequest.SerializeToString,
-                response_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteReply.FromString,
+                request_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.ClearRequest.SerializeToString,
+                response_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.DeleteReply.FromString,
                 _registered_method=True)
         self.Hello = channel.unary_unary(
                 '/tierkv.v1.Vault/Hello',
-                request_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloRequest.SerializeToString,
-                response_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloReply.FromString,
+                request_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.HelloRequest.SerializeToString,
+                response_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.HelloReply.FromString,
                 _registered_method=True)
 
 
@@ -128,38 +128,38 @@ def add_VaultServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.PutBatch.FromString,
-                    response_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.PutSummary.SerializeToString,
+                    request_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.PutBatch.FromString,
+                    response_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.PutSummary.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.LookupRequest.FromString,
-                    response_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.LookupReply.SerializeToString,
+                    request_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.LookupRequest.FromString,
+                    response_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.LookupReply.SerializeToString,
             ),
             'Promote': grpc.unary_stream_rpc_method_handler(
                     servicer.Promote,
-                    request_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.PromoteRequest.FromString,
-                    response_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.PromoteChunk.SerializeToString,
+                    request_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.PromoteRequest.FromString,
+                    response_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.PromoteChunk.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.StatsRequest.FromString,
-                    response_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.StatsReply.SerializeToString,
+                    request_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.StatsRequest.FromString,
+                    response_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.StatsReply.SerializeToString,
             ),
             'Delete': grpc.unary_unary_rpc_method_handler(
                     servicer.Delete,
-                    request_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteRequest.FromString,
-                    response_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteReply.SerializeToString,
+                    request_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.DeleteRequest.FromString,
+                    response_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.DeleteReply.SerializeToString,
             ),
             'Clear': grpc.unary_unary_rpc_method_handler(
                     servicer.Clear,
-                    request_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.ClearRequest.FromString,
-                    response_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteReply.SerializeToString,
+                    request_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.ClearRequest.FromString,
+                    response_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.DeleteReply.SerializeToString,
             ),
             'Hello': grpc.unary_unary_rpc_method_handler(
                     servicer.Hello,
-                    request_deserializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloRequest.FromString,
-                    response_serializer=tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloReply.SerializeToString,
+                    request_deserializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.HelloRequest.FromString,
+                    response_serializer=tierkv_dot_wire_dot___pb_dot_vault__pb2.HelloReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -187,8 +187,8 @@ class Vault:
             request_iterator,
             target,
             '/tierkv.v1.Vault/Put',
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.PutBatch.SerializeToString,
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.PutSummary.FromString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.PutBatch.SerializeToString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.PutSummary.FromString,
             options,
             channel_credentials,
             insecure,
@@ -214,8 +214,8 @@ class Vault:
             request,
             target,
             '/tierkv.v1.Vault/Lookup',
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.LookupRequest.SerializeToString,
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.LookupReply.FromString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.LookupRequest.SerializeToString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.LookupReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -241,8 +241,8 @@ class Vault:
             request,
             target,
             '/tierkv.v1.Vault/Promote',
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.PromoteRequest.SerializeToString,
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.PromoteChunk.FromString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.PromoteRequest.SerializeToString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.PromoteChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -268,8 +268,8 @@ class Vault:
             request,
             target,
             '/tierkv.v1.Vault/Stats',
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.StatsRequest.SerializeToString,
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.StatsReply.FromString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.StatsRequest.SerializeToString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.StatsReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -295,8 +295,8 @@ class Vault:
             request,
             target,
             '/tierkv.v1.Vault/Delete',
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteRequest.SerializeToString,
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteReply.FromString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.DeleteRequest.SerializeToString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.DeleteReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -322,8 +322,8 @@ class Vault:
             request,
             target,
             '/tierkv.v1.Vault/Clear',
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.ClearRequest.SerializeToString,
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.DeleteReply.FromString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.ClearRequest.SerializeToString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.DeleteReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -349,8 +349,8 @@ class Vault:
             request,
             target,
             '/tierkv.v1.Vault/Hello',
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloRequest.SerializeToString,
-            tierkv_dot_vault_dot___pb_dot_vault__pb2.HelloReply.FromString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.HelloRequest.SerializeToString,
+            tierkv_dot_wire_dot___pb_dot_vault__pb2.HelloReply.FromString,
             options,
             channel_credentials,
             insecure,
