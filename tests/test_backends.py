@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from helpers import SLOW_BOX_MARGIN_S, VaultHandle, stop_process
+from helpers import VaultHandle, stop_process
 
 from tests.redis_servers import RedisServer, start_cluster, start_redis
 from tests.tls_certs import make_certs
@@ -26,6 +26,8 @@ NS = b"test-namespace!!"
 PARTS = [0, 1]
 SPREAD_BLOCKS = 10_000
 DEADLINE_S = 1.0
+DEADLINE_MARGIN_S = 0.5
+"""How far past its deadline a call on a dead or stalled server may return."""
 FAST = ClientConfig(deadline_ms=int(DEADLINE_S * 1000), promote_deadline_ms=10_000)
 
 
@@ -138,11 +140,11 @@ def test_a_killed_vault_costs_only_its_share(vault_factory: Callable[..., VaultH
         for _ in range(5):  # before and after the dead vault's breaker opens
             found, took = timed(lambda: shards.promote(NS, keys, PARTS))
             assert isinstance(found, dict)
-            assert took < DEADLINE_S + SLOW_BOX_MARGIN_S
+            assert took < DEADLINE_S + DEADLINE_MARGIN_S
             assert {index for index, _ in found} == set(range(len(keys))) - lost
             assert_payloads(found)
             hit, took = timed(lambda: shards.lookup(NS, keys, PARTS))
-            assert hit == min(lost) and took < DEADLINE_S + SLOW_BOX_MARGIN_S
+            assert hit == min(lost) and took < DEADLINE_S + DEADLINE_MARGIN_S
         assert shards.counters()["breaker"] == "1/3 open"
     finally:
         shards.close()
@@ -251,7 +253,7 @@ def test_a_stalled_redis_is_a_miss_within_the_deadline(redis_server: RedisServer
             lambda: backend.promote(NS, keys, PARTS),
         ):
             result, took = timed(call)
-            assert not result and took < DEADLINE_S + SLOW_BOX_MARGIN_S
+            assert not result and took < DEADLINE_S + DEADLINE_MARGIN_S
     finally:
         os.kill(redis_server.process.pid, signal.SIGCONT)
         backend.close()
@@ -290,11 +292,11 @@ def test_a_killed_cluster_node_means_misses_never_errors(redis_cluster: list[Red
         assert 0 < len(lost) < len(keys)
         for _ in range(5):
             found, took = timed(lambda: backend.promote(NS, keys, PARTS))
-            assert isinstance(found, dict) and took < DEADLINE_S + SLOW_BOX_MARGIN_S
+            assert isinstance(found, dict) and took < DEADLINE_S + DEADLINE_MARGIN_S
             assert_payloads(found)
             assert {index for index, _ in found} == set(range(len(keys))) - lost
             hit, took = timed(lambda: backend.lookup(NS, keys, PARTS))
-            assert hit == min(lost) and took < DEADLINE_S + SLOW_BOX_MARGIN_S
+            assert hit == min(lost) and took < DEADLINE_S + DEADLINE_MARGIN_S
         backend.put(NS, b"new-key", 0, b"payload")  # never raises, even for the dead node's slot
     finally:
         backend.close()

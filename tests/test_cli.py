@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -428,3 +430,97 @@ def test_serve_only_warns_of_a_redis_cluster_that_is_down(tmp_path: Path, free_p
     result = runner.invoke(app, ["serve", "--dry-run", "--config", str(config), str(model)])
     assert result.exit_code == 0, result.output
     assert "is down: no node of the cluster at redis+cluster://127.0.0.1:" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--max-bytes", "1.5"], "--max-bytes: a size is a whole number of bytes, got '1.5'"),
+        (["--max-bytes", "0.5KiB"], "--max-bytes: expected at least 1MiB"),
+        (["--max-bytes", "1KB"], "--max-bytes: expected at least 1MiB (a smaller cap holds no"),
+        (["--disk-dir", "{dir}/disk", "--disk-max-bytes", "1KB"], "--disk-max-bytes: expected at"),
+        (
+            ["--disk-dir", "{dir}/no/such/disk"],
+            "--disk-dir {dir}/no/such/disk: {dir}/no/such does not exist (tierkv creates the",
+        ),
+        (["--config", "{dir}/engine.toml"], 'cluster.role = "inference" is an engine\'s tierkv'),
+        (["--config", "{dir}/tiny.toml"], "vault.max_bytes: expected at least 1MiB"),
+    ],
+)
+def test_a_vault_size_or_file_that_cannot_work_is_refused(
+    args: list[str], expected: str, tmp_path: Path
+) -> None:
+    (tmp_path / "engine.toml").write_text('[cluster]\nrole = "inference"\n')
+    (tmp_path / "tiny.toml").write_text('[vault]\nmax_bytes = "1KB"\n')
+    line = _one_line(["vault", *(arg.format(dir=tmp_path) for arg in args)], 2)
+    assert expected.format(dir=tmp_path) in line, line
+    assert not (tmp_path / "no").exists() and not (tmp_path / "disk").exists()
+
+
+def test_a_disk_cap_beyond_the_free_space_is_a_warning(
+    tmp_path: Path, free_port: int, spawn: Callable[..., subprocess.Popen[str]]
+) -> None:
+    command = [sys.executable, "-m", "tierkv", "vault", "--listen", f"127.0.0.1:{free_port}"]
+    command += ["--config", str(tmp_path / "none.toml"), "--disk-dir", str(tmp_path / "disk")]
+    (tmp_path / "none.toml").write_text("")
+    process = spawn(
+        [*command, "--disk-max-bytes", "1000TB"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    warning = process.stderr.readline()
+    cap = format_size(1000 * 10**12)
+    assert warning.startswith(f"tierkv vault: warning: the disk tier's cap of {cap} is more")
+    assert f"its filesystem has free at {tmp_path / 'disk'}" in warning
+    process.terminate()
+    process.wait(timeout=30)
+
+
+def test_bench_takes_a_pair_codec_from_the_config(tmp_path: Path) -> None:
+    config = tmp_path / "tierkv.toml"
+    config.write_text('[compression]\nenabled = true\ncodec = "k8v4"\n')
+    result = runner.invoke(app, ["bench", "--config", str(config), "--tokens", "512", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["codec"] == "k8v4"
+
+
+def test_bench_json_shows_progress_on_a_terminal_and_keeps_stdout_json(
+    spawn: Callable[..., subprocess.Popen[bytes]],
+) -> None:
+    """stderr a terminal, stdout a pipe: the progress on the terminal, the JSON alone on stdout."""
+    import os
+    import pty
+
+    controller, terminal = pty.openpty()
+    process = spawn(
+        [sys.executable, "-m", "tierkv", "bench", "--tokens", "512", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=terminal,
+        env={**os.environ, "TERM": "xterm", "COLUMNS": "80"},
+    )
+    os.close(terminal)
+    shown = bytearray()
+    reader = threading.Thread(target=_read_all, args=(controller, shown))
+    reader.start()
+    out, _ = process.communicate(timeout=300)
+    reader.join(timeout=30)
+    os.close(controller)
+    assert process.returncode == 0, shown.decode(errors="replace")
+    assert json.loads(out)["tokens"] == 512
+    assert b"promote" in shown or b"encode" in shown, shown  # the phases, as they run
+
+
+def _read_all(descriptor: int, into: bytearray) -> None:
+    """Everything written to a pty until its last writer closes it."""
+    import os
+
+    while True:
+        try:
+            chunk = os.read(descriptor, 4096)
+        except OSError:  # EIO: the other end is closed
+            return
+        if not chunk:
+            return
+        into.extend(chunk)

@@ -315,3 +315,22 @@ def test_a_setting_under_its_old_and_its_new_name_is_an_error() -> None:
     message = r"^y: compression\.group_size is set twice \(once as turbo_quant\.kv_dim\); set it"
     with pytest.raises(ConfigError, match=message):
         config_from_mapping(both, "y")
+
+
+def test_a_fraction_of_a_byte_is_refused() -> None:
+    assert parse_size("1.5KB") == 1500 and parse_size("0.5KiB") == 512
+    for fractional in ("1.5", "0.3B", "1.0001KB"):
+        with pytest.raises(ValueError, match="a size is a whole number of bytes"):
+            parse_size(fractional)
+
+
+def test_a_codec_without_enabled_is_noted(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write(tmp_path / "codec.toml", '[compression]\ncodec = "tq4"\n')
+    with caplog.at_level("WARNING"):
+        assert load_config(path).compression.codec_name == "none"
+    assert "compression.codec = 'tq4' is ignored without compression.enabled = true" in caplog.text
+    caplog.clear()
+    enabled = write(tmp_path / "on.toml", '[compression]\ncodec = "tq4"\nenabled = true\n')
+    with caplog.at_level("WARNING"):
+        assert load_config(enabled).compression.codec_name == "tq4"
+    assert "ignored" not in caplog.text

@@ -54,6 +54,8 @@ stream_timeout_s = 3.0
 max_inflight_bytes = "64MiB"
 max_message_bytes = "16MiB"
 """
+STREAM_SLOTS = 16 // 2
+"""Put and Promote streams LOW_LIMITS' vault serves at once (half of max_concurrent_rpcs)."""
 VICTIM_NS = b"v" * 16
 ATTACKER_NS = b"a" * 16
 VICTIM = "victim-token-0123456789abcdef"
@@ -223,8 +225,8 @@ def test_put_streams_nobody_finishes_are_limited_and_cancelled(vault: Any) -> No
     with _channel_of(ATTACKER, vault.address) as channel:
         put = channel.stream_unary("/tierkv.v1.Vault/Put", request_serializer=lambda b: b)
         puts = [put.future(never_ending()) for _ in range(32)]
-        try:
-            time.sleep(0.5)
+        try:  # the vault holds STREAM_SLOTS of them and refuses the rest
+            assert wait_until(lambda: sum(p.done() for p in puts) >= 32 - STREAM_SLOTS, 15)
             normal_client_works(vault.address, "32 Put streams never finished", 3)
             _health_answers(channel)
             codes = _ended_by_vault(puts)
@@ -246,7 +248,8 @@ def test_promote_streams_nobody_reads_are_limited_and_cancelled(vault: Any) -> N
     with _channel_of(ATTACKER, vault.address) as channel:
         stub = vault_pb2_grpc.VaultStub(channel)
         promotes = [stub.Promote(request, timeout=60) for _ in range(40)]
-        time.sleep(0.5)
+        # The vault holds STREAM_SLOTS of them and refuses the rest...
+        assert wait_until(lambda: sum(p.done() for p in promotes) >= 40 - STREAM_SLOTS, 15)
         normal_client_works(vault.address, "40 Promote streams never read", 8)
         _health_answers(channel)
         time.sleep(4)  # past stream_timeout_s: the vault cancelled what it was still sending

@@ -38,6 +38,9 @@ DEFAULT_RAM_FRACTION = 0.5
 UNLIMITED = 0
 """`max_bytes` value meaning no cap (written "unlimited" in tierkv.toml)."""
 ENV_VAR = "TIERKV_CONFIG"
+MIN_CAP_BYTES = MIB
+"""The smallest cap of a vault's RAM or disk tier: below it not one KV block of a small model
+(a few hundred KiB per layer) fits, so every store would be dropped."""
 
 
 class ConfigError(TierKVError, ValueError):
@@ -73,7 +76,8 @@ class ClusterConfig:
     blocks are spread over several in proportion to their weights.
     """
 
-    role: str = "inference"
+    role: str | None = None
+    """"inference" (an engine's file), kv_cold or ssm_cold (a vault's); None: not said."""
     kv_cold: tuple[Endpoint, ...] = ()
     ssm_cold: tuple[Endpoint, ...] = ()
 
@@ -339,6 +343,18 @@ def parse_max_bytes(value: int | str) -> int:
     return size
 
 
+def parse_cap(value: int | str, *, unlimited: bool) -> int:
+    """A RAM (`unlimited`: also "unlimited" → UNLIMITED) or disk tier's cap: a size of at least
+    MIN_CAP_BYTES; else ValueError naming the smallest."""
+    size = parse_max_bytes(value) if unlimited else _positive_size(value)
+    if size != UNLIMITED and size < MIN_CAP_BYTES:
+        raise ValueError(
+            f"expected at least 1MiB (a smaller cap holds no KV block: every store would be "
+            f"dropped), got {value!r}"
+        )
+    return size
+
+
 def _string(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ValueError("expected a non-empty string")
@@ -387,10 +403,10 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
         VaultConfig,
         {
             "listen": _listen_address,
-            "max_bytes": parse_max_bytes,
+            "max_bytes": lambda value: parse_cap(value, unlimited=True),
             "bulk_port": _port,
             "disk_dir": _path,
-            "disk_max_bytes": _positive_size,
+            "disk_max_bytes": lambda value: parse_cap(value, unlimited=False),
             "fsync": _one_of(FSYNC_MODES),
             "metrics_port": _port,
             "metrics_host": parse_ip_address,
@@ -499,6 +515,13 @@ def config_from_mapping(data: Mapping[str, Any], source: str) -> TierKVConfig:
                 values[name] = checkers[name](value)
             except ValueError as exc:
                 raise ConfigError(f"{source}: {section}.{name}: {exc}") from None
+        if section == "compression" and "codec" in values and not values.get("enabled"):
+            log.warning(
+                "%s: compression.codec = %r is ignored without compression.enabled = true; "
+                "blocks are stored lossless",
+                source,
+                values["codec"],
+            )
         sections[section] = cls(**values)
     return TierKVConfig(source=source, **sections)
 

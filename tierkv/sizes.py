@@ -4,6 +4,7 @@ plain count of bytes, parsed (`parse_size`) and printed (`format_size`)."""
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -41,7 +42,10 @@ def parse_size(value: int | str, forms: str = SIZE_FORMS) -> int:
     unit = match.group(2).lower() if match else ""
     if match is None or unit not in _SIZE_UNITS:
         raise ValueError(f"expected {forms}, got {value!r}")
-    return int(float(match.group(1).replace("_", "")) * _SIZE_UNITS[unit])
+    size = Fraction(match.group(1).replace("_", "")) * _SIZE_UNITS[unit]
+    if size.denominator != 1:
+        raise ValueError(f"a size is a whole number of bytes, got {value!r} ({float(size):g} B)")
+    return int(size)
 
 
 def format_size(size: int) -> str:

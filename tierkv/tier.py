@@ -53,6 +53,7 @@ from tierkv.quant import (
 )
 from tierkv.quant import warmup as warmup_codecs
 from tierkv.quant.lossless import LosslessCodec
+from tierkv.quant.pair import is_pair, parse_pair
 from tierkv.quant.payload import parse_header
 from tierkv.reliability import PutPayload, payload_bytes
 from tierkv.seal import OVERHEAD_BYTES, Sealer, SealError, block_address
@@ -386,10 +387,14 @@ class ColdTier:
             return codec.encode_pieces(block, dtype)
         return encode_block(codec, block, dtype, self.min_cosine, kv_split, sink_tokens)
 
-    def stored_forms(self, blocks: Sequence[np.ndarray]) -> list[PutPayload]:
-        """stored_form of each KV block, in order, encoded on the tier's encode threads as
-        `store` encodes them."""
-        return list(self._encoders.map(self.stored_form, blocks))
+    def stored_forms(
+        self, blocks: Sequence[np.ndarray], kv_split: tuple[int, int] | None = None
+    ) -> list[PutPayload]:
+        """stored_form of each KV block (keys and values split at `kv_split`), in order, encoded
+        on the tier's encode threads as `store` encodes them."""
+        return list(
+            self._encoders.map(lambda block: self.stored_form(block, kv_split=kv_split), blocks)
+        )
 
     def _encode_and_put(
         self,
@@ -482,6 +487,10 @@ def sealed_payload(sealer: Sealer, address: bytes, payload: PutPayload) -> PutPa
     header in the clear (authenticated), its body encrypted."""
     if isinstance(payload, tuple):  # a lossless block's header and its memory
         head, body = payload
+    elif is_pair(payload):  # a K/V pair's header; its keys' and values' payloads are the body
+        _, keys, values = parse_pair(payload)
+        split = len(payload) - len(keys) - len(values)
+        head, body = payload[:split], memoryview(payload)[split:]
     else:
         body = parse_header(payload)[1]
         head = payload[: len(payload) - len(body)]

@@ -21,7 +21,7 @@ from tierkv.addresses import parse_cold_address
 from tierkv.cli import app
 from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
-from tierkv.codecs import CODEC_NAMES
+from tierkv.codecs import CODEC_NAMES, kv_pair_codecs
 from tierkv.config import SecurityConfig, TierKVConfig
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 from tierkv.sizes import parse_size
@@ -133,10 +133,14 @@ def bench(
     own prefix cache, and restored from the vault after the engine's cache lost it.
     """
     cfg = engine_config(config)
+    origin = "--codec" if codec else f"{cfg.source}: compression.codec"
     codec = codec or cfg.compression.codec_name
-    if codec != "all" and codec not in CODEC_NAMES:
+    if codec != "all" and codec not in CODEC_NAMES and not _is_pair(codec):
         raise fail(
-            "bench", f"--codec {codec!r} is unknown; use one of {', '.join(CODEC_NAMES)}, all", 2
+            "bench",
+            f"{origin} {codec!r} is unknown; use one of {', '.join(CODEC_NAMES)}, all, or a K/V "
+            'pair like "k8v4"',
+            2,
         )
     vaults = vault or []
     for address in vaults:
@@ -171,6 +175,14 @@ def bench(
         Console().print(results_table(results))
 
 
+def _is_pair(codec: str) -> bool:
+    """Whether `codec` names a K/V pair of codecs, like "k8v4"."""
+    try:
+        return kv_pair_codecs(codec) is not None
+    except ValueError:
+        return False
+
+
 def _read_prompt(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
@@ -199,13 +211,14 @@ def _run_bench(
     workers: int,
     quiet: bool,
 ) -> list[BenchResult]:
-    """run_bench with live progress on a terminal (one row per codec), plain lines elsewhere."""
+    """run_bench with live progress when stderr is a terminal (one row per codec; with --json
+    too: the JSON goes to stdout), plain lines elsewhere unless `quiet`."""
     from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
     from tierkv.backends.base import BackendUnavailable
     from tierkv.bench.pipeline import run_bench
 
-    live = console.is_terminal and not quiet
+    live = console.is_terminal
     with Progress(
         TextColumn("{task.description:<26}"),
         BarColumn(),

@@ -24,10 +24,10 @@ from tierkv.config import (
     ConfigError,
     TierKVConfig,
     load_config,
-    parse_max_bytes,
+    parse_cap,
     physical_ram_bytes,
 )
-from tierkv.sizes import format_size, parse_size
+from tierkv.sizes import format_size
 
 if TYPE_CHECKING:  # the server's modules (gRPC, numpy) are imported to run one, not for --help
     from tierkv.vault.auth import Tokens
@@ -134,7 +134,14 @@ def vault(
     """Run a vault: a byte-capped store of KV blocks for engines on the LAN, in RAM (and on disk
     with --disk-dir)."""
     cfg = load_config(config)
-    role = role or (cfg.cluster.role if cfg.cluster.role in VAULT_ROLES else "kv_cold")
+    if role is None and cfg.cluster.role == "inference":
+        raise fail(
+            "vault",
+            f'{cfg.source}: cluster.role = "inference" is an engine\'s tierkv.toml; give the '
+            "vault's (role kv_cold or ssm_cold), or --role",
+            2,
+        )
+    role = role or cfg.cluster.role or "kv_cold"
     if role not in VAULT_ROLES:
         raise fail("vault", f"--role: expected one of {', '.join(VAULT_ROLES)}, got {role!r}", 2)
     listen_origin = "--listen" if listen else f"{cfg.source}: vault.listen"
@@ -156,7 +163,7 @@ def vault(
     open_to_lan = listens_open(listen, tokens, cfg.security, insecure=insecure)
     if max_bytes is not None:
         try:
-            cap = parse_max_bytes(max_bytes)
+            cap = parse_cap(max_bytes, unlimited=True)
         except ValueError as exc:
             raise fail("vault", f"--max-bytes: {exc}", 2) from None
         origin = "--max-bytes"
@@ -262,6 +269,21 @@ def _warn_beyond_memory(cap: int, origin: str, disk_cap: int) -> None:
     )
 
 
+def _warn_beyond_free_space(cap: int, directory: Path) -> None:
+    """Warn when the disk tier's cap is more than its filesystem has free plus what the tier
+    already holds there."""
+    from tierkv.vault.disk import DEFAULT_FREE_FRACTION, default_max_bytes
+
+    room = int(default_max_bytes(directory) / DEFAULT_FREE_FRACTION)
+    if cap > room:
+        typer.echo(
+            f"tierkv vault: warning: the disk tier's cap of {format_size(cap)} is more than the "
+            f"{format_size(room)} its filesystem has free at {directory}; stores fail when the "
+            "disk fills before the cap is reached",
+            err=True,
+        )
+
+
 def _access_text(tokens: Tokens | None, cfg: TierKVConfig) -> str:
     """How callers are admitted, for the start-up line (never a token)."""
     parts = [f"auth: {tokens.describe()}" if tokens else "auth: none"]
@@ -288,15 +310,22 @@ def _open_disk(
     cap = cfg.vault.disk_max_bytes
     if cap_option is not None:
         try:
-            cap = parse_size(cap_option)
-            if cap <= 0:
-                raise ValueError(f"expected a positive size, got {cap_option!r}")
+            cap = parse_cap(cap_option, unlimited=False)
         except ValueError as exc:
             raise fail("vault", f"--disk-max-bytes: {exc}", 2) from None
     if directory.exists() and not directory.is_dir():
         raise fail("vault", f"{origin} {directory}: not a directory", 2)
+    if not directory.absolute().parent.is_dir():  # a typo, not a tree to create
+        raise fail(
+            "vault",
+            f"{origin} {directory}: {directory.absolute().parent} does not exist (tierkv "
+            "creates the disk tier's directory, not its parents)",
+            2,
+        )
     try:
-        make_private_dir(directory)
+        make_private_dir(directory)  # its parent exists: only the last directory is made
+        if cap:
+            _warn_beyond_free_space(cap, directory)
         cap = cap or default_max_bytes(directory)
         if cap <= 0:
             raise fail(
