@@ -29,7 +29,9 @@ from tiny_models import build_tiny_gemma3
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-SHAPES = [(window, block) for window in (128, 512, 1024) for block in (16, 128)]
+SHAPES = [(window, block) for window in (128, 512, 1024) for block in (16, 128)] + [(0, 128)]
+"""(window, block); window 0: the same model with six full-attention layers, as the reference
+of what a window saves at 8k tokens."""
 LONGEST = 8192
 ENGINE = {"max_model_len": LONGEST + 16, "kv_cache_memory_bytes": 24 << 20}
 """A block of one layer is 1 KV head x (64 K + 64 V) x bf16 = 256 bytes a token: 24 MiB hold
@@ -43,6 +45,8 @@ def prompt_lengths(window: int, block: int) -> list[int]:
     """Below the window, the window itself, two blocks past it (the first block of the window
     before vLLM's hit end is freed at the first decode step), one and a half windows off the
     block grid, then 3000 and 8192 tokens (prefilled in chunks)."""
+    if not window:
+        return [LONGEST]
     beyond = (window + 2 * block, window + window // 2 + block // 2 + 1)
     return sorted({window // 2, window, *beyond, 3000, LONGEST})
 
@@ -56,12 +60,21 @@ def vault_address() -> Iterator[str]:
     server.stop(grace=0.5)
 
 
-@pytest.fixture(scope="module", params=SHAPES, ids=[f"window{w}-block{b}" for w, b in SHAPES])
+@pytest.fixture(
+    scope="module",
+    params=SHAPES,
+    ids=[f"window{w}-block{b}" if w else f"full-block{b}" for w, b in SHAPES],
+)
 def shaped(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vault_address: str
 ) -> Iterator[tuple[int, int, Engine]]:
     window, block = request.param
-    model = build_tiny_gemma3(tmp_path_factory.mktemp(f"gemma3-{window}"), seed=0, window=window)
+    model = build_tiny_gemma3(
+        tmp_path_factory.mktemp(f"gemma3-{window}"),
+        seed=0,
+        window=window or 128,
+        window_layers=WINDOW_LAYERS if window else 0,
+    )
     extra = {"cluster.kv_cold": vault_address, "connector.store": "on_finish"}
     engine = Engine(model, extra, {**ENGINE, "block_size": block})
     yield window, block, engine
