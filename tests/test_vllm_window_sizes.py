@@ -120,3 +120,42 @@ def test_restores_at_least_the_engines_own_hit(shaped: tuple[int, int, Engine]):
     assert all(row["own_hit"] > 0 for row in rows if row["prompt"] > block)
     assert [row["restored"] >= row["own_hit"] for row in rows] == [True] * len(rows), rows
     assert all(row["identical"] for row in rows), rows
+
+
+def test_a_fresh_engine_restores_the_window_and_a_dead_vault_is_cold(
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """Window 512 on 128-token blocks, 3000 tokens: a new engine process restores what only the
+    first one computed, at least vLLM's own hit and its tokens; with the vault stopped, the
+    prompt is recomputed to its cold tokens."""
+    from tierkv.vault.server import serve
+
+    server = serve("127.0.0.1:0", 0, role="kv_cold")
+    model = build_tiny_gemma3(tmp_path_factory.mktemp("gemma3-fresh"), seed=0, window=512)
+    extra = {"cluster.kv_cold": f"127.0.0.1:{server.port}", "connector.store": "on_finish"}
+    settings = {**ENGINE, "block_size": 128}
+    tokens = prompt(7100, 3000)
+    try:
+        first = Engine(model, extra, settings)
+        try:
+            cold, _ = first.call("generate_cached", tokens)
+            before = first.stats()
+            hit_tokens, cached = first.call("generate_cached", tokens)
+            own_hit = cached - 128 * delta(first.stats(), before, "lookup_hit_blocks")
+            assert first.call("flush")
+        finally:
+            first.close()
+        fresh = Engine(model, extra, settings)
+        try:
+            restored_tokens, restored = fresh.call("generate_cached", tokens)
+            assert restored >= own_hit > 0
+            assert restored_tokens == hit_tokens
+            assert fresh.call("reset_prefix_cache")
+            server.stop(grace=0)
+            before = fresh.stats()
+            assert fresh.call("generate_cached", tokens) == (cold, 0)
+            assert delta(fresh.stats(), before, "loaded_blocks") == 0
+        finally:
+            fresh.close()
+    finally:
+        server.stop(grace=0)
