@@ -425,3 +425,25 @@ def test_sliding_window_layers_store_only_their_window() -> None:
     token_layer_bytes = 2 * 16 * 128 * 2
     expected = (16 * 256 * 10 + 4 * 256 * 52) * token_layer_bytes
     assert kv.raw_bytes == raw_kv_bytes(shape, 4096, 256, "fp16") == expected
+
+
+def test_window_shapes_report_stored_bytes_per_token_beside_full_attention() -> None:
+    """gemma3-1b (4 full-attention layers, 22 of a 512-token window, 1 KV head of 256), 2048
+    tokens in 16 blocks: the vault holds every block of the full-attention layers and the last 4
+    of the window layers; were all 26 layers full attention, every block of each. Lossless, so
+    the measured bytes are the raw KV's plus the payload headers."""
+    args = ["bench", "--tokens", "2048", "--block-tokens", "128", "--model-shape", "gemma3-1b"]
+    result = CliRunner().invoke(app, [*args, "--codec", "none", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    token_layer = 2 * 1 * 256 * 2  # K and V, fp16
+    assert report["stored_bytes_per_token"] == report["stored_bytes"] / 2048
+    window_share = 4 * 128 / 2048
+    stored = (4 + 22 * window_share) * token_layer
+    assert stored <= report["stored_bytes_per_token"] < 1.01 * stored
+    full = 26 * token_layer
+    assert full <= report["full_attention_bytes_per_token"] < 1.01 * full
+    plain = CliRunner().invoke(app, ["bench", "--tokens", "256", "--codec", "none", "--json"])
+    assert "full_attention_bytes_per_token" not in json.loads(plain.stdout)
+    table = CliRunner().invoke(app, [*args, "--codec", "none"])
+    assert "kB/token" in table.stdout and "kB/tok full" in table.stdout

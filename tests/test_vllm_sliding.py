@@ -164,6 +164,55 @@ def test_a_hit_is_the_longest_end_every_group_can_restore(vault):
         tier.close()
 
 
+def test_window_blocks_a_running_request_lets_go_of_are_stored_that_step(vault):
+    """vLLM frees a window group's blocks as the window moves past them (a long prefill's chunk
+    boundaries, the first decode step), to the tail of its free queue: far from the head the
+    eviction walk watches, and with store = "on_finish" no longer the request's at its end. A
+    later hit's window ends before the prompt's, so it needs them: they are stored in the step
+    they leave, once; the blocks the request still holds and the full-attention ones are not."""
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import BlockHash
+
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import StoreJob, TierScheduler
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+
+    window = GroupPlan(0, "kv", ("window",), (), 4, (bytes(16),), window=8)
+    full = GroupPlan(1, "kv", ("full",), (), 4, (bytes([1] * 16),))
+    tier = ColdTier(get_codec("none"), {"kv": VaultClient(vault.address)})
+    scheduler = TierScheduler(
+        tier,
+        [window, full],
+        store_mode="on_finish",
+        eviction_watermark_blocks=2,
+        num_engine_blocks=32,
+    )
+    pool = BlockPool(32, enable_caching=True, hash_block_size=4)
+    scheduler.bind_block_pool(pool)
+    tokens = list(range(20))
+    hashes = [BlockHash(bytes([index])) for index in range(5)]
+    request = fake_request(
+        tokens, request_id="long", num_tokens=20, num_computed_tokens=20, block_hashes=hashes
+    )
+    keys = chain_block_keys(tokens, 4)
+    try:
+        assert wait_until(
+            lambda: scheduler.get_num_new_matched_tokens(request, 0)[0] is not None, 10
+        )
+        blocks = {}
+        for plan in (window, full):
+            blocks[plan.group_id] = pool.get_new_blocks(5)
+            pool.cache_full_blocks(request, blocks[plan.group_id], 0, 5, 4, plan.group_id)  # type: ignore[arg-type]
+        pool.free_blocks(blocks[0][:3])  # what vLLM's remove_skipped_blocks does
+        stores = scheduler.build_connector_meta().stores
+        assert stores == [StoreJob(0, blocks[0][i].block_id, keys[i]) for i in range(3)]
+        assert scheduler.build_connector_meta().stores == []  # once
+    finally:
+        scheduler.shutdown()
+        tier.close()
+
+
 # ---- a tiny Gemma 3 on vLLM CPU ------------------------------------------------------------
 
 

@@ -29,7 +29,9 @@ from tiny_models import build_tiny_gemma3
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-SHAPES = [(window, block) for window in (128, 512, 1024) for block in (16, 128)]
+SHAPES = [(window, block) for window in (128, 512, 1024) for block in (16, 128)] + [(0, 128)]
+"""(window, block); window 0: the same model with six full-attention layers, as the reference
+of what a window saves at 8k tokens."""
 LONGEST = 8192
 ENGINE = {"max_model_len": LONGEST + 16, "kv_cache_memory_bytes": 24 << 20}
 """A block of one layer is 1 KV head x (64 K + 64 V) x bf16 = 256 bytes a token: 24 MiB hold
@@ -43,6 +45,8 @@ def prompt_lengths(window: int, block: int) -> list[int]:
     """Below the window, the window itself, two blocks past it (the first block of the window
     before vLLM's hit end is freed at the first decode step), one and a half windows off the
     block grid, then 3000 and 8192 tokens (prefilled in chunks)."""
+    if not window:
+        return [LONGEST]
     beyond = (window + 2 * block, window + window // 2 + block // 2 + 1)
     return sorted({window // 2, window, *beyond, 3000, LONGEST})
 
@@ -56,12 +60,21 @@ def vault_address() -> Iterator[str]:
     server.stop(grace=0.5)
 
 
-@pytest.fixture(scope="module", params=SHAPES, ids=[f"window{w}-block{b}" for w, b in SHAPES])
+@pytest.fixture(
+    scope="module",
+    params=SHAPES,
+    ids=[f"window{w}-block{b}" if w else f"full-block{b}" for w, b in SHAPES],
+)
 def shaped(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, vault_address: str
 ) -> Iterator[tuple[int, int, Engine]]:
     window, block = request.param
-    model = build_tiny_gemma3(tmp_path_factory.mktemp(f"gemma3-{window}"), seed=0, window=window)
+    model = build_tiny_gemma3(
+        tmp_path_factory.mktemp(f"gemma3-{window}"),
+        seed=0,
+        window=window or 128,
+        window_layers=WINDOW_LAYERS if window else 0,
+    )
     extra = {"cluster.kv_cold": vault_address, "connector.store": "on_finish"}
     engine = Engine(model, extra, {**ENGINE, "block_size": block})
     yield window, block, engine
@@ -107,3 +120,42 @@ def test_restores_at_least_the_engines_own_hit(shaped: tuple[int, int, Engine]):
     assert all(row["own_hit"] > 0 for row in rows if row["prompt"] > block)
     assert [row["restored"] >= row["own_hit"] for row in rows] == [True] * len(rows), rows
     assert all(row["identical"] for row in rows), rows
+
+
+def test_a_fresh_engine_restores_the_window_and_a_dead_vault_is_cold(
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """Window 512 on 128-token blocks, 3000 tokens: a new engine process restores what only the
+    first one computed, at least vLLM's own hit and its tokens; with the vault stopped, the
+    prompt is recomputed to its cold tokens."""
+    from tierkv.vault.server import serve
+
+    server = serve("127.0.0.1:0", 0, role="kv_cold")
+    model = build_tiny_gemma3(tmp_path_factory.mktemp("gemma3-fresh"), seed=0, window=512)
+    extra = {"cluster.kv_cold": f"127.0.0.1:{server.port}", "connector.store": "on_finish"}
+    settings = {**ENGINE, "block_size": 128}
+    tokens = prompt(7100, 3000)
+    try:
+        first = Engine(model, extra, settings)
+        try:
+            cold, _ = first.call("generate_cached", tokens)
+            before = first.stats()
+            hit_tokens, cached = first.call("generate_cached", tokens)
+            own_hit = cached - 128 * delta(first.stats(), before, "lookup_hit_blocks")
+            assert first.call("flush")
+        finally:
+            first.close()
+        fresh = Engine(model, extra, settings)
+        try:
+            restored_tokens, restored = fresh.call("generate_cached", tokens)
+            assert restored >= own_hit > 0
+            assert restored_tokens == hit_tokens
+            assert fresh.call("reset_prefix_cache")
+            server.stop(grace=0)
+            before = fresh.stats()
+            assert fresh.call("generate_cached", tokens) == (cold, 0)
+            assert delta(fresh.stats(), before, "loaded_blocks") == 0
+        finally:
+            fresh.close()
+    finally:
+        server.stop(grace=0)

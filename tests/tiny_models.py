@@ -133,9 +133,12 @@ GEMMA3_WINDOW = 64
 """The tiny Gemma 3's sliding window: prompts of a few hundred tokens span several windows."""
 
 
-def build_tiny_gemma3(out_dir: str | Path, seed: int = 0, window: int = GEMMA3_WINDOW) -> Path:
+def build_tiny_gemma3(
+    out_dir: str | Path, seed: int = 0, window: int = GEMMA3_WINDOW, window_layers: int = 5
+) -> Path:
     """A 6-layer Gemma 3 text model in Gemma 3's layout: 5 sliding-window layers of `window`
-    tokens, then one full-attention layer; 2 query heads and 1 KV head of dim 64, bf16."""
+    tokens, then one full-attention layer (`window_layers=0`: the same model with six
+    full-attention layers); 2 query heads and 1 KV head of dim 64, bf16."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
@@ -148,7 +151,8 @@ def build_tiny_gemma3(out_dir: str | Path, seed: int = 0, window: int = GEMMA3_W
         head_dim=64,
         query_pre_attn_scalar=64,
         sliding_window=window,
-        layer_types=[*["sliding_attention"] * 5, "full_attention"],
+        layer_types=[*["sliding_attention"] * window_layers]
+        + ["full_attention"] * (6 - window_layers),
         max_position_embeddings=MAX_POSITIONS,
         bos_token_id=0,
         eos_token_id=1,

@@ -46,6 +46,10 @@ MODEL_SHAPES: dict[str, ModelShape] = {
     "qwen3.6-35b-a3b": ModelShape(10, 2, 256, 30, _gated_delta_net_state(16, 32, 128, 128, 4)),
     # 62 layers: every 6th is full attention, the rest slide over 1024 tokens (16 KV heads of 128).
     "gemma3-27b": ModelShape(10, 16, 128, window_layers=52, window=1024),
+    # 26 layers: every 6th is full attention, the rest slide over 512 tokens (1 KV head of 256).
+    "gemma3-1b": ModelShape(4, 1, 256, window_layers=22, window=512),
+    # 18 layers, the same pattern and window.
+    "gemma3-270m": ModelShape(3, 1, 256, window_layers=15, window=512),
     "qwen3-30b-a3b": ModelShape(48, 4, 128),
     "qwen2.5-7b": ModelShape(28, 4, 128),
     "llama-3.1-8b": ModelShape(32, 8, 128),

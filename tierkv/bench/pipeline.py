@@ -204,6 +204,12 @@ class BenchResult:
     aggregate_promote_gbps: float | None = None
     """Bytes all workers promoted ÷ the time from the first start to the last finish (workers > 1
     only)."""
+    stored_bytes_per_token: float | None = None
+    """stored_bytes ÷ tokens_measured: what the vaults hold per token a restore brings back."""
+    full_attention_bytes_per_token: float | None = None
+    """Sliding-window shapes: the same per token were every layer full attention, from the
+    stored bytes of this run's blocks before the window (full-attention layers only) per token
+    and layer, times every attention layer; None without such blocks or window layers."""
 
     def as_json(self) -> dict[str, object]:
         """The fields as JSON values: one not measured (None) is left out, a non-finite figure
@@ -551,6 +557,8 @@ class _Run:
     """The bytes each of those phases handled (for its GB/s)."""
     links: dict[str, float] = field(default_factory=dict)
     """A restore over each link speed (see BenchResult.link_restore_s)."""
+    full_only: tuple[int, int] = (0, 0)
+    """Stored bytes and tokens of the blocks before the window (full-attention layers only)."""
 
 
 def _bench_codec(
@@ -619,6 +627,11 @@ def _bench_codec(
 
     raw = kv.raw_bytes
     stored_bytes = run.moved["store_s"]
+    full_bytes, full_tokens = run.full_only
+    full_per_token = None
+    if shape.window_layers and full_tokens:
+        layers = shape.attention_layers + shape.window_layers
+        full_per_token = full_bytes / full_tokens / shape.attention_layers * layers
     return BenchResult(
         tokens=tokens,
         tokens_measured=n_blocks * block_tokens,
@@ -638,6 +651,8 @@ def _bench_codec(
         store_gbps=gbps("store_s"),
         lookup_s=median["lookup_s"],
         hit_blocks=n_blocks,
+        stored_bytes_per_token=stored_bytes / (n_blocks * block_tokens),
+        full_attention_bytes_per_token=full_per_token,
         promote_s=median["promote_s"],
         promote_gbps=gbps("promote_s"),
         decode_s=median["decode_s"],
@@ -764,6 +779,12 @@ def _unsealed_pass(
         run.seconds["encode_s"], run.moved["encode_s"] = time.perf_counter() - start, raw
         report("encode", n_blocks, n_blocks)
         run.moved["store_s"] = sum(payload_bytes(p) for p in payloads.values())
+        block_tokens = kv.blocks[0].shape[2]
+        before_window = n_blocks - shape.window_blocks(n_blocks, block_tokens)
+        run.full_only = (
+            sum(payload_bytes(payloads[kv_ns, keys[b], 0]) for b in range(before_window)),
+            before_window * block_tokens,
+        )
         run.seconds["store_s"] = _put_all(client, payloads, report, "put")
         del payloads
 

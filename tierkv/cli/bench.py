@@ -299,8 +299,14 @@ def results_table(results: list[BenchResult]) -> Group:
         f"each figure {runs} after {first.warmup_runs} untimed"
         + ("" if first.spread_s is None else ", restore ± half the range of their restore s")
         + "; encode (on the tier's encode threads, as a store), decode: GB/s of raw bytes; "
-        "put, promote: GB/s of stored bytes; "
-        "restore = ColdTier's lookup and load on loopback (each Promote run decoded while the "
+        "put, promote: GB/s of stored bytes; kB/token: stored kB per restored token"
+        + (
+            ", kB/tok full: the same were every layer full attention (this run's stored bytes "
+            "per token and layer of the blocks before the window, times every layer); "
+            if first.full_attention_bytes_per_token is not None
+            else "; "
+        )
+        + "restore = ColdTier's lookup and load on loopback (each Promote run decoded while the "
         "next is on the wire), GbE s = the same with every Promote held to that line rate; "
         "fidelity of the worst block; sealed: the same blocks sealed (AES-256-GCM, "
         f"{first.sealed_with}), seal and open on one thread, sealed s = lookup and load of them "
@@ -310,6 +316,12 @@ def results_table(results: list[BenchResult]) -> Group:
     rows: list[tuple[str, Callable[[BenchResult], str]]] = [
         ("stored MB", lambda r: f"{r.stored_bytes / 1e6:,.0f}"),
         ("ratio", lambda r: f"{r.ratio:.2f}×"),
+        ("kB/token", lambda r: f"{(r.stored_bytes_per_token or 0) / 1e3:.1f}"),
+        *(
+            [("kB/tok full", lambda r: f"{(r.full_attention_bytes_per_token or 0) / 1e3:.1f}")]
+            if first.full_attention_bytes_per_token is not None
+            else []
+        ),
         ("encode GB/s", lambda r: f"{r.encode_gbps:.2f}"),
         ("put GB/s", lambda r: f"{r.store_gbps:.2f}"),
         ("lookup ms", lambda r: f"{r.lookup_s * 1000:.1f}"),

@@ -396,7 +396,7 @@ class TierScheduler:
         each group's look goes on from where the last one stopped, up to the first block the
         request (or another sharing it) still holds: a few blocks per step."""
         pool = self._pool
-        if pool is None:
+        if pool is None or not self._window_plans:
             return
         request = tracked.request
         hashes = request.block_hashes
