@@ -38,10 +38,13 @@ from mlx_lm.models.llama import ModelArgs
 
 import tierkv.config as config_module
 import tierkv.quant.codec as quant_codec
+from tierkv.codecs import SINK_TOKENS
 from tierkv.connectors.exo import boot, hook
-from tierkv.keys import weights_fingerprint
+from tierkv.keys import chain_block_keys, weights_fingerprint
 from tierkv.quant import read_header
 from tierkv.quant.kernels import Threaded
+from tierkv.quant.payload import header_bytes
+from tierkv.quant.sinks import PREFIX
 from tierkv.seal import MAGIC as SEAL_MAGIC
 from tierkv.seal import new_data_key_line
 
@@ -336,6 +339,40 @@ def test_codec_auto_stores_with_the_models_verdict_else_lossless(
     }
     expected = {0: "int8", 1: "tq4"} if verdict else {0: "none", 1: "none"}
     assert stored == {part: expected[part % 2] for part in range(4)}  # keys even, values odd
+    longer = mx.concatenate([prompt, random_tokens(8, seed=4)])
+    restored = exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=3)
+    assert restored.prefilled == 48 - 32
+
+
+def test_a_sequences_first_block_keeps_its_sink_tokens_lossless(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vault: VaultHandle
+) -> None:
+    """With a sink codec (the kv4 preset) the spill stores the first block of a prompt with its
+    first SINK_TOKENS tokens lossless along EXO's token axis ([heads, tokens, dim]), keys
+    centred, and the later blocks without sinks; the prompt restores."""
+    exo = start_exo(
+        tmp_path,
+        monkeypatch,
+        vault.address,
+        extra_config='[compression]\nenabled = true\ncodec = "kv4"\ngroup_size = 16\n',
+    )
+    runtime = hook.runtime()
+    assert runtime.ready.wait(READY_TIMEOUT_S)
+    model = tiny_llama(dtype=mx.bfloat16)
+    prompt = random_tokens(40, seed=3)
+    prefix_cache = exo.cache.KVPrefixCache(None)
+    exo.generate.mlx_generate(model, prompt, prefix_cache, max_tokens=3)
+    evict_everything(exo, monkeypatch, prefix_cache)
+    assert runtime.flush(10)
+    first = chain_block_keys(np.asarray(prompt), BLOCK)[0]
+    held = vault.store.held()
+    assert len(held) == 8  # 2 blocks of 2 layers, keys and values
+    for (_, key, part), payload in held.items():
+        header = read_header(payload)
+        assert header.codec == ("tq4c" if part % 2 == 0 else "tq4s")
+        at = header_bytes(len(header.shape))
+        axis, centred, count = PREFIX.unpack(bytes(payload[at : at + PREFIX.size]))
+        assert (axis, centred, count) == (1, part % 2 == 0, SINK_TOKENS if key == first else 0)
     longer = mx.concatenate([prompt, random_tokens(8, seed=4)])
     restored = exo.generate.mlx_generate(model, longer, prefix_cache, max_tokens=3)
     assert restored.prefilled == 48 - 32

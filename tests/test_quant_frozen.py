@@ -19,14 +19,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tierkv.codecs import DTYPE_BYTES, TURBO_MODES
-from tierkv.quant import CODEC_NAMES, decode_into, get_codec, read_header
+from tierkv.codecs import DTYPE_BYTES, SINK_MODES, TURBO_MODES
+from tierkv.quant import decode_into, encode_block, get_codec, read_header
 from tierkv.quant.codebooks import is_power_of_two
 from tierkv.quant.payload import header_bytes
 from tierkv.quant.turbo import named_codec
 
 DATA = Path(__file__).parent / "data"
 TURBO = tuple(TURBO_MODES)
+CODEC_NAMES = ("none", "int8", *TURBO)
+"""The codecs of the format 1 and 2 sets (frozen before the sink codecs existed)."""
 PAYLOADS = DATA / "frozen_payloads.npz"
 MANIFEST = DATA / "frozen_payloads.json"
 
@@ -120,9 +122,14 @@ hold on any CPU. The encoder still makes these payloads byte for byte from the i
 
 @pytest.fixture(scope="module")
 def frozen_v2() -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    with np.load(PAYLOADS_V2) as data:
+    return load_frozen(PAYLOADS_V2, MANIFEST_V2)
+
+
+def load_frozen(payloads: Path, manifest: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The arrays of a frozen set and its manifest of sha256s."""
+    with np.load(payloads) as data:
         arrays = {name: data[name] for name in data.files}
-    return arrays, json.loads(MANIFEST_V2.read_text())
+    return arrays, json.loads(manifest.read_text())
 
 
 @pytest.mark.parametrize(
@@ -141,3 +148,77 @@ def test_frozen_format_2_payload_decodes_and_encodes_to_the_same_bytes(
     assert read_header(payload).version == 2
     assert decoded_sha256(payload, x) == manifest[key(shape, codec, dtype)]
     assert get_codec(codec, SHAPES[shape][1]).encode(x, dtype) == payload
+
+
+PAYLOADS_SINKS = DATA / "frozen_payloads_sinks.npz"
+MANIFEST_SINKS = DATA / "frozen_payloads_sinks.json"
+SINK_CASES = {
+    # name: (input shape, token axis, sink tokens)
+    "a": (0, 4),  # (3, 5, 128): all but the last of its 3 tokens sinks
+    "b": (2, 1),  # (2, 3, 2, 96): the token axis given explicitly
+    "c": (1, 4),  # (2, 70, 64): MLX's [heads, tokens, d]
+}
+"""The sink codecs' payloads (format 2, codec ids 7-12) of the inputs above, with sink tokens
+and without, and the sha256 of what they decoded to when frozen (the commit that added them)."""
+
+
+def sink_cases() -> list[tuple[str, str, str, bool]]:
+    return [
+        (shape, codec, dtype, with_sinks)
+        for shape in SINK_CASES
+        for codec in SINK_MODES
+        for dtype in DTYPE_BYTES
+        for with_sinks in (False, True)
+    ]
+
+
+def sink_key(shape: str, codec: str, dtype: str, with_sinks: bool) -> str:
+    return f"{shape}/{codec}/{dtype}/{'sinks' if with_sinks else 'plain'}"
+
+
+def sink_payload(x: np.ndarray, shape: str, codec: str, dtype: str, with_sinks: bool) -> bytes:
+    axis, count = SINK_CASES[shape]
+    sinks = (axis, min(count, x.shape[axis] - 1) if with_sinks else 0)
+    return encode_block(get_codec(codec, SHAPES[shape][1]), x, dtype, sink_tokens=sinks)
+
+
+@pytest.fixture(scope="module")
+def frozen_sinks() -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    return load_frozen(PAYLOADS_SINKS, MANIFEST_SINKS)
+
+
+@pytest.mark.parametrize(("shape", "codec", "dtype", "with_sinks"), sink_cases())
+def test_frozen_sink_payload_decodes_and_encodes_to_the_same_bytes(
+    frozen: tuple[dict[str, np.ndarray], dict[str, str]],
+    frozen_sinks: tuple[dict[str, np.ndarray], dict[str, str]],
+    shape: str,
+    codec: str,
+    dtype: str,
+    with_sinks: bool,
+) -> None:
+    x = frozen[0][f"input/{shape}/{dtype}"]
+    payloads, manifest = frozen_sinks
+    name = sink_key(shape, codec, dtype, with_sinks)
+    payload = payloads[name].tobytes()
+    assert read_header(payload).codec == codec
+    assert decoded_sha256(payload, x) == manifest[name]
+    assert sink_payload(x, shape, codec, dtype, with_sinks) == payload
+
+
+def main() -> None:
+    """Write the sink codecs' frozen payloads (once, in the commit that adds them)."""
+    with np.load(PAYLOADS) as data:
+        inputs = {name: data[name] for name in data.files}
+    payloads, manifest = {}, {}
+    for shape, codec, dtype, with_sinks in sink_cases():
+        x = inputs[f"input/{shape}/{dtype}"]
+        name = sink_key(shape, codec, dtype, with_sinks)
+        payload = sink_payload(x, shape, codec, dtype, with_sinks)
+        payloads[name] = np.frombuffer(payload, np.uint8)
+        manifest[name] = decoded_sha256(payload, x)
+    np.savez_compressed(PAYLOADS_SINKS, **payloads)
+    MANIFEST_SINKS.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -13,11 +13,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tests.test_quant_frozen import PAYLOADS
+from tierkv.codecs import SINK_MODES
 from tierkv.quant import (
     CODEC_NAMES,
     NonFiniteError,
     PayloadError,
     decode_into,
+    encode_block,
     get_codec,
     read_header,
 )
@@ -27,6 +29,8 @@ from tierkv.quant.turbo import index_positions, named_codec
 mx = pytest.importorskip("mlx.core")
 mlx_ops = pytest.importorskip("tierkv.quant.mlx_ops")
 
+ENCODED = tuple(name for name in CODEC_NAMES if name not in SINK_MODES)
+"""The codecs this module encodes with too (it only decodes the sink codecs)."""
 TOLERANCE = {"fp16": 2e-3, "bf16": 1.6e-2, "fp32": 1e-5}
 """Relative difference a TurboQuant value may show: about one unit in the last place."""
 
@@ -156,7 +160,7 @@ def assert_encodes_like_numba(x: np.ndarray, name: str, dtype: str, group_size: 
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", ENCODED)
 @pytest.mark.parametrize(
     ("shape", "group_size"), [((256, 8, 128), 128), ((8, 256, 128), 128), ((3, 2, 5, 96), 96)]
 )
@@ -169,7 +173,7 @@ def test_mlx_encode_makes_the_numba_payload(
 @settings(max_examples=40, deadline=None)
 @given(
     data=st.data(),
-    name=st.sampled_from(CODEC_NAMES),
+    name=st.sampled_from(ENCODED),
     dtype=st.sampled_from(["fp16", "bf16", "fp32"]),
     group_size=st.sampled_from([16, 40, 96, 128]),
     lead=hnp.array_shapes(min_dims=0, max_dims=3, min_side=1, max_side=5),
@@ -239,3 +243,20 @@ def test_mlx_encodes_huge_and_tiny_fp32_values_like_numba(name: str, magnitude: 
     scaling: squares of 1e25 would overflow float32 (every channel "inf"), of 1e-25 underflow."""
     x = block("fp32", (4, 32, 128), seed=9) * np.float32(magnitude)
     assert_encodes_like_numba(x, name, "fp32", 128)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("name", SINK_MODES)
+@pytest.mark.parametrize(
+    ("shape", "sinks"), [((4, 64, 128), (1, 4)), ((40, 3, 96), (0, 4)), ((2, 6, 1, 80), (1, 1))]
+)
+def test_mlx_decodes_sink_codecs_like_numba(
+    name: str, dtype: str, shape: tuple[int, ...], sinks: tuple[int, int]
+) -> None:
+    """EXO's [heads, tokens, d] blocks and others, sink tokens kept and keys centred."""
+    x = block(dtype, shape, seed=5)
+    payload = encode_block(get_codec(name, shape[-1]), x, dtype, sink_tokens=sinks)
+    assert_decodes_like_numba(payload, x)
+    got = as_numpy(mlx_ops.decode(payload), dtype)
+    first = (slice(None),) * sinks[0] + (slice(0, sinks[1]),)
+    assert got[first].tobytes() == np.ascontiguousarray(x[first]).tobytes()

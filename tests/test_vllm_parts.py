@@ -686,7 +686,10 @@ def test_a_cache_reset_drops_the_stores_not_yet_sent(vault):
             if reset:
                 assert pool.reset_prefix_cache()
                 scheduler.forget_stored()
-            assert len(scheduler.build_connector_meta().stores) == (0 if reset else 2)
+            stores = scheduler.build_connector_meta().stores
+            assert len(stores) == (0 if reset else 2)
+            # the sequence's first block is marked: its first tokens are attention sinks
+            assert [job.first for job in stores] == ([] if reset else [True, False])
     finally:
         scheduler.shutdown()
         tier.close()
@@ -714,3 +717,43 @@ def test_the_engine_alert_rules_read_series_the_connector_exports():
         name for expr in rule_exprs() for name in metric_names(expr) if name.startswith("vllm:")
     }
     assert read and read <= {name for name, _ in exported}, read
+
+
+def test_a_sequences_first_block_keeps_its_sink_tokens_lossless(vault):
+    """With a sink codec (the kv4 preset), the worker stores a sequence's first block with its
+    first SINK_TOKENS tokens lossless, along the token axis of vLLM's CPU layout
+    ([blocks, heads, tokens, K|V]), and a later block without; a load restores them exactly."""
+    import torch
+
+    from tierkv.backends.vault import VaultClient
+    from tierkv.codecs import SINK_TOKENS
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.worker import TierWorker
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+
+    plan = GroupPlan(0, "kv", ("layer0",), (), 16, (bytes(16),), kv_widths=(64, 64))
+    caches = {"layer0": (torch.randn(6, 2, 16, 128) + torch.randn(128) * 4).to(torch.bfloat16)}
+    tier = ColdTier(get_codec("kv4", 64), {"kv": VaultClient(vault.address)})
+    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=1 << 20, num_groups=1)
+    first, later = bytes([1]) * 16, bytes([2]) * 16
+    try:
+        worker.register_kv_caches(caches, num_blocks=6)
+        stores = [StoreJob(0, 1, first, first=True), StoreJob(0, 2, later)]
+        worker.store_blocks(TierKVMetadata(stores=stores))
+        assert tier.flush(10)
+        load = GroupLoad(0, [first, later], [4, 5])
+        worker.start_loads(TierKVMetadata(loads=[LoadJob("req", [load])]))
+        assert wait_until(lambda: "req" in worker.finished_loads()[0], 10, interval=0.01)
+        cache = caches["layer0"]
+        sinks = slice(0, SINK_TOKENS)
+        assert torch.equal(cache[4][:, sinks], cache[1][:, sinks])  # lossless
+        assert not torch.equal(cache[5][:, sinks], cache[2][:, sinks])  # a later block: lossy
+        cosine = torch.nn.functional.cosine_similarity(
+            cache[4].float().flatten(), cache[1].float().flatten(), dim=0
+        )
+        assert cosine > 0.99
+    finally:
+        worker.shutdown()
+        tier.close()

@@ -9,7 +9,21 @@ from __future__ import annotations
 
 import re
 
-CODEC_NAMES = ("none", "int8", "tq4", "tq3.5", "tq3", "tq2.5", "tq2")
+CODEC_NAMES = (
+    "none",
+    "int8",
+    "tq4",
+    "tq3.5",
+    "tq3",
+    "tq2.5",
+    "tq2",
+    "tq5c",
+    "tq4c",
+    "tq3c",
+    "tq5s",
+    "tq4s",
+    "tq3s",
+)
 """Every codec of tierkv.quant, in payload order: a payload's codec id is the index here (never
 reorder: stored payloads would decode as another codec)."""
 TURBO_QUANT_CODECS = CODEC_NAMES[1:]
@@ -25,6 +39,23 @@ TURBO_MODES = {
 }
 """TurboQuant's low-bit codecs: name -> (bits_hi, bits_lo, mixed). Mixed modes give a quarter of
 the channels (32 of 128) bits_hi bits and the rest bits_lo."""
+SINK_MODES = {
+    "tq5c": (5, True),
+    "tq4c": (4, True),
+    "tq3c": (3, True),
+    "tq5s": (5, False),
+    "tq4s": (4, False),
+    "tq3s": (3, False),
+}
+"""Key-aware TurboQuant (tierkv.quant.sinks): name -> (bits, centred). The sequence's first tokens
+(attention sinks) stay lossless in its first block; "c" codecs also centre each channel on its
+mean over the block's other tokens before the rotation (for keys), "s" codecs only keep the sinks
+(for values)."""
+SINK_TOKENS = 4
+"""Tokens at the start of a sequence the "c" and "s" codecs store lossless (the attention sinks)."""
+PRESETS = {"kv4": "k4cv4s", "kv3": "k3cv3s"}
+"""Named presets for users -> the K/V pair they are: kv4 (about 3.7x vs bf16 at head size 64,
+3.8x at 128) and kv3 (about 4.8x / 5.0x); see docs/codecs.md."""
 CODEC_BITS = {
     "none": "16",
     "int8": "8",
@@ -33,9 +64,15 @@ CODEC_BITS = {
     "tq3": "3",
     "tq2.5": "2.5",
     "tq2": "2",
+    "tq5c": "5c",
+    "tq4c": "4c",
+    "tq3c": "3c",
+    "tq5s": "5s",
+    "tq4s": "4s",
+    "tq3s": "3s",
 }
 """Each codec by its bits per value in a K/V pair's short name ("16": lossless)."""
-_PAIR_RE = re.compile(r"^k([0-9.]+)v([0-9.]+)$")
+_PAIR_RE = re.compile(r"^k([0-9.]+[cs]?)v([0-9.]+[cs]?)$")
 
 DTYPES = ("fp16", "bf16", "fp32")
 """Every dtype the codecs take, in payload order: a payload's dtype code is the index here."""
@@ -58,9 +95,11 @@ def kv_pair_name(keys: str, values: str) -> str:
 
 
 def kv_pair_codecs(name: str) -> tuple[str, str] | None:
-    """(keys codec, values codec) of a K/V pair's short name like "k8v4"; None for other names.
+    """(keys codec, values codec) of a K/V pair's short name like "k8v4" or a preset like
+    "kv4"; None for other names.
 
     ValueError when `name` looks like a pair but names bits no codec has."""
+    name = PRESETS.get(name, name)
     match = _PAIR_RE.match(name)
     if match is None:
         return None

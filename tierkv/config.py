@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.addresses import parse_address, parse_cold_address, parse_ip_address, redact
-from tierkv.codecs import AUTO_CODEC, TURBO_QUANT_CODECS, kv_pair_codecs, kv_pair_name
+from tierkv.codecs import AUTO_CODEC, PRESETS, TURBO_QUANT_CODECS, kv_pair_codecs, kv_pair_name
 from tierkv.errors import TierKVError
 from tierkv.logs import get_logger
 from tierkv.sizes import GIB, MIB, SIZE_FORMS, parse_size
@@ -288,7 +288,8 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
 
 
 def _codec_choice(value: Any) -> str:
-    """`[compression] codec`: a lossy codec, "auto", a K/V pair ("k8v4" or {k = .., v = ..})."""
+    """`[compression] codec`: a lossy codec, "auto", a K/V pair ("k8v4" or {k = .., v = ..}) or
+    a preset ("kv4": the pair it names)."""
     if isinstance(value, Mapping):
         if set(value) != {"k", "v"}:
             raise ValueError(f"a K/V pair is a table with keys k and v, got {dict(value)!r}")
@@ -299,8 +300,9 @@ def _codec_choice(value: Any) -> str:
     if pair is not None:
         return kv_pair_name(*pair)
     raise ValueError(
-        f"expected one of {', '.join(TURBO_QUANT_CODECS)}, {AUTO_CODEC}, a K/V pair like "
-        f'"k8v4" or {{ k = "int8", v = "tq4" }}; got {value!r}'
+        f"expected one of {', '.join(TURBO_QUANT_CODECS)}, {AUTO_CODEC}, a preset "
+        f'({", ".join(PRESETS)}), a K/V pair like "k8v4" or {{ k = "int8", v = "tq4" }}; '
+        f"got {value!r}"
     )
 
 

@@ -185,6 +185,7 @@ class ColdTier:
         vault: str = KV_VAULT,
         on_done: Callable[[], None] | None = None,
         kv_split: tuple[int, int] | None = None,
+        sink_tokens: tuple[int, int] | None = None,
     ) -> None:
         """Encode `block` and send it to `vault` in the background; never blocks.
 
@@ -193,7 +194,9 @@ class ColdTier:
         put is done; pass a staging copy, not engine memory). When more than the
         pending-encode budget is already waiting, the block is dropped and counted.
         `kv_split`: (axis, keys along it) where the block's keys end and its values begin; a
-        K/V pair codec needs it (without one the block is not stored).
+        K/V pair codec needs it (without one the block is not stored). `sink_tokens`: (token
+        axis, count) of the block's first tokens a sink codec keeps lossless: SINK_TOKENS for a
+        sequence's first block, 0 for the others (see tierkv.quant.sinks).
         """
         client = self._client(vault)
         with self._lock:
@@ -217,6 +220,7 @@ class ColdTier:
             dtype,
             on_done,
             kv_split,
+            sink_tokens,
         )
         with self._lock:
             self._encoding.add(future)
@@ -367,15 +371,17 @@ class ColdTier:
         dtype: str | None = None,
         vault: str = KV_VAULT,
         kv_split: tuple[int, int] | None = None,
+        sink_tokens: tuple[int, int] | None = None,
     ) -> PutPayload:
         """`block` as `store` hands it to `vault`'s backend, before sealing: stored lossless (the
         "ssm" vault's state, or the lossless codec), its header and the block's own memory (no
-        copy); else encoded by the codec (`encode_block`: the min_cosine fallback, `kv_split`).
+        copy); else encoded by the codec (`encode_block`: the min_cosine fallback, `kv_split`,
+        `sink_tokens`).
         NonFiniteError: the block holds NaN or infinity."""
         codec = self.codec if vault == KV_VAULT else self._lossless
         if isinstance(codec, LosslessCodec):
             return codec.encode_pieces(block, dtype)
-        return encode_block(codec, block, dtype, self.min_cosine, kv_split)
+        return encode_block(codec, block, dtype, self.min_cosine, kv_split, sink_tokens)
 
     def stored_forms(self, blocks: Sequence[np.ndarray]) -> list[PutPayload]:
         """stored_form of each KV block, in order, encoded on the tier's encode threads as
@@ -393,10 +399,11 @@ class ColdTier:
         dtype: str | None,
         on_done: Callable[[], None] | None,
         kv_split: tuple[int, int] | None,
+        sink_tokens: tuple[int, int] | None,
     ) -> None:
         release = None  # what the put calls once it is done with `block`
         try:
-            payload = self.stored_form(block, dtype, vault, kv_split)
+            payload = self.stored_form(block, dtype, vault, kv_split, sink_tokens)
             if isinstance(payload, tuple) and self.sealer is None:  # sent from block memory
                 release, on_done = on_done, None
             if self.sealer is not None:  # the sealed copy is sent: `block` is free after this

@@ -48,7 +48,7 @@ def bench(
         str | None,
         typer.Option(
             metavar="NAME",
-            help=f"{', '.join(CODEC_NAMES)} or all.",
+            help=f"A codec ({', '.join(CODEC_NAMES[:7])}, ...) or all.",
             show_default="the config's codec",
         ),
     ] = None,

@@ -8,8 +8,15 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from tierkv.codecs import CODEC_NAMES, DTYPE_BYTES, DTYPES, TURBO_MODES, kv_pair_codecs
-from tierkv.quant import int8, lossless, turbo
+from tierkv.codecs import (
+    CODEC_NAMES,
+    DTYPE_BYTES,
+    DTYPES,
+    SINK_MODES,
+    TURBO_MODES,
+    kv_pair_codecs,
+)
+from tierkv.quant import int8, lossless, sinks, turbo
 from tierkv.quant.base import Codec
 from tierkv.quant.fidelity import fidelity
 from tierkv.quant.kernels import PARALLEL_MIN_BYTES, Threaded
@@ -24,24 +31,30 @@ from tierkv.quant.payload import (
     output_words,
     parse_header,
 )
+from tierkv.quant.sinks import Sinks, SinkTurboCodec
 
 _FACTORIES: dict[str, Callable[[int], Codec]] = {
     "none": lossless.LosslessCodec,
     "int8": int8.Int8Codec,
     **{name: functools.partial(turbo.named_codec, name) for name in TURBO_MODES},
+    **{name: functools.partial(sinks.named_codec, name) for name in SINK_MODES},
 }
 
-_BodyBytes = Callable[[PayloadHeader], int]
+_BodyBytes = Callable[[PayloadHeader, memoryview], int]
 _Decoder = Callable[[PayloadHeader, np.ndarray, np.ndarray], None]
 _BODY_BYTES: dict[str, _BodyBytes] = {
-    "none": lambda h: h.size * DTYPE_BYTES[h.dtype],
-    "int8": lambda h: int8.body_bytes(h.size, h.group_size),
-    **dict.fromkeys(TURBO_MODES, turbo.body_bytes),
+    "none": lambda h, _: h.size * DTYPE_BYTES[h.dtype],
+    "int8": lambda h, _: int8.body_bytes(h.size, h.group_size),
+    **dict.fromkeys(TURBO_MODES, lambda h, _: turbo.body_bytes(h)),
+    **dict.fromkeys(SINK_MODES, sinks.body_bytes),
 }
+"""The body length each codec's payload must have (a sink codec's depends on its body's
+prefix)."""
 _DECODERS: dict[str, _Decoder] = {
     "none": lambda h, body, out: lossless.decode_body(body, out),
     "int8": int8.decode_body,
     **dict.fromkeys(TURBO_MODES, turbo.decode_body),
+    **dict.fromkeys(SINK_MODES, sinks.decode_body),
 }
 _RunDecoder = Callable[[PayloadHeader, PayloadRun, np.ndarray, np.ndarray], np.ndarray]
 _RUN_DECODERS: dict[str, _RunDecoder] = {
@@ -150,7 +163,7 @@ def checked_body(payload: bytes | bytearray | memoryview) -> tuple[PayloadHeader
         if known is not None and known[1] == len(view):
             return known[0], view[head_len:]
     header, body = parse_header(view)
-    expected = _BODY_BYTES[header.codec](header)
+    expected = _BODY_BYTES[header.codec](header, body)
     if len(body) != expected:
         raise PayloadError(
             f"{header.codec} payload body is {len(body)} bytes, shape {header.shape} with "
@@ -168,14 +181,19 @@ def encode_block(
     dtype: str | None = None,
     min_cosine: float = 0.0,
     kv_split: tuple[int, int] | None = None,
+    sink_tokens: Sinks | None = None,
 ) -> bytes:
     """`codec.encode(src)`, or the lossless payload when the decoded block's cosine similarity to
     `src` is under `min_cosine` (0 = never fall back). NonFiniteError propagates.
 
     `kv_split`: (axis, keys along it) where the block's keys end and its values begin, for a K/V
-    pair codec (which refuses a block without one). Other codecs ignore it."""
+    pair codec (which refuses a block without one). Other codecs ignore it. `sink_tokens`: (token
+    axis, count) of the block's first tokens a sink codec keeps lossless (a sequence's first
+    block); other codecs ignore it."""
     if isinstance(codec, PairCodec):
-        payload = codec.encode(src, dtype, kv_split)
+        payload = codec.encode(src, dtype, kv_split, sink_tokens)
+    elif isinstance(codec, SinkTurboCodec):
+        payload = codec.encode(src, dtype, sink_tokens)
     else:
         payload = codec.encode(src, dtype)
     if min_cosine <= 0.0 or codec.name == "none":

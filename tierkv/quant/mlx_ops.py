@@ -20,13 +20,14 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from tierkv.codecs import DTYPE_BYTES, DTYPE_CODES, FRAMEWORK_DTYPES, TURBO_MODES
-from tierkv.quant import int8
+from tierkv.codecs import DTYPE_BYTES, DTYPE_CODES, FRAMEWORK_DTYPES, SINK_MODES, TURBO_MODES
+from tierkv.quant import int8, sinks
 from tierkv.quant.base import Codec
 from tierkv.quant.codec import checked_body
 from tierkv.quant.kernels import BF16, FP16, FP32, bits_value, block_exponent, nonfinite_bits
 from tierkv.quant.pair import PairCodec
 from tierkv.quant.payload import MAX_NDIM, NonFiniteError, PayloadHeader, new_payload, pack_header
+from tierkv.quant.sinks import Parts
 from tierkv.quant.turbo import Instance, TurboCodec, index_positions, named_codec, packed_bytes
 
 _DTYPE_OF = {getattr(mx, name): ours for name, ours in FRAMEWORK_DTYPES.items()}
@@ -89,12 +90,36 @@ def decode(payload: bytes | bytearray | memoryview) -> mx.array:
     target = _MX_TYPES[header.dtype]
     if header.codec == "none":
         return mx.array(host).view(target).reshape(header.shape)
-    decoder = _int8_decode if header.codec == "int8" else _turbo_decode
-    values = decoder(host, header)
+    parts = None
+    if header.codec == "int8":
+        values = _int8_decode(host, header)
+    elif header.codec in SINK_MODES:
+        values, parts = _sink_decode(host, header)
+    else:
+        codec = named_codec(header.codec, header.group_size, header.version)
+        values = _turbo_decode(host, codec, header.shape)
     bound = _MAX_FINITE[header.dtype]
     if bound is not None:
         values = mx.clip(values, -bound, bound)
-    return values.astype(target).reshape(header.shape)
+    values = values.astype(target)
+    if parts is not None and parts.count:  # the sink tokens' raw words
+        values = values.reshape(parts.blocks)
+        word_bytes = DTYPE_BYTES[header.dtype]
+        values[:, : parts.count] = mx.array(parts.sink_words(word_bytes)).view(target)
+    return values.reshape(header.shape)
+
+
+def _sink_decode(host: np.ndarray, header: PayloadHeader) -> tuple[mx.array, Parts]:
+    """A sink codec's block (its means added, the sink tokens still to be written) and its
+    parts."""
+    codec = sinks.named_codec(header.codec, header.group_size)
+    parts, turbo_body = codec.parts(header, host)
+    x = _turbo_decode(turbo_body, codec.turbo, header.shape)
+    if parts.means.size:
+        outer, tokens, inner = parts.blocks
+        means = mx.array(parts.means).reshape(outer, 1, inner)
+        x = (x.reshape(outer, tokens, inner) + means).reshape(-1)
+    return x, parts
 
 
 def _pair_half(codec: PairCodec, src: mx.array, kv_split: tuple[int, int] | None) -> Codec:
@@ -266,9 +291,9 @@ def _turbo_encode(
     body[layout.indices_offset :] = _host_bytes(mx.concatenate(indices, axis=-1))
 
 
-def _turbo_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
-    codec = named_codec(header.codec, header.group_size, header.version)
-    layout = codec.layout(header.shape)
+def _turbo_decode(host: np.ndarray, codec: TurboCodec, shape: tuple[int, ...]) -> mx.array:
+    """The values of a TurboQuant body."""
+    layout = codec.layout(shape)
     k = int(host[:2].view("<i2")[0])
     channels = codec.body_channels(host, layout)
     n = layout.n_vectors

@@ -35,6 +35,7 @@ from tierkv.quant.payload import (
     input_words,
     parse_header,
 )
+from tierkv.quant.sinks import Sinks, SinkTurboCodec
 
 PAIR_FORMAT_VERSION = 3
 _FIXED = struct.Struct("<4sBBBBBBIQQ")
@@ -69,10 +70,16 @@ class PairCodec:
         self.group_size = keys.group_size
 
     def encode(
-        self, src: np.ndarray, dtype: str | None = None, kv_split: tuple[int, int] | None = None
+        self,
+        src: np.ndarray,
+        dtype: str | None = None,
+        kv_split: tuple[int, int] | None = None,
+        sink_tokens: Sinks | None = None,
     ) -> bytes:
         """Payload of `src`, which holds keys then values along axis `kv_split[0]`, the first
-        `kv_split[1]` of it keys. ValueError without a split: keys are never guessed."""
+        `kv_split[1]` of it keys. ValueError without a split: keys are never guessed.
+        `sink_tokens` (token axis, count): for a half whose codec keeps sink tokens (both halves
+        keep the block's axes)."""
         if kv_split is None:
             raise ValueError(f"{self.name}: the caller did not say where keys and values split")
         axis, count = kv_split
@@ -80,15 +87,15 @@ class PairCodec:
             raise ValueError(f"K/V split {kv_split} does not fit a block of shape {src.shape}")
         axis %= src.ndim
         if count == src.shape[axis]:
-            return self.keys.encode(src, dtype)
+            return _encode(self.keys, src, dtype, sink_tokens)
         if count == 0:
-            return self.values.encode(src, dtype)
+            return _encode(self.values, src, dtype, sink_tokens)
         _, dtype = input_words(src, dtype)
         shape = tuple(src.shape)
         header = PairHeader(self.keys.name, self.values.name, dtype, shape, axis, count)
         key_index, value_index = header.halves()
-        keys = self.keys.encode(np.ascontiguousarray(src[key_index]), dtype)
-        values = self.values.encode(np.ascontiguousarray(src[value_index]), dtype)
+        keys = _encode(self.keys, np.ascontiguousarray(src[key_index]), dtype, sink_tokens)
+        values = _encode(self.values, np.ascontiguousarray(src[value_index]), dtype, sink_tokens)
         head = _FIXED.pack(
             MAGIC,
             PAIR_FORMAT_VERSION,
@@ -102,6 +109,13 @@ class PairCodec:
             len(values),
         ) + struct.pack(f"<{len(shape)}Q", *shape)
         return b"".join((head, _CRC.pack(zlib.crc32(head)), keys, values))
+
+
+def _encode(codec: Codec, src: np.ndarray, dtype: str | None, sink_tokens: Sinks | None) -> bytes:
+    """codec.encode(src, dtype), with `sink_tokens` for a codec that keeps them."""
+    if isinstance(codec, SinkTurboCodec):
+        return codec.encode(src, dtype, sink_tokens)
+    return codec.encode(src, dtype)
 
 
 def is_pair(payload: bytes | bytearray | memoryview) -> bool:

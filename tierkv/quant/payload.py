@@ -29,6 +29,7 @@ from tierkv.codecs import (
     DTYPE_CODES,
     DTYPES,
     FRAMEWORK_DTYPES,
+    SINK_MODES,
     TURBO_MODES,
 )
 
@@ -126,6 +127,9 @@ def bit_layout(codec: str, group_size: int, dtype: str) -> BitLayout:
         return BitLayout(bits, bits, 0)
     if codec == "int8":
         return BitLayout(8, 8, 0)
+    if codec in SINK_MODES:
+        bits = SINK_MODES[codec][0]
+        return BitLayout(bits, bits, 0)
     hi, lo, mixed = TURBO_MODES[codec]
     return BitLayout(hi, lo, group_size // 4 if mixed else 0)
 

@@ -14,11 +14,13 @@ import math
 import numpy as np
 import torch
 
-from tierkv.codecs import DTYPE_BYTES, FRAMEWORK_DTYPES, TURBO_MODES
+from tierkv.codecs import DTYPE_BYTES, FRAMEWORK_DTYPES, SINK_MODES, TURBO_MODES
+from tierkv.quant import sinks
 from tierkv.quant.base import Codec
 from tierkv.quant.codec import checked_body
 from tierkv.quant.kernels import block_exponent
 from tierkv.quant.payload import NonFiniteError, PayloadError, PayloadHeader, pack_header
+from tierkv.quant.sinks import Parts
 from tierkv.quant.turbo import (
     Layout,
     TurboCodec,
@@ -44,13 +46,20 @@ def decode_into(payload: bytes | bytearray | memoryview, out: torch.Tensor) -> N
         values = raw.view(_FLOAT_TYPES[header.dtype])
         out.view(-1).copy_(values.view(out.dtype))
         return
+    parts = None
     if header.codec == "int8":
         decoded = _int8_decode(raw, header)
+    elif header.codec in SINK_MODES:
+        decoded, parts = _sink_decode(raw, header, body)
     else:
-        decoded = _turbo_decode(raw, header, body)
+        codec = named_codec(header.codec, header.group_size, header.version)
+        decoded = _turbo_decode(raw, codec, header.shape, np.frombuffer(body, np.uint8))
     target = _FLOAT_TYPES[header.dtype]
     bound = _MAX_FINITE[header.dtype]
     words = decoded.clamp_(-bound, bound).to(target)
+    if parts is not None and parts.count:  # the sink tokens' raw words
+        sinks = torch.from_numpy(parts.sink_words(DTYPE_BYTES[header.dtype]).copy())
+        words.view(parts.blocks)[:, : parts.count] = sinks.to(words.device).view(target)
     out.view(-1).copy_(words.view(out.dtype))
 
 
@@ -213,11 +222,29 @@ def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) ->
     return torch.cat(parts)
 
 
-def _turbo_decode(raw: torch.Tensor, header: PayloadHeader, body: memoryview) -> torch.Tensor:
-    codec = named_codec(header.codec, header.group_size, header.version)
-    d, device = codec.group_size, raw.device
-    layout = codec.layout(header.shape)
+def _sink_decode(
+    raw: torch.Tensor, header: PayloadHeader, body: memoryview
+) -> tuple[torch.Tensor, Parts]:
+    """A sink codec's block (its means added, the sink tokens still to be written) and its
+    parts."""
+    codec = sinks.named_codec(header.codec, header.group_size)
     host = np.frombuffer(body, np.uint8)
+    parts, turbo_body = codec.parts(header, host)
+    start = len(host) - len(turbo_body)
+    x = _turbo_decode(raw[start:], codec.turbo, header.shape, turbo_body)
+    if parts.means.size:
+        outer, tokens, inner = parts.blocks
+        means = torch.from_numpy(parts.means).to(raw.device).view(outer, 1, inner)
+        x = (x.view(outer, tokens, inner) + means).view(-1)
+    return x, parts
+
+
+def _turbo_decode(
+    raw: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...], host: np.ndarray
+) -> torch.Tensor:
+    """The values of a TurboQuant body (`raw` on the device, `host` the same bytes)."""
+    d, device = codec.group_size, raw.device
+    layout = codec.layout(shape)
     k = int(host[:2].view("<i2")[0])
     channels = codec.body_channels(host, layout)
     n = layout.n_vectors

@@ -145,6 +145,10 @@ _NO_INSTANCE = (
 )
 
 
+NO_CENTRE = (np.zeros((0, 0), np.float32), 1, 1, 0.0)
+"""The decoders' `centre` of a codec that adds no means (see _to_words)."""
+
+
 class Layout:
     """Byte offsets of a TurboQuant body for `n_vectors` vectors of d values."""
 
@@ -481,7 +485,7 @@ def _rotate_back(y, d, n, off, z, inst):
 
 
 @njit(cache=True, nogil=True)
-def _to_words(src, d, v0, n, off, inst, body, norms, pow2k, code, scaling, dst, direct):
+def _to_words(src, d, v0, n, off, inst, body, norms, pow2k, code, scaling, dst, direct, centre):
     """Scale and convert one instance of the n vectors of a tile from _rotate_back: the m values
     at src[t * d + off :] times factors[j] (1 / sqrt(p) with R's sign j, from _scale_factors),
     the norm at body[norms[0] + (v0 + t) * norms[1]] and 2**k (rounded product by product, left
@@ -489,9 +493,19 @@ def _to_words(src, d, v0, n, off, inst, body, norms, pow2k, code, scaling, dst, 
     src; scaling = (factors, reach). Clamped to the dtype's finite range, except for the vectors
     whose norm times reach (from _reach) is under 1: by _peak's bound every value lies within
     it (the clamp takes a quarter of the pass; skipping it where it cannot act changes no
-    bit)."""
+    bit). centre = (means, iv, tokens, mean_reach): with rows of means (a centred codec, one
+    instance), vector v gets row (v // (iv * tokens)) * iv + v % iv added, and mean_reach (the
+    largest |mean| over the dtype's largest finite value) counts in the clamp test."""
     factors, reach = scaling
     at = (v0, n, off, inst[0], direct, reach)
+    if centre[0].shape[0]:
+        if code == FP16:
+            _centred_words(src, d, at, body, norms, pow2k, factors, dst, FP16, centre)
+        elif code == BF16:
+            _centred_words(src, d, at, body, norms, pow2k, factors, dst, BF16, centre)
+        else:
+            _centred_words(src, d, at, body, norms, pow2k, factors, dst, FP32, centre)
+        return
     # the dtype as a constant: each call compiles the loops of its dtype only (in one function
     # together, LLVM vectorizes them worse)
     if code == FP16:
@@ -535,6 +549,44 @@ def _scaled_words(src, d, at, body, norms, pow2k, factors, dst, code):
             for j in range(m):
                 x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
                 dst[np.uint64(to + j)] = fp32_word(x)
+
+
+@njit(cache=True, nogil=True)
+def _centred_words(src, d, at, body, norms, pow2k, factors, dst, code, centre):
+    """_scaled_words of a centred codec: each value plus its channel's mean (see _to_words)."""
+    v0, n, off, m, direct, reach = at
+    means, iv, tokens, mean_reach = centre
+    norm_at, norm_stride = norms
+    flat_means = means.reshape(-1)
+    for t in range(n):
+        at = t * d + off
+        v = v0 + t
+        to = v * d if direct else at
+        row = ((v // (iv * tokens)) * iv + v % iv) * d
+        norm = half_to_f32(read_u16(body, norm_at + v * norm_stride))
+        clamp = not reach * np.float64(norm) + mean_reach < 1.0
+        if code == FP16:
+            if clamp:
+                for j in range(m):
+                    x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                    dst[np.uint64(to + j)] = fp16_word(x + flat_means[np.uint64(row + j)])
+            else:
+                for j in range(m):
+                    x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                    dst[np.uint64(to + j)] = f32_to_half(x + flat_means[np.uint64(row + j)])
+        elif code == BF16:
+            if clamp:
+                for j in range(m):
+                    x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                    dst[np.uint64(to + j)] = bf16_word(x + flat_means[np.uint64(row + j)])
+            else:
+                for j in range(m):
+                    x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                    dst[np.uint64(to + j)] = bf16_round(x + flat_means[np.uint64(row + j)])
+        else:
+            for j in range(m):
+                x = src[np.uint64(at + j)] * factors[j] * norm * pow2k
+                dst[np.uint64(to + j)] = fp32_word(x + flat_means[np.uint64(row + j)])
 
 
 _PEAK_MARGIN = 1.01
@@ -670,7 +722,7 @@ def _split(x, d, v0, n, plan, rows):
 
 
 @njit(cache=True, nogil=True)
-def _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k):
+def _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k, centre):
     """Decode vectors v0 .. v0 + n - 1 of a body straight into the output, pass by pass over
     the tile: look up every vector's levels, then per instance rotate them back (butterflies in
     SIMD registers), scale and convert them to output words, and for two instances put each
@@ -685,21 +737,25 @@ def _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k):
     rotated = _rotate_back(y, d, n, 0, z, hi)
     norms = (norm_at, norm_stride)
     if lo_m == 0:
-        _to_words(rotated, d, v0, n, 0, hi, body, norms, pow2k, code, hi_scaling, out_words, True)
+        _to_words(
+            rotated, d, v0, n, 0, hi, body, norms, pow2k, code, hi_scaling, out_words, True, centre
+        )
         return
-    _to_words(rotated, d, v0, n, 0, hi, body, norms, pow2k, code, hi_scaling, words, False)
+    _to_words(rotated, d, v0, n, 0, hi, body, norms, pow2k, code, hi_scaling, words, False, centre)
     lo_index_at = index_at + packed_bytes(hi_m, hi[1])
     _unpack(body, v0, n, lo, lo_index_at, index_stride, pairs, hi_m // 2, d // 2)
     rotated = _rotate_back(y, d, n, hi_m, z, lo)
     norms = (norm_at + 2, norm_stride)
-    _to_words(rotated, d, v0, n, hi_m, lo, body, norms, pow2k, code, lo_scaling, words, False)
+    _to_words(
+        rotated, d, v0, n, hi_m, lo, body, norms, pow2k, code, lo_scaling, words, False, centre
+    )
     _merge(words, d, v0, n, plan, out_words)
 
 
 @njit(cache=True, nogil=True)
-def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi):
+def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, centre, t_lo, t_hi):
     """Decode tiles [t_lo, t_hi) (of _TILE_VALUES // d vectors) of a TurboQuant body
-    into `out_words`; see _encode_tiles."""
+    into `out_words`; see _encode_tiles, and _to_words for `centre`."""
     norms_offset, indices_offset, bpv = offsets
     n_vectors = out_words.size // d
     tile = _TILE_VALUES // d
@@ -722,7 +778,7 @@ def _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
     at = (norms_offset, 2 * n_inst, indices_offset, bpv)
     for v0 in range(t_lo * tile, min(t_hi * tile, n_vectors), tile):
         n = min(tile, n_vectors - v0)
-        _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k)
+        _decode_vectors(body, v0, n, hi, lo, scratch, code, out_words, at, pow2k, centre)
 
 
 @njit(cache=True, nogil=True)
@@ -840,20 +896,21 @@ def encode_parallel(words, code, d, select, k, out, offsets, hi, lo):
 
 
 @njit(cache=True, nogil=True)
-def decode_serial(body, code, d, select, out_words, offsets, hi, lo):
-    """Decode every vector of a TurboQuant body into `out_words`."""
+def decode_serial(body, code, d, select, out_words, offsets, hi, lo, centre):
+    """Decode every vector of a TurboQuant body into `out_words` (`centre`: see _to_words;
+    NO_CENTRE for a plain codec)."""
     n_tiles = _n_tiles(out_words.size, d)
-    _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, 0, n_tiles)
+    _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, centre, 0, n_tiles)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def decode_parallel(body, code, d, select, out_words, offsets, hi, lo):
+def decode_parallel(body, code, d, select, out_words, offsets, hi, lo, centre):
     """decode_serial split across threads."""
     n_tiles = _n_tiles(out_words.size, d)
     per_chunk = max(1, CHUNK_VALUES // _TILE_VALUES)
     for c in prange((n_tiles + per_chunk - 1) // per_chunk):
         t_lo, t_hi = c * per_chunk, min(n_tiles, (c + 1) * per_chunk)
-        _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, t_lo, t_hi)
+        _decode_tiles(body, code, d, select, out_words, offsets, hi, lo, centre, t_lo, t_hi)
 
 
 @njit(cache=True, nogil=True)
@@ -874,7 +931,8 @@ def decode_rows(run, code, d, select, mask_bytes, rows, out_rows, ok, offsets, h
             if not _mask_channels(masks, hi[0], channels):
                 ok[i] = False
                 continue
-        decode_serial(body, code, d, select, out_rows[rows[i]], offsets, hi, lo)
+        centre = (np.zeros((0, 0), np.float32), 1, 1, 0.0)
+        decode_serial(body, code, d, select, out_rows[rows[i]], offsets, hi, lo, centre)
 
 
 scan_kernel = Threaded(scan_serial, scan_parallel)
@@ -1002,15 +1060,29 @@ class TurboCodec:
         return channels
 
     def decode_words(
-        self, body: np.ndarray, dtype: str, shape: tuple[int, ...], out_words: np.ndarray
+        self,
+        body: np.ndarray,
+        dtype: str,
+        shape: tuple[int, ...],
+        out_words: np.ndarray,
+        centre: tuple[np.ndarray, int, int, float] = NO_CENTRE,
     ) -> None:
-        """Decode a body (length already checked) into the flat words of the output."""
+        """Decode a body (length already checked) into the flat words of the output; `centre`:
+        the means a centred codec adds (see _to_words)."""
         d = self.group_size
         layout = self.layout(shape)
         select = (self.body_channels(body, layout), layout.sel_div, layout.sel_mod)
         code = DTYPE_CODES[dtype]
         decode_kernel(
-            out_words.nbytes, body, code, d, select, out_words, layout.offsets, *self.kernel_args()
+            out_words.nbytes,
+            body,
+            code,
+            d,
+            select,
+            out_words,
+            layout.offsets,
+            *self.kernel_args(),
+            centre,
         )
 
     def decode_run(

@@ -62,7 +62,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from tierkv.codecs import FRAMEWORK_DTYPES
+from tierkv.codecs import FRAMEWORK_DTYPES, SINK_TOKENS
 from tierkv.config import KV_VAULT, TierKVConfig, load_config, resolve_auto_codec
 from tierkv.connectors.exo.boot import BOOTSTRAP_MODULE, CACHE_MODULE, disabled
 from tierkv.keys import chain_block_keys, namespace_fingerprint, weights_fingerprint
@@ -656,6 +656,7 @@ class ExoRuntime:
                         )
                         release = functools.partial(self._release, block.nbytes)
                         split = (0, block.shape[0] if kind == 0 else 0)  # all keys or all values
+                        sinks = (1, SINK_TOKENS if index == 0 else 0)  # [heads, tokens, dim]
                         tier.store(
                             namespace,
                             keys[index],
@@ -665,6 +666,7 @@ class ExoRuntime:
                             VAULT,
                             on_done=release,
                             kv_split=split,
+                            sink_tokens=sinks,
                         )
 
     def _reserve(self, nbytes: int, window: int) -> bool:

@@ -81,6 +81,8 @@ class StoreJob:
     group_id: int
     block_id: int
     key: bytes
+    first: bool = False
+    """The block is its sequence's first (a sink codec keeps its first tokens lossless)."""
 
 
 @dataclass
@@ -146,8 +148,9 @@ class TierScheduler:
         # request -> (group, engine block, key) of each block it restores
         self._loaded_into: dict[str, list[tuple[int, int, bytes]]] = {}
         self._failed_loads: set[str] = set()  # requests whose restore failed: recompute them
-        # vLLM block hash -> tierkv key, and the (group, key) pairs recently sent; both bounded.
-        self._hash_keys: OrderedDict[bytes, bytes] = OrderedDict()
+        # vLLM block hash -> (tierkv key, whether it is its sequence's first block), and the
+        # (group, key) pairs recently sent; both bounded.
+        self._hash_keys: OrderedDict[bytes, tuple[bytes, bool]] = OrderedDict()
         self._stored: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         self._hash_capacity = max(4 * num_engine_blocks * max(1, len(self.plans)), 4096)
 
@@ -344,7 +347,7 @@ class TierScheduler:
                 tokens = request.all_token_ids[start : len(hashes) * self.block_size]
                 tracked.keys.extend(chain_block_keys(list(tokens), self.block_size, parent))
             for index in range(tracked.mapped, min(len(hashes), len(tracked.keys))):
-                self._hash_keys[hashes[index]] = tracked.keys[index]
+                self._hash_keys[hashes[index]] = (tracked.keys[index], index == 0)
                 self._hash_keys.move_to_end(hashes[index])
             tracked.mapped = max(tracked.mapped, min(len(hashes), len(tracked.keys)))
         while len(self._hash_keys) > self._hash_capacity:
@@ -383,11 +386,12 @@ class TierScheduler:
         if block_hash is None or block.is_null:
             return
         group_id = get_group_id(block_hash)
-        key = self._hash_keys.get(get_block_hash(block_hash))
-        if key is None or group_id not in self._group_ids:
+        known = self._hash_keys.get(get_block_hash(block_hash))
+        if known is None or group_id not in self._group_ids:
             return
+        key, first = known
         if self._remember_stored((group_id, key)):
-            self._stores.append(StoreJob(group_id, block.block_id, key))
+            self._stores.append(StoreJob(group_id, block.block_id, key, first))
 
     def _remember_stored(self, marker: tuple[int, bytes]) -> bool:
         """Note that (group, key) is in the vaults; False when it was known already."""

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tierkv.codecs import kv_pair_codecs
+from tierkv.codecs import SINK_TOKENS, kv_pair_codecs
 from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
 from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
@@ -134,6 +134,7 @@ class TierWorker:
         self._kv_caches: tuple[dict[str, torch.Tensor], int] | None = None
         self._rings: tuple[StagingRing, StagingRing] | None = None
         self._kv_splits: dict[int, tuple[int, int] | None] = {}
+        self._token_axes: dict[int, int | None] = {}
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="tierkv-store")
         self._loading: dict[str, Future[_LoadResult]] = {}
@@ -167,6 +168,10 @@ class TierWorker:
         }
         self._kv_splits = {
             group_id: kv_split(self.plans[group_id], found[0]) for group_id, found in parts.items()
+        }
+        self._token_axes = {
+            group_id: token_axis(self.plans[group_id], found[0])
+            for group_id, found in parts.items()
         }
 
     def unregister_kv_caches(self) -> None:
@@ -233,13 +238,23 @@ class TierWorker:
     ) -> None:
         namespace = plan.namespaces[self.tp_rank]
         split = self._kv_splits.get(plan.group_id)
+        axis = self._token_axes.get(plan.group_id)
 
         def send(
             index: int, part: int, array: np.ndarray, dtype: str, on_done: Callable[[], None]
         ) -> None:
-            key = jobs[index].key
+            job = jobs[index]
+            sinks = None if axis is None else (axis, SINK_TOKENS if job.first else 0)
             self.tier.store(
-                namespace, key, part, array, dtype, plan.vault, on_done=on_done, kv_split=split
+                namespace,
+                job.key,
+                part,
+                array,
+                dtype,
+                plan.vault,
+                on_done=on_done,
+                kv_split=split,
+                sink_tokens=sinks,
             )
 
         hand_over(staged, mover.codec_dtypes, send)
@@ -378,6 +393,21 @@ def kv_split(plan: GroupPlan, layers: Sequence[tuple[torch.Tensor, int]]) -> tup
         return -1, keys
     if 2 in shape:
         return 1 + shape.index(2), 1  # 1 + : the stacked block's leading layer axis
+    return None
+
+
+def token_axis(plan: GroupPlan, layers: Sequence[tuple[torch.Tensor, int]]) -> int | None:
+    """The token axis of a stored attention block (every layer's block, stacked): where the
+    layer's block holds plan.block_size (the CPU backend's [heads, tokens, K|V]: its second to
+    last axis when two have that size); None for state groups or when no axis has it."""
+    if not layers or plan.state_layout:
+        return None
+    tensor, block_dim = layers[0]
+    shape = [size for dim, size in enumerate(tensor.shape) if dim != block_dim]
+    if len(shape) >= 2 and shape[-2] == plan.block_size:
+        return len(shape) - 1  # 1 + : the stacked block's leading layer axis
+    if plan.block_size in shape[:-1]:
+        return 1 + shape.index(plan.block_size)
     return None
 
 
