@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import VaultHandle
 from test_vllm_connector import LLAMA_ENGINE, Engine
-from tiny_models import build_tiny_llama, build_tokenizer
+from tiny_models import build_tiny_llama, build_tiny_qwen3_next, build_tokenizer
 from typer.testing import CliRunner
 
 from tierkv.bench.eval import (
@@ -31,6 +31,7 @@ from tierkv.bench.eval import (
     topk_kl,
     write_verdict,
 )
+from tierkv.bench.prompts import long_prompt
 from tierkv.cli import app
 from tierkv.config import CompressionConfig, TierKVConfig, load_config, resolve_auto_codec
 
@@ -295,3 +296,23 @@ def test_eval_writes_the_verdict_its_measurements_pass_and_codec_auto_stores_wit
         assert tier["queued_raw_bytes"] / tier["queued_payload_bytes"] > 1.5  # lossy, not none
     finally:
         auto.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_eval_on_the_hybrid_model_restores_and_none_is_exact(tmp_path: Path) -> None:
+    pytest.importorskip("vllm")
+    model = build_tiny_qwen3_next(tmp_path / "qwen3-next")
+    prompts = tmp_path / "prompts.jsonl"  # two blocks of 640 (vLLM's page for this model) each
+    prompts.write_text("".join(json.dumps(long_prompt(1300, seed=s)) + "\n" for s in (1, 2)))
+    args = ["eval", "--model", str(model), "--codecs", "none,k8v4", "--tokens", "1300"]
+    args += ["--prompts", str(prompts)]
+    args += ["--new-tokens", "8", "--kv-cache-bytes", "1700000", "--dtype", "model"]
+    args += ["--probes", "0", "--json"]  # the passkeys need a trained model
+    out = CliRunner().invoke(app, args)
+    assert out.exit_code == 0, out.output
+    (run,) = json.loads(out.stdout)["runs"]
+    none, pair = run["codecs"]
+    assert (run["dtype"], run["self_test_failures"]) == ("bfloat16", 0)
+    assert (none["kl"], none["identical"], none["texts"]) == (0.0, 2, 2)
+    assert none["restored_fraction"] > 0.3 and pair["restored_fraction"] > 0.3

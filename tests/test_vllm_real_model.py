@@ -11,6 +11,7 @@ stay on the tiny Qwen3-Next (tests/test_vllm_connector.py), whose engine this fi
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,7 @@ def test_fresh_engine_process_generates_the_hit_of_the_engine_that_stored(
         fresh.close()
 
 
+@pytest.mark.timeout(1200)  # two eval engines (float32 and bf16), then the auto one
 def test_eval_verdict_is_what_codec_auto_stores_with(
     real_model: Path, vault: tuple[Any, str], tokenize: Any, tmp_path: Path
 ):
@@ -123,8 +125,10 @@ def test_eval_verdict_is_what_codec_auto_stores_with(
         f'[cluster]\nkv_cold = "{vault[1]}"\n[connector]\nstore = "on_finish"\n'
         '[compression]\nenabled = true\ncodec = "auto"\n'
     )
-    args = ["eval", "--model", str(real_model), "--codecs", "none,tq4", "--tokens", "600"]
-    args += ["--new-tokens", "4", "--probes", "0"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(long_prompt(300, seed=s)) + "\n" for s in (1, 2)))
+    args = ["eval", "--model", str(real_model), "--codecs", "none,tq4", "--tokens", "300"]
+    args += ["--prompts", str(prompts), "--new-tokens", "4", "--probes", "0"]
     args += ["--min-top1", "0", "--max-kl", "100", "--vault", vault[1]]
     args += ["--kv-cache-bytes", "64MiB"]
     out = CliRunner().invoke(app, [*args, "--json", "--write-config", str(config)])

@@ -15,7 +15,7 @@ from tierkv.cli import app
 from tierkv.cli.bench import _size_option
 from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
-from tierkv.codecs import CODEC_NAMES, kv_pair_codecs
+from tierkv.codecs import CODEC_NAMES, PRESETS, kv_pair_codecs
 from tierkv.patches.vllm import read_hf_config
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def eval_command(
         typer.Option(
             metavar="NAMES",
             help='Codecs to compare, e.g. "none,int8,k8v4,tq4" (none first).',
-            show_default="every codec",
+            show_default="every codec and preset",
         ),
     ] = "",
     dtype: Annotated[
@@ -147,13 +147,14 @@ def eval_command(
             "log-probabilities and cannot switch codecs between runs)",
             2,
         )
-    names = [name.strip() for name in codecs.split(",") if name.strip()] or list(CODEC_NAMES)
+    names = [name.strip() for name in codecs.split(",") if name.strip()]
+    names = names or [*CODEC_NAMES, *PRESETS]
     for name in names:
         if name not in CODEC_NAMES and _pair(name) is None:
             raise fail(
                 "eval",
-                f"--codecs: unknown codec {name!r}; use {', '.join(CODEC_NAMES)} or a K/V "
-                'pair like "k8v4"',
+                f"--codecs: unknown codec {name!r}; use {', '.join([*CODEC_NAMES, *PRESETS])} "
+                'or a K/V pair like "k8v4"',
                 2,
             )
     hf_config = read_hf_config(model) or {}
