@@ -196,7 +196,10 @@ def test_watch_writes_a_frame_per_check_to_a_pipe_and_stops_on_a_signal(
     # Each frame comes flushed: the pipe sees it while the watch runs.
     assert wait_until(lambda: sum(line.startswith(b"checked ") for line in lines) >= 2, 60)
     process.send_signal(stop)
-    assert process.wait(timeout=30) == 0, process.stderr.read() if process.stderr else ""
+    # Ended by the watch itself: its verdict's code (0 up; 1 where a check on a loaded machine
+    # missed its deadline), never the signal's (-15, or 130 for an interrupt it did not catch).
+    code = process.wait(timeout=30)
+    assert code in (0, 1), process.stderr.read() if process.stderr else ""
     reader.join(timeout=30)
     out = b"".join(lines)
     assert (
