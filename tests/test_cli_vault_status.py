@@ -241,6 +241,30 @@ def test_status_names_a_wrong_ca_apart_from_an_unreachable_port(tmp_path: Path) 
         server.stop(0)
 
 
+@pytest.mark.parametrize("command", ["status", "vault"])
+def test_a_tls_file_that_is_not_pem_is_one_line_naming_it(tmp_path: Path, command: str) -> None:
+    """A garbage CA (engine side) or certificate (vault side): exit 2, the setting and file
+    named, before anything connects or listens."""
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    key = tmp_path / "key.pem"
+    key.write_text("not a key either\n")
+    key.chmod(0o600)
+    config = tmp_path / "tierkv.toml"
+    if command == "status":
+        config.write_text('[security]\ntls_ca = "garbage.pem"\n')
+        args = ["status", "--config", str(config), "--vault", "127.0.0.1:9"]
+        named = f"security.tls_ca {garbage}: not a usable PEM file"
+    else:
+        config.write_text('[security]\ntls_cert = "garbage.pem"\ntls_key = "key.pem"\n')
+        args = ["vault", "--config", str(config), "--listen", "127.0.0.1:0", "--max-bytes", "64MiB"]
+        named = f"security.tls_cert {garbage} with tls_key {key}: not a usable PEM file"
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"tierkv {command}: {named}"), line
+
+
 def test_status_refuses_a_data_key_that_does_not_parse(tmp_path: Path) -> None:
     key = tmp_path / "data_key"
     key.write_text("1 not-a-key\n")

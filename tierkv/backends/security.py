@@ -18,11 +18,12 @@ from typing import Any
 
 import grpc
 
-from tierkv.config import ConfigError, SecurityConfig
+from tierkv.config import SecurityConfig
 from tierkv.wire.proofs import PROOF_METADATA_KEY, RUN_QUERY, call_proof, run_of
 from tierkv.wire.secrets import (
     TOKEN_ENV,
     check_secret_files,
+    load_tls_files,
     read_secret,
     read_token_file,
     refuse_unpaired_tls,
@@ -36,9 +37,10 @@ def check_client_security(security: SecurityConfig) -> None:
     """ConfigError naming the first `[security]` setting an engine side (a tier of any
     backends, `tierkv bench`, `eval`, `serve`, `status`) cannot use as written: a TLS
     certificate without its key or the reverse, a token, TLS key or data key file that group or
-    others may read."""
+    others may read, TLS files that do not load."""
     refuse_unpaired_tls(security)
     check_secret_files(security)
+    ssl_context(security)  # TLS files that do not load: named now, not at the first connection
 
 
 def client_token(security: SecurityConfig) -> str | None:
@@ -173,10 +175,12 @@ def ssl_context(security: SecurityConfig) -> ssl.SSLContext | None:
     """TLS for a client's end of a vault's bulk port; None: plain TCP."""
     if not security.tls_ca:
         return None
-    try:
-        context = ssl.create_default_context(cafile=security.tls_ca)
-        if security.tls_cert:
-            context.load_cert_chain(security.tls_cert, security.tls_key)
-        return context
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"[security] TLS files: {exc}") from None
+    ca = security.tls_ca
+    context = load_tls_files(f"security.tls_ca {ca}", lambda: ssl.create_default_context(cafile=ca))
+    if security.tls_cert:
+        cert, key = security.tls_cert, security.tls_key
+        load_tls_files(
+            f"security.tls_cert {cert} with tls_key {key}",
+            lambda: context.load_cert_chain(cert, key),
+        )
+    return context

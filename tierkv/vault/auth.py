@@ -57,6 +57,7 @@ from tierkv.wire.secrets import (
     MIN_TOKEN_CHARS,
     TOKEN_ENV,
     check_secret_files,
+    load_tls_files,
     read_secret,
     read_token_file,
     refuse_unpaired_tls,
@@ -354,15 +355,18 @@ def ssl_context(security: SecurityConfig) -> ssl.SSLContext | None:
     TCP."""
     if not security.tls_cert:
         return None
-    try:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.load_cert_chain(security.tls_cert, security.tls_key)
-        if security.client_ca:
-            context.load_verify_locations(security.client_ca)
-            context.verify_mode = ssl.CERT_REQUIRED
-        return context
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"[security] TLS files: {exc}") from None
+    cert, key, client_ca = security.tls_cert, security.tls_key, security.client_ca
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    load_tls_files(
+        f"security.tls_cert {cert} with tls_key {key}", lambda: context.load_cert_chain(cert, key)
+    )
+    if client_ca:
+        load_tls_files(
+            f"security.client_ca {client_ca}",
+            lambda: context.load_verify_locations(client_ca),
+        )
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
 
 
 @dataclass(frozen=True)

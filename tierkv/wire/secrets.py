@@ -9,10 +9,15 @@ command line.
 from __future__ import annotations
 
 import re
+import ssl
 import stat
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from tierkv.config import ConfigError, SecurityConfig
+
+T = TypeVar("T")
 
 TOKEN_ENV = "TIERKV_TOKEN"
 MIN_TOKEN_CHARS = 16
@@ -102,3 +107,12 @@ def read_secret(path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def load_tls_files(files: str, load: Callable[[], T]) -> T:
+    """`load()` of the TLS files `files` (their settings and paths, e.g. "security.tls_ca
+    ca.pem"); ConfigError naming them when they cannot be read or are not usable PEM."""
+    try:
+        return load()
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"{files}: not a usable PEM file ({exc})") from None
