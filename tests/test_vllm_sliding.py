@@ -206,7 +206,9 @@ def test_window_blocks_a_running_request_lets_go_of_are_stored_that_step(vault):
             pool.cache_full_blocks(request, blocks[plan.group_id], 0, 5, 4, plan.group_id)  # type: ignore[arg-type]
         pool.free_blocks(blocks[0][:3])  # what vLLM's remove_skipped_blocks does
         stores = scheduler.build_connector_meta().stores
-        assert stores == [StoreJob(0, blocks[0][i].block_id, keys[i]) for i in range(3)]
+        assert stores == [
+            StoreJob(0, blocks[0][i].block_id, keys[i], first=i == 0) for i in range(3)
+        ]
         assert scheduler.build_connector_meta().stores == []  # once
     finally:
         scheduler.shutdown()
