@@ -140,7 +140,8 @@ def two_runs(*codecs: tuple[str, float, float, int, bool]) -> EvalReport:
         for name, ratio, kl, top1, keeps in codecs:
             forced = PromptEval(600, 512, None, 100, kl, top1)
             rows.append(CodecEval(name, ratio, [forced, probe(True, True), probe(keeps, True)]))
-        return DtypeEval(dtype, 1.0, rows, CodecEval("vLLM hit vs cold", 1.0))
+        floor = CodecEval("vLLM hit vs cold", 1.0, [PromptEval(600, 512), *[probe(True, True)] * 2])
+        return DtypeEval(dtype, 1.0, rows, floor)
 
     return EvalReport(
         "dir/model", "f" * 32, "bfloat16", 64, 100, 0.1, [run("float32"), run("bfloat16")]
@@ -163,6 +164,8 @@ def test_the_gate_picks_the_smallest_codec_keeping_passkeys_kl_and_top1(tmp_path
     assert found.verdict(Gate(min_top1=0.99)).codec == "int8"  # type: ignore[union-attr]
     assert found.passes("tq4", Gate(max_kl=1, min_top1=0)) is False  # the passkey decides
     assert found.passes("tq3", Gate(max_kl=1, min_top1=0)) is True
+    found.runs[1].codecs[2].prompts[0].restored_tokens = 384  # k8v4 lost a block: recomputed
+    assert found.verdict(gate).codec == "int8"  # type: ignore[union-attr]
     found.runs.pop(0)
     assert found.verdict(gate) is None  # no float32 run: no verdict
     path = tmp_path / "tierkv.toml"

@@ -355,7 +355,10 @@ class EvalReport:
         if here is None or there is None:
             return None
         kept = here.kept == here.reference_found
-        return kept and there.kl <= gate.max_kl and there.top1 >= gate.min_top1
+        # A codec whose blocks did not all come back was partly recomputed, not measured.
+        floors = (own.floor.restored_fraction, fp32.floor.restored_fraction)
+        whole = here.restored_fraction >= floors[0] and there.restored_fraction >= floors[1]
+        return whole and kept and there.kl <= gate.max_kl and there.top1 >= gate.min_top1
 
     def verdict(self, gate: Gate) -> CodecEval | None:
         """The codec storing the fewest bytes (in the model's dtype) among those that pass."""
