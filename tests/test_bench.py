@@ -33,7 +33,14 @@ MIN_COSINE = {
     "tq3": 0.97,
     "tq2.5": 0.95,
     "tq2": 0.90,
+    "tq5c": 0.995,
+    "tq4c": 0.99,
+    "tq3c": 0.97,
+    "tq5s": 0.995,
+    "tq4s": 0.99,
+    "tq3s": 0.97,
 }
+"""Every codec of `--codec all` (the catalogue's order), with the cosine it keeps at least."""
 
 
 @pytest.fixture(scope="module")
