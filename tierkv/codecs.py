@@ -51,6 +51,9 @@ SINK_MODES = {
 (attention sinks) stay lossless in its first block; "c" codecs also centre each channel on its
 mean over the block's other tokens before the rotation (for keys), "s" codecs only keep the sinks
 (for values)."""
+WHOLE_BLOCK_CODECS = tuple(name for name in CODEC_NAMES if name not in SINK_MODES)
+"""The codecs made for a whole block, which `tierkv bench --codec all` compares; the key-aware
+ones are halves of K/V pairs (the presets), benched by a pair's or preset's name."""
 SINK_TOKENS = 4
 """Tokens at the start of a sequence the "c" and "s" codecs store lossless (the attention sinks)."""
 PRESETS = {"kv4": "k4cv4s", "kv3": "k3cv3s"}

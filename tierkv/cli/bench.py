@@ -21,7 +21,7 @@ from tierkv.addresses import parse_cold_address
 from tierkv.cli import app
 from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
-from tierkv.codecs import CODEC_NAMES, kv_pair_codecs
+from tierkv.codecs import CODEC_NAMES, WHOLE_BLOCK_CODECS, kv_pair_codecs
 from tierkv.config import SecurityConfig, TierKVConfig
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 from tierkv.sizes import parse_size
@@ -49,7 +49,7 @@ def bench(
         str | None,
         typer.Option(
             metavar="NAME",
-            help=f"A codec ({', '.join(CODEC_NAMES[:7])}, ...) or all.",
+            help=f"A codec ({', '.join(WHOLE_BLOCK_CODECS)}, ...), a K/V pair or preset, or all.",
             show_default="the config's codec",
         ),
     ] = None,
@@ -255,7 +255,7 @@ def _run_bench(
             return run_bench(
                 tokens=tokens,
                 model_shape=model_shape,
-                codecs=list(CODEC_NAMES) if codec == "all" else [codec],
+                codecs=list(WHOLE_BLOCK_CODECS) if codec == "all" else [codec],
                 dtype=dtype,
                 block_tokens=block_tokens,
                 vaults=vaults,
