@@ -3,6 +3,7 @@ and several processes writing and reading one directory at once."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import re
@@ -361,3 +362,27 @@ def test_reads_say_their_mode_and_work_in_it(
             backend.close()
     finally:
         shutil.rmtree(root)
+
+
+def test_status_shows_the_file_tier_with_its_bytes_and_cap(root: Path) -> None:
+    from typer.testing import CliRunner
+
+    from tierkv.cli import app
+
+    backend = FileTier.from_url(url(root, cap="4MiB"), config_from_mapping({}, "t").client)
+    backend.put(NS, KEYS[0], 0, os.urandom(100_000))
+    assert backend.flush(timeout=10)
+    backend.close()
+    runner = CliRunner(env={"COLUMNS": "200"})
+    result = runner.invoke(app, ["status", "--json", "--vault", url(root, cap="4MiB")])
+    assert result.exit_code == 0, result.output
+    found = json.loads(result.stdout)
+    row = next(rows for title, rows in found.items() if title != "totals")[0]
+    assert row["verdict"] == "up" and row["role"].startswith("file (")
+    assert row["disk"]["max_bytes"] == 4 * 1024 * 1024
+    assert row["disk"]["bytes_used"] == 100_000 + HEADER_BYTES and row["entries"] == 1
+    table = runner.invoke(app, ["status", "--wide", "--vault", url(root, cap="4MiB")])
+    assert "4.0 MiB" in table.stdout and "n/a (file)" in table.stdout, table.stdout
+    root.chmod(0o755)
+    down = runner.invoke(app, ["status", "--vault", url(root)])
+    assert down.exit_code == 1 and "group or others may read or write it" in down.output

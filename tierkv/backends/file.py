@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 
 from tierkv.addresses import parse_file_url
-from tierkv.backends.base import BackendStats, BackendUnavailable
+from tierkv.backends.base import BackendStats, BackendUnavailable, StorageTierStats
 from tierkv.checksum import block_checksum
 from tierkv.config import ClientConfig, ConfigError
 from tierkv.logs import get_logger
@@ -252,6 +252,17 @@ class FileTier:
             raise BackendUnavailable(f"file tier {self.directory}: not a directory any more")
         scan = _Scan(self.directory)
         with self._lock:
+            disk = StorageTierStats(
+                entries=len(scan.files),
+                bytes_used=scan.bytes,
+                max_bytes=self.max_bytes,
+                hits=self.hits,
+                reads_per_s=0.0,
+                evictions=self.evictions,
+                corrupt=self.corrupt,
+                queued_bytes=self._queue.pending_bytes,
+                kept=0,
+            )
             return [
                 BackendStats(
                     address=self.address,
@@ -266,6 +277,7 @@ class FileTier:
                     uptime_s=0.0,
                     version="",
                     rtt_s=time.monotonic() - started,
+                    disk=disk,
                 )
             ]
 
@@ -314,11 +326,12 @@ class FileTier:
         if got == size >= HEADER_BYTES:
             magic, version, length, checksum = _HEADER.unpack_from(buf)
             payload = buf[HEADER_BYTES:size]
+            # the GIL is given back while hashing: the other read threads' reads go on meanwhile
             if (
                 magic == MAGIC
                 and version == VERSION
                 and length == len(payload)
-                and block_checksum(namespace, key, part, payload, hold_gil=True) == checksum
+                and block_checksum(namespace, key, part, payload) == checksum
             ):
                 return payload
         with self._lock:
