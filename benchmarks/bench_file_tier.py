@@ -14,7 +14,8 @@ a fresh directory under `--dir` (default: the system's temporary directory), the
 - sealed load: ColdTier.load of every block, sealed under a data key made for the run (open and
   lossless decode into the engine's arrays): what an engine's restore costs end to end.
 
-The headline ratio is restore ÷ the faster bare read (target ≥ 0.8). Medians of the rounds.
+The headline ratio is restore ÷ the faster bare read (target ≥ 0.8). Medians of the rounds,
+each round running every measurement in turn.
 O_DIRECT reads come from the device each time (no page cache); buffered ones may not.
 """
 
@@ -44,13 +45,18 @@ from tierkv.tier import ColdTier
 NAMESPACE = namespace_fingerprint({"bench": "file tier"})
 
 
-def median_gbps(total: int, rounds: int, run: Callable[[], object]) -> float:
-    figures = []
+def interleaved_gbps(
+    total: int, rounds: int, runs: dict[str, Callable[[], object]]
+) -> dict[str, float]:
+    """Median GB/s of each of `runs`, each round running every one in turn (on a loaded machine
+    a slow spell then hurts them all, not the one that happened to run in it)."""
+    figures: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
-        started = time.perf_counter()
-        run()
-        figures.append(total / (time.perf_counter() - started) / 1e9)
-    return statistics.median(figures)
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            figures[name].append(total / (time.perf_counter() - started) / 1e9)
+    return {name: statistics.median(found) for name, found in figures.items()}
 
 
 def bare_read(paths: list[Path], direct: bool, threads: int) -> Callable[[], None]:
@@ -117,16 +123,16 @@ def main() -> int:
 
             memcpy_src = np.random.default_rng(1).integers(0, 256, total, dtype=np.uint8)
             memcpy_dst = memcpy_src.copy()
-            figures = {
-                "memcpy": median_gbps(
-                    total, args.rounds, lambda: np.copyto(memcpy_dst, memcpy_src)
-                ),
-                "bare read, 1 thread": median_gbps(total, args.rounds, bare_read(paths, direct, 1)),
-                f"bare read, {READ_THREADS} threads": median_gbps(
-                    total, args.rounds, bare_read(paths, direct, READ_THREADS)
-                ),
-                "restore (Lookup + Promote)": median_gbps(total, args.rounds, restore),
-            }
+            figures = interleaved_gbps(
+                total,
+                args.rounds,
+                {
+                    "memcpy": lambda: np.copyto(memcpy_dst, memcpy_src),
+                    "bare read, 1 thread": bare_read(paths, direct, 1),
+                    f"bare read, {READ_THREADS} threads": bare_read(paths, direct, READ_THREADS),
+                    "restore (Lookup + Promote)": restore,
+                },
+            )
         finally:
             backend.close()
         key_path = root / "data.keys"
@@ -150,7 +156,9 @@ def main() -> int:
                 failed = tier.load(NAMESPACE, keys, {"kv": [0]}, lambda index, part: outs[index])
                 assert not failed, f"{len(failed)} blocks failed"
 
-            figures["sealed load (open + decode)"] = median_gbps(total, args.rounds, sealed_load)
+            figures |= interleaved_gbps(
+                total, args.rounds, {"sealed load (open + decode)": sealed_load}
+            )
             assert all(np.array_equal(a, b) for a, b in zip(arrays, outs, strict=True))
         finally:
             tier.close()
