@@ -9,6 +9,8 @@ import os
 import re
 import shutil
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -386,3 +388,16 @@ def test_status_shows_the_file_tier_with_its_bytes_and_cap(root: Path) -> None:
     root.chmod(0o755)
     down = runner.invoke(app, ["status", "--vault", url(root)])
     assert down.exit_code == 1 and "group or others may read or write it" in down.output
+
+
+def test_the_benchmark_runs_and_prints_the_restore_beside_the_bare_read(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_file_tier.py"
+    command = [sys.executable, str(script), "--dir", str(tmp_path), "--total", "8MiB"]
+    result = subprocess.run(
+        [*command, "--block", "1MiB", "--rounds", "1"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for row in ("memcpy", "bare read, 1 thread", "restore (Lookup + Promote)", "sealed load"):
+        assert row in result.stdout
+    assert "restore ÷ bare read:" in result.stdout
+    assert list(tmp_path.iterdir()) == []  # its directory is removed
