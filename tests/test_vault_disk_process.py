@@ -23,7 +23,7 @@ from tierkv.backends.base import BackendStats
 from tierkv.backends.vault import VaultClient
 from tierkv.backends.vault_bulk import BulkConnection, BulkError
 from tierkv.checksum import block_checksum
-from tierkv.sizes import MIB
+from tierkv.sizes import MIB, format_size
 from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR
 from tierkv.wire._pb import vault_pb2
 
@@ -105,6 +105,29 @@ def test_sigterm_and_restart_lose_no_acknowledged_block(
     again = disk_vault(vault_factory, disk_dir)
     assert "recovered 60 blocks (15.0 MiB)" in log_of(again)
     assert len(read_back(again.address, 60)) == 60
+
+
+def test_status_tells_the_disk_live_bytes_from_dead_records_across_a_restart(
+    vault_factory: Callable[..., VaultHandle], disk_dir: Path
+) -> None:
+    """Blocks written twice leave dead records in their segments: status reports the segment
+    bytes against the cap and, apart, the bytes still readable, before and after a restart."""
+    vault = disk_vault(vault_factory, disk_dir)
+    put_all(vault.address, range(40))
+    put_all(vault.address, range(40))  # the same keys again: the first records are dead
+    before = stats(vault.address).disk
+    assert before is not None and 0 < before.live_bytes < before.bytes_used
+    vault.stop()
+    again = disk_vault(vault_factory, disk_dir)
+    after = stats(again.address).disk
+    assert after is not None and after.live_bytes == before.live_bytes < after.bytes_used
+    status = [sys.executable, "-m", "tierkv", "status", "--vault", again.address]
+    [row] = json.loads(subprocess.run([*status, "--json"], capture_output=True, check=True).stdout)[
+        "vaults"
+    ]
+    assert row["disk"]["live_bytes"] == after.live_bytes
+    wide = subprocess.run([*status, "--wide"], capture_output=True, text=True, check=True)
+    assert f"({format_size(after.live_bytes)})" in wide.stdout, wide.stdout
 
 
 @pytest.mark.parametrize("fsync", ["never", "interval", "always"])
