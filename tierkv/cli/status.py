@@ -20,6 +20,7 @@ role (and when a checked EXO hook is missing); 2 on a configuration error. The d
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import ssl
@@ -570,6 +571,9 @@ def status(
     that the tierkv hook is installed in that EXO checkout.
     """
     addresses = vault or []
+    # Each vault's state and why are in its row and the reason lines: a backend's own warning
+    # about a vault that does not answer would say it a second time.
+    logging.getLogger("tierkv.backends").setLevel(logging.ERROR)
     cfg = engine_config(config)
     if cfg.security.data_key_file:  # one that does not parse would fail every store
         from tierkv.seal import read_data_keys
