@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import LOOPBACK, VaultHandle, key, wait_until
+from test_vault_attacks import peak_rss_bytes
 from test_vault_auth import ALICE, BOB
 from test_vault_disk import forged_record
 
@@ -295,6 +296,28 @@ def test_the_disk_cap_is_honoured(
     again = disk_vault(vault_factory, disk_dir, "--disk-max-bytes", "8MiB")
     kept = sorted(set(read_back(again.address, 80)) - {2})
     assert 16 <= len(kept) <= 32 and kept == list(range(80 - len(kept), 80))  # the newest
+
+
+def test_tiny_blocks_cannot_grow_the_vault_past_its_ram_cap_through_the_disk_index(
+    vault_factory: Callable[..., VaultHandle], disk_dir: Path
+) -> None:
+    """60,000 four-byte blocks on a 16 MiB vault with a roomy disk: the disk tier's index (about
+    600 B a block, 34 MiB for them all) is RAM the cap counts, so the oldest go instead."""
+    vault = vault_factory("16MiB", subprocess=True, args=["--disk-dir", str(disk_dir)], config="")
+    before = peak_rss_bytes(vault.process.pid)
+    with VaultClient(vault.address, deadline_s=60, max_pending_bytes=64 * MIB) as client:
+        for start in range(0, 60_000, 5_000):
+            for i in range(start, start + 5_000):
+                client.put(NS, key(i), 0, payload(i, 4))
+            assert client.flush(timeout=120), client.counters()
+        assert client.stored_puts == 60_000, client.last_rejections[:3]
+    disk = stats(vault.address).disk
+    grown = peak_rss_bytes(vault.process.pid) - before
+    print(f"\n60,000 four-byte blocks, 16 MiB cap: vault RSS +{grown / MIB:.0f} MiB, "
+          f"{disk.entries if disk else 0} on disk")  # fmt: skip
+    assert disk is not None and 0 < disk.entries < 60_000
+    assert grown < 24 * MIB
+    assert 59_999 in read_back(vault.address, [59_999], size_of=lambda _: 4)
 
 
 def test_a_second_vault_on_the_same_disk_dir_refuses(
