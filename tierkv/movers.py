@@ -98,13 +98,15 @@ class StagingRing:
 
     Regions may be released in any order; a region's space is reused once it and every region
     taken before it are released (like a log). The memory is allocated on first use and pinned
-    when `pin` (page-locked memory is what lets CUDA copy asynchronously).
+    when `pin` (page-locked memory is what lets CUDA copy asynchronously; then it is allocated
+    at once).
     """
 
     def __init__(self, nbytes: int, *, pin: bool = False) -> None:
         self.nbytes = nbytes
-        self._pin = pin
-        self._buffer: torch.Tensor | None = None
+        # Pinned memory is allocated here, not on an engine step's first store (allocating and
+        # page-locking a large buffer takes a large part of a second).
+        self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
         self._lock = threading.Lock()
         self._live: deque[list[int]] = deque()  # [start, end, released], oldest first
 
@@ -128,7 +130,7 @@ class StagingRing:
             if start is None:
                 return None
             if self._buffer is None:
-                self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pin)
+                self._buffer = torch.empty(self.nbytes, dtype=torch.uint8)
             entry = [start, start + size, 0]
             self._live.append(entry)
             return Region(self, entry, self._buffer[start : start + size])
@@ -308,7 +310,12 @@ class BlockMover:
                 for layer, array in enumerate(layers):
                     words[:, layer] = array[host_ids]
             return Staged(host, region)
-        ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if self._copy_stream is not None:
+            # A copy from pageable memory first waits for the engine's stream (its whole
+            # enqueued forward pass); from pinned memory it is enqueued at once.
+            ids = ids.pin_memory()
+        ids = ids.to(self.device, non_blocking=True)
         if self._copy_stream is None:
             for part, out in enumerate(host):
                 self._gather(part, ids, out)
