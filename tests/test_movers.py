@@ -366,3 +366,52 @@ def test_a_vllm_worker_store_step_drops_what_the_full_staging_ring_cannot_hold(v
     finally:
         worker.shutdown()
         tier.close()
+
+
+@pytest.mark.parametrize("name", ["int8", "tq3.5", "kv4"])
+def test_a_restore_through_the_batched_torch_decode_equals_one_through_host_decode(vault, name):
+    """The same blocks restored from a real vault twice: with the Numba host decode (the CPU's
+    path) and with the batched torch decode (the device path, here on the CPU): the same bits,
+    the first block (with sink tokens, a longer payload) included."""
+    from tierkv.backends.vault import VaultClient
+    from tierkv.movers import hand_over
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+
+    n = 12
+    caches = [torch.randn(3 * n, 16, 2, 64).to(torch.bfloat16) for _ in range(2)]
+    mover = BlockMover(
+        [[(cache, 0) for cache in caches]], StagingRing(1 << 22), StagingRing(1 << 22)
+    )
+    namespace, keys = b"b" * 16, [(11 << 32 | i).to_bytes(16, "big") for i in range(n)]
+    tier = ColdTier(get_codec(name, 64), {"kv": VaultClient(vault.address)})
+    try:
+        staged = mover.store(list(range(n)))
+        assert staged is not None
+
+        def send(index, part, array, dtype, on_done) -> None:
+            tier.store(
+                namespace,
+                keys[index],
+                part,
+                array,
+                dtype,
+                on_done=on_done,
+                kv_split=(3, 32),  # [layers, tokens, heads, K | V]
+                sink_tokens=(1, 4 if index == 0 else 0),
+            )
+
+        hand_over(staged, mover.codec_dtypes, send)
+        assert tier.flush(30)
+
+        def fetch(start, stop, consume, into) -> set[int]:
+            return tier.load_blocks(namespace, keys[start:stop], {"kv": [0]}, consume, into)
+
+        host, batched = list(range(n, 2 * n)), list(range(2 * n, 3 * n))
+        assert mover.load(host, fetch, batch_blocks=5) == set()
+        assert mover.load(batched, fetch, batch_blocks=5, on_device=True) == set()
+        for cache in caches:
+            assert torch.equal(cache[n : 2 * n].view(torch.int16), cache[2 * n :].view(torch.int16))
+            assert not torch.equal(cache[n : 2 * n], cache[:n])  # lossy: decoded, not copied
+    finally:
+        tier.close()

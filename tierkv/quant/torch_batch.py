@@ -68,6 +68,11 @@ class Received:
         self.lengths[index] = len(view)
         return True
 
+    def payload(self, index: int) -> memoryview:
+        """The bytes of payload `index`."""
+        at = index * self.stride
+        return memoryview(self.data.numpy()[at : at + self.lengths[index]].data)
+
 
 @dataclass(frozen=True)
 class _Key:
