@@ -1,6 +1,7 @@
 """`tierkv status`: one row per vault with a verdict, its tiers and the totals — table or JSON.
 
-A vault is a tierkv vault or a Valkey / Redis backend (a cluster is one entry, its nodes summed).
+A vault is a tierkv vault, a Valkey / Redis backend (a cluster is one entry, its nodes summed) or
+a file tier (a directory engines share: its path, bytes used and cap in the disk column).
 Each row gets a verdict:
 
 - up: answers, serves the role it is configured for;
@@ -37,7 +38,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tierkv.addresses import is_redis_url, parse_address, parse_cold_address, redact
+from tierkv.addresses import (
+    is_file_url,
+    is_redis_url,
+    parse_address,
+    parse_cold_address,
+    redact,
+)
 from tierkv.cli import app
 from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
@@ -171,18 +178,21 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     from tierkv.backends.security import client_token
     from tierkv.backends.vault import VaultClient, VaultRefused
 
+    vault = not is_redis_url(address) and not is_file_url(address)  # a tierkv vault
     row: dict[str, Any] = {
         "name": name,
         "address": redact(address),
         # the client's link to it is encrypted / the blocks we write are sealed with a data key
-        "tls": address.startswith("rediss://")
-        or (not is_redis_url(address) and cfg.security.tls_ca is not None),
+        "tls": address.startswith("rediss://") or (vault and cfg.security.tls_ca is not None),
         "sealed": cfg.security.data_key_file is not None,
     }
     deadline_s = cfg.client.deadline_ms / 1000
-    if not is_redis_url(address) and (why := unreachable(address, deadline_s)):
+    if vault and (why := unreachable(address, deadline_s)):
         return {**row, "up": False, "reachable": False, "verdict": "down", "reason": why}
-    backend = open_one(address, cfg.client, cfg.security)
+    try:
+        backend = open_one(address, cfg.client, cfg.security)
+    except ConfigError as exc:  # a file tier's directory missing or open to others
+        return {**row, "up": False, "reachable": False, "verdict": "down", "reason": str(exc)}
     bulk_port: int | None = None
     bulk_reachable = False
     try:
@@ -199,14 +209,14 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     except BackendUnavailable as exc:
         reason = (
             str(exc)
-            if is_redis_url(address)
+            if not vault
             else tls_refused(*parse_address(address), cfg)
             or (
                 f"answers TCP at {address}, but not as a tierkv vault in {deadline_s * 1000:.0f} ms"
                 " (another service on that port, a TLS mismatch, or overloaded)"
             )
         )
-        return {**row, "up": False, "reachable": not is_redis_url(address), "verdict": "down",
+        return {**row, "up": False, "reachable": vault, "verdict": "down",
                 "reason": reason}  # fmt: skip
     finally:
         backend.close()
@@ -243,7 +253,12 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
 
 def _verdict(row: dict[str, Any], role: str | None) -> dict[str, Any]:
     """`verdict` and `reason` of a vault that answered (its row's figures)."""
-    if role is not None and row["role"] != role and not is_redis_url(row["address"]):
+    address = row["address"]
+    if (
+        role is not None
+        and row["role"] != role
+        and not is_redis_url(address) | is_file_url(address)
+    ):
         reason = f"serves {row['role']}, but tierkv.toml's [cluster] names it as {role}"
         return {"up": False, "verdict": "wrong role", "reason": reason}
     problems = []
@@ -300,7 +315,7 @@ def _auth(backend: object, stats: BackendStats) -> str:
     from tierkv.backends.vault import VaultClient
 
     if not isinstance(backend, VaultClient):
-        return "n/a (redis)"
+        return f"n/a ({'file' if is_file_url(stats.address) else 'redis'})"
     return "required, accepted" if stats.auth_required else "none"
 
 
@@ -447,6 +462,8 @@ def _cell(row: dict[str, Any], key: str, wide: bool) -> str | Text:
     if key == "uptime":
         return _duration(row["uptime_s"])
     if key == "ram":
+        if is_file_url(row["address"]):
+            return "-"
         tier = row["ram"] or row
         return _used(tier["bytes_used"], tier["max_bytes"], wide=wide)
     if key == "disk":
@@ -456,7 +473,7 @@ def _cell(row: dict[str, Any], key: str, wide: bool) -> str | Text:
         return _disk_used(disk["bytes_used"], disk["max_bytes"], disk["live_bytes"], wide=wide)
     if key == "bulk":
         if row["bulk_port"] is None:
-            return "n/a (redis)"
+            return f"n/a ({'file' if is_file_url(row['address']) else 'redis'})"
         if not row["bulk_port"]:
             return "none (gRPC)"
         if not row["bulk_reachable"]:
@@ -538,7 +555,7 @@ def status(
         list[str] | None,
         typer.Option(
             metavar="HOST:PORT|URL",
-            help="A vault, or a redis:// URL, to check (repeatable).",
+            help="A vault, a redis:// or a file:/// URL, to check (repeatable).",
             show_default="the vaults of tierkv.toml's [cluster]",
         ),
     ] = None,
