@@ -21,7 +21,8 @@ l of part p, stacked ([layers, *block]); attention has one part, a Mamba layer o
   With other layouts, payloads received back to back in one buffer are a strided numpy view,
   and one indexed copy per layer writes them from the receive buffer into the paged buffer
   while the rest is on the wire. Other codecs decode into the batch's staging, scattered once
-  per batch.
+  per batch: on the host with Numba, or (device decode) in one batched torch decode per batch,
+  whose payloads land in one (pinned) host buffer and cross to the device in one copy.
 
 Nothing here issues torch operations per block: the work per call is a constant number of
 operations per layer and part, whatever the number of blocks.
@@ -55,6 +56,7 @@ from tierkv.codecs import FRAMEWORK_DTYPES
 
 if TYPE_CHECKING:
     from tierkv.load import Block, Consume
+    from tierkv.quant.torch_batch import Received
     from tierkv.transfer import Into
 
 ALIGN = 256
@@ -98,13 +100,15 @@ class StagingRing:
 
     Regions may be released in any order; a region's space is reused once it and every region
     taken before it are released (like a log). The memory is allocated on first use and pinned
-    when `pin` (page-locked memory is what lets CUDA copy asynchronously).
+    when `pin` (page-locked memory is what lets CUDA copy asynchronously; then it is allocated
+    at once).
     """
 
     def __init__(self, nbytes: int, *, pin: bool = False) -> None:
         self.nbytes = nbytes
-        self._pin = pin
-        self._buffer: torch.Tensor | None = None
+        # Pinned memory is allocated here, not on an engine step's first store (allocating and
+        # page-locking a large buffer takes a large part of a second).
+        self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
         self._lock = threading.Lock()
         self._live: deque[list[int]] = deque()  # [start, end, released], oldest first
 
@@ -128,7 +132,7 @@ class StagingRing:
             if start is None:
                 return None
             if self._buffer is None:
-                self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pin)
+                self._buffer = torch.empty(self.nbytes, dtype=torch.uint8)
             entry = [start, start + size, 0]
             self._live.append(entry)
             return Region(self, entry, self._buffer[start : start + size])
@@ -308,7 +312,12 @@ class BlockMover:
                 for layer, array in enumerate(layers):
                     words[:, layer] = array[host_ids]
             return Staged(host, region)
-        ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if self._copy_stream is not None:
+            # A copy from pageable memory first waits for the engine's stream (its whole
+            # enqueued forward pass); from pinned memory it is enqueued at once.
+            ids = ids.pin_memory()
+        ids = ids.to(self.device, non_blocking=True)
         if self._copy_stream is None:
             for part, out in enumerate(host):
                 self._gather(part, ids, out)
@@ -399,8 +408,10 @@ class BlockMover:
         them to `consume(blocks)` as their payloads arrive ((i - start, part, payload), every
         part of a block in one call), which returns the ones it could not restore; fetch
         returns every failed one (relative to start). Blocks are decoded into host staging with
-        the Numba codecs, or with `on_device` into device staging with torch_ops, and one
-        scatter per batch writes them. With host layers and one part, lossless payloads skip
+        the Numba codecs, or with `on_device` copied as they arrive into one host buffer per
+        part (pinned on CUDA) and decoded into device staging with one batched torch decode
+        (tierkv.quant.torch_batch: one device copy, one decode per codec), and one scatter per
+        batch writes them. With host layers and one part, lossless payloads skip
         all that: `into` (None otherwise) has the receive place each one straight into its
         engine block when every layer's block is contiguous (`_placing`), else each call
         copies them from the receive buffers into the paged buffer (`_scatter_lossless`) while
@@ -415,7 +426,6 @@ class BlockMover:
     def _load(
         self, block_ids: Sequence[int], fetch: Fetch, batch_blocks: int, on_device: bool
     ) -> set[int]:
-        from tierkv.load import decode_each
 
         direct = self._host_layers is not None and len(self.parts) == 1 and not on_device
         placeable = direct and self._placeable()
@@ -431,10 +441,13 @@ class BlockMover:
                 staged = self.staging(len(ids), on_device=on_device)
                 in_flight.append(staged)
                 decode: Consume
+                received: list[Received] = []
                 if on_device:
-                    out_for = _slot_of(staged.tensors)
-                    decoder = self.decode_on_device
-                    decode = functools.partial(decode_each, out_for=out_for, decoder=decoder)
+                    from tierkv.quant.torch_batch import Received
+
+                    pin = self.device.type == "cuda"
+                    received = [Received(len(ids), pin=pin) for _ in self.parts]
+                    decode = functools.partial(self._receive, received, staged)
                 else:
                     decode = functools.partial(_decode_runs, staged.arrays())
                 written: set[int] = set()
@@ -446,6 +459,8 @@ class BlockMover:
                 )
                 into = functools.partial(self._placing, ids, places) if places is not None else None
                 bad = fetch(start, start + len(ids), consume, into)
+                if received:
+                    bad |= self._decode_received(received, staged)
                 good = sorted(set(range(len(ids))) - bad - written)
                 self.scatter(staged, good, [ids[index] for index in good])
                 failed.update(start + index for index in bad)
@@ -610,6 +625,38 @@ class BlockMover:
             return None
         elements = int(np.prod(self.shapes[0]))
         return (header.codec, header.dtype, header.size) == ("none", self.codec_dtypes[0], elements)
+
+    def _receive(self, received: list[Received], staged: Staged, blocks: list[Block]) -> set[int]:
+        """consume of a device-decode load: each payload copied into its part's host buffer
+        for the batch's decode (`_decode_received`); one that does not fit is decoded now, by
+        itself. The indices that failed so far."""
+        from tierkv.load import decode_each
+
+        rest = [block for block in blocks if not received[block[1]].add(block[0], block[2])]
+        if not rest:
+            return set()
+        return decode_each(rest, _slot_of(staged.tensors), self.decode_on_device)
+
+    def _decode_received(self, received: list[Received], staged: Staged) -> set[int]:
+        """Decode a batch's received payloads into its device staging, one batched decode per
+        part on the load stream (tierkv.quant.torch_batch); the indices that failed. The host
+        buffers are kept until the batch's copies have completed."""
+        from tierkv.quant import PayloadError
+        from tierkv.quant.torch_batch import decode_batch
+
+        failed: set[int] = set()
+        with _on_stream(self._load_stream):
+            for part, batch in enumerate(received):
+                bad, unhandled = decode_batch(batch, staged.tensors[part])
+                failed |= bad
+                for index in unhandled:  # format version 1 payloads: one by one
+                    payload = batch.payload(index)
+                    try:
+                        self.decode_on_device(payload, staged.tensors[part][index])
+                    except PayloadError:
+                        failed.add(index)
+                staged.keep.append(batch.data)
+        return failed
 
     def decode_on_device(self, payload: memoryview, out: torch.Tensor) -> None:
         """Decode `payload` into device staging with tierkv.quant.torch_ops, on the load stream

@@ -21,6 +21,7 @@ role (and when a checked EXO hook is missing); 2 on a configuration error. The d
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import ssl
@@ -81,7 +82,7 @@ WIDE_COLUMNS = {
     "role": "role",
     "rtt_ms": "rtt ms",
     "ram": "RAM used / cap",
-    "disk": "disk used / cap",
+    "disk": "disk used / cap (live)",
     "entries": "entries",
     "hit_rate": "hits",
     "share": "share (entries / bytes)",
@@ -373,6 +374,7 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
             ]
         found[f"{tier}_bytes_used"] = sum(t["bytes_used"] for t in present)
         found[f"{tier}_max_bytes"] = sum(t["max_bytes"] for t in present)
+    found["disk_live_bytes"] = sum(row["disk"]["live_bytes"] for row in serving if row.get("disk"))
     return found
 
 
@@ -412,6 +414,16 @@ def _used(used: int, cap: int, *, wide: bool) -> str:
     if wide:
         return f"{format_size(used)} / {'unlimited' if cap == 0 else format_size(cap)}"
     return f"{short_size(used)}/{'∞' if cap == 0 else short_size(cap)}"
+
+
+def _disk_used(used: int, cap: int, live: int, *, wide: bool) -> str:
+    """The disk's segment bytes against its cap; wide, also the bytes of records it can still
+    read (overwritten and deleted ones stay in their segment until it is dropped)."""
+    return (
+        f"{_used(used, cap, wide=wide)} ({format_size(live)})"
+        if wide
+        else _used(used, cap, wide=wide)
+    )
 
 
 def _hit_rate(hits: int, misses: int) -> str:
@@ -456,7 +468,9 @@ def _cell(row: dict[str, Any], key: str, wide: bool) -> str | Text:
         return _used(tier["bytes_used"], tier["max_bytes"], wide=wide)
     if key == "disk":
         disk = row["disk"]
-        return _used(disk["bytes_used"], disk["max_bytes"], wide=wide) if disk else "-"
+        if not disk:
+            return "-"
+        return _disk_used(disk["bytes_used"], disk["max_bytes"], disk["live_bytes"], wide=wide)
     if key == "bulk":
         if row["bulk_port"] is None:
             return f"n/a ({'file' if is_file_url(row['address']) else 'redis'})"
@@ -475,7 +489,9 @@ def _totals_cells(result: CheckResult, wide: bool) -> dict[str, str]:
     return {
         "address": f"{serving} of {found['vaults']} serving",
         "ram": _used(found["ram_bytes_used"], found["ram_max_bytes"], wide=wide),
-        "disk": _used(found["disk_bytes_used"], found["disk_max_bytes"], wide=wide)
+        "disk": _disk_used(
+            found["disk_bytes_used"], found["disk_max_bytes"], found["disk_live_bytes"], wide=wide
+        )
         if found["disk_max_bytes"]
         else "-",
         "entries": str(found["entries"]),
@@ -572,6 +588,9 @@ def status(
     that the tierkv hook is installed in that EXO checkout.
     """
     addresses = vault or []
+    # Each vault's state and why are in its row and the reason lines: a backend's own warning
+    # about a vault that does not answer would say it a second time.
+    logging.getLogger("tierkv.backends").setLevel(logging.ERROR)
     cfg = engine_config(config)
     if cfg.security.data_key_file:  # one that does not parse would fail every store
         from tierkv.seal import read_data_keys
