@@ -262,6 +262,7 @@ class FileTier:
                 corrupt=self.corrupt,
                 queued_bytes=self._queue.pending_bytes,
                 kept=0,
+                live_bytes=scan.bytes,  # every file is a readable block
             )
             return [
                 BackendStats(
