@@ -401,3 +401,19 @@ def test_the_benchmark_runs_and_prints_the_restore_beside_the_bare_read(tmp_path
         assert row in result.stdout
     assert "restore ÷ bare read:" in result.stdout
     assert list(tmp_path.iterdir()) == []  # its directory is removed
+
+
+def test_clear_removes_a_namespace_but_not_a_write_in_progress(root: Path) -> None:
+    backend = FileTier.from_url(url(root), config_from_mapping({}, "t").client)
+    try:
+        for key in KEYS[:3]:
+            backend.put(NS, key, 0, b"block")
+        backend.put(OTHER_MODEL, KEYS[0], 0, b"other model")
+        assert backend.flush(timeout=10)
+        in_progress = root / "alice" / NS.hex() / ".writing.tmp"
+        in_progress.write_bytes(b"half")
+        assert backend.clear(NS) == 3
+        assert backend.lookup(NS, KEYS[:1], [0]) == 0 and in_progress.exists()
+        assert backend.lookup(OTHER_MODEL, KEYS[:1], [0]) == 1
+    finally:
+        backend.close()

@@ -285,7 +285,8 @@ class FileTier:
     def clear(self, namespace: bytes) -> int:
         removed = 0
         for entry in _entries(self.directory / namespace.hex()):
-            removed += _remove(entry.path) and not entry.name.endswith(TMP_SUFFIX)
+            if not entry.name.endswith(TMP_SUFFIX):  # another engine's write in progress
+                removed += _remove(entry.path)
         return removed
 
     def counters(self) -> dict[str, int | str]:
