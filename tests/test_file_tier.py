@@ -417,3 +417,27 @@ def test_clear_removes_a_namespace_but_not_a_write_in_progress(root: Path) -> No
         assert backend.lookup(OTHER_MODEL, KEYS[:1], [0]) == 1
     finally:
         backend.close()
+
+
+def _capped_writer(root: str, first: int) -> None:
+    backend = FileTier.from_url(url(Path(root), cap="1MiB"), config_from_mapping({}, "t").client)
+    try:
+        for key in KEYS[first : first + 8]:
+            backend.put(NS, key, 0, os.urandom(100 * 1024))
+            backend.flush(timeout=30)
+    finally:
+        backend.close()
+
+
+def test_the_cap_holds_with_two_engines_writing_at_once(root: Path) -> None:
+    """Each engine counts the other's files at its next scan (every put past the cap): the
+    directory stays within the cap plus one block of the other engine."""
+    spawn = multiprocessing.get_context("spawn")
+    writers = [spawn.Process(target=_capped_writer, args=(str(root), first)) for first in (0, 8)]
+    for process in writers:
+        process.start()
+    for process in writers:
+        process.join(120)
+        assert process.exitcode == 0
+    held = sum(p.stat().st_size for p in (root / "alice" / NS.hex()).iterdir())
+    assert 0 < held <= 1024 * 1024 + 100 * 1024 + HEADER_BYTES
