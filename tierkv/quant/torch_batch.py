@@ -326,8 +326,7 @@ def _turbo(
         .float()
     )
     norms = norms.view(g, n, layout.n_instances)
-    indices = bodies[:, norms_end:].reshape(g, n, layout.bytes_per_vector).to(torch.int32)
-    indices = torch.cat([indices, indices.new_zeros((g, n, 1))], dim=2)
+    indices = bodies[:, norms_end:].reshape(g, n, layout.bytes_per_vector)
     pow2k = _pow2k(host_bodies, device).float()[:, :, None]  # [G, 1, 1]
     rows = _mean_rows(centre, n, device)
     words = torch.empty((g, n, d), dtype=_FLOAT[header.dtype], device=device)
@@ -355,19 +354,25 @@ def _mean_rows(
     return (v // (iv * tokens)) * iv + v % iv
 
 
-def _levels(indices: torch.Tensor, inst: Instance, byte_at: int) -> torch.Tensor:
+def _levels(packed: torch.Tensor, inst: Instance, byte_at: int) -> torch.Tensor:
     """One instance's values of every vector, rotated back up to its scale factors: the
     look-up table's levels (with its first butterfly stages), the mix of Hadamard blocks, the
-    remaining butterflies. [G, n, m] float32."""
-    device = indices.device
+    remaining butterflies. `packed`: [G, n, bytes per vector] uint8; [G, n, m] float32."""
+    device = packed.device
     table, offset, shift, mix = _tables(inst, str(device))
-    at = torch.from_numpy(offset + byte_at).to(device)
-    idx = ((indices[..., at] | (indices[..., at + 1] << 8)) >> shift) & ((1 << inst.bits) - 1)
     per_entry = table.shape[1]
-    codes = idx[..., 0::per_entry]
-    for e in range(1, per_entry):
-        codes = codes | (idx[..., e::per_entry] << (inst.bits * e))
-    y = table[codes.long()].flatten(-2)  # [G, n, m]
+    if inst.bits * per_entry == 8 and inst.m % 8 == 0:  # a table entry is a whole byte
+        codes = packed[..., byte_at : byte_at + inst.m // per_entry].long()
+    else:
+        indices = torch.cat([packed, packed.new_zeros((*packed.shape[:-1], 1))], dim=-1)
+        indices = indices.to(torch.int32)
+        at = torch.from_numpy(offset + byte_at).to(device)
+        idx = ((indices[..., at] | (indices[..., at + 1] << 8)) >> shift) & ((1 << inst.bits) - 1)
+        codes = idx[..., 0::per_entry]
+        for e in range(1, per_entry):
+            codes = codes | (idx[..., e::per_entry] << (inst.bits * e))
+        codes = codes.long()
+    y = table.index_select(0, codes.reshape(-1)).view(*codes.shape[:-1], inst.m)  # [G, n, m]
     if mix is None:
         return _butterflies(y, per_entry)
     q = mix.shape[0]
