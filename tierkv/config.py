@@ -185,6 +185,9 @@ class ClientConfig:
     max_pending_bytes: int = 256 * MIB
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    receive_pool_bytes: int = 64 * MIB
+    """Receive buffers mapped and touched when a tier starts (0: none), so no restore pays a
+    page fault for them (transfer.ReceiveBuffers.fill)."""
     redis_username: str | None = None
     """ACL user for redis:// backends (else $TIERKV_REDIS_USERNAME, else the URL's)."""
     redis_password: str | None = None
@@ -333,6 +336,13 @@ def _positive_size(value: Any) -> int:
     return size
 
 
+def _size(value: Any) -> int:
+    size = parse_size(value)
+    if size < 0:
+        raise ValueError(f"expected a size (0 or more), got {value!r}")
+    return size
+
+
 def parse_max_bytes(value: int | str) -> int:
     """A vault cap: a positive size, or "unlimited" (→ UNLIMITED, 0); else ValueError."""
     if value == "unlimited":
@@ -450,6 +460,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "max_pending_bytes": _positive_size,
             "breaker_failures": _positive_int,
             "breaker_cooldown_s": _positive_float,
+            "receive_pool_bytes": _size,
             "redis_username": _string,
             "redis_password": _string,
         },

@@ -2,8 +2,9 @@
 
 `Into` is how a caller offers its own buffers for a Promote; `RECEIVE_BUFFERS` is the
 process's pool of receive buffers (already mapped, huge-page aligned) that the vault's bulk
-client, the tier and the seal's opened copies take runs from; `batched_by_size` cuts a stream of
-blocks into runs of about a size.
+client, the tier and the seal's opened copies take runs from, filled and touched when a tier
+starts (`ReceiveBuffers.fill`, `[client] receive_pool_bytes`) so no restore pays a page fault;
+`batched_by_size` cuts a stream of blocks into runs of about a size.
 """
 
 from __future__ import annotations
@@ -64,6 +65,19 @@ class ReceiveBuffers:
             if len(self._buffers) < self.max_buffers:
                 self._buffers.append(buf)
             return buf
+
+    def fill(self, total_bytes: int) -> int:
+        """Map and touch (write every page of) new buffers until the pool holds `total_bytes`
+        (at most its cap, whole buffers), so the restores that take them fault no page in: the
+        kernel zeroes each page at its first touch, which in a VM runs a receive at a fraction
+        of memcpy's speed. Returns the bytes the pool holds."""
+        with self._lock:
+            wanted = min(-(-total_bytes // self.buffer_bytes), self.max_buffers)
+            while len(self._buffers) < wanted:
+                buf = _huge_page_aligned(self.buffer_bytes)
+                buf.fill(0)
+                self._buffers.append(buf)
+            return len(self._buffers) * self.buffer_bytes
 
 
 RECEIVE_BUFFERS = ReceiveBuffers(CLIENT_RUN_BYTES, MAX_POOLED_BYTES)
