@@ -715,6 +715,52 @@ class BlockMover:
         return views
 
 
+def device_decode_pays(
+    mover: BlockMover, encode: Callable[[np.ndarray], bytes]
+) -> tuple[bool, str]:
+    """Whether decoding on the device beats decoding on the host for this mover's blocks, and
+    why (for the start-up log line): times one batch of up to 32 payloads, made by `encode` from
+    the mover's first blocks (part 0), decoded both ways, the host way with the device copy of
+    its result (best of 3 each)."""
+    import time
+
+    from tierkv.quant import decode_many
+    from tierkv.quant.torch_batch import Received, decode_batch
+
+    n = min(32, mover.parts[0][0][0].shape[mover.parts[0][0][1]])
+    staged = mover.store(list(range(n)))
+    if staged is None:
+        return False, "no staging free to measure in; host decode"
+    staged.wait()
+    payloads = [encode(array) for array in staged.arrays()[0]]
+    staged.release()
+    host = mover.staging(n)
+    device = mover.staging(n, on_device=True)
+    times = {"host": float("inf"), "device": float("inf")}
+    sync = torch.cuda.synchronize if mover.device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        started = time.perf_counter()
+        decode_many([memoryview(p) for p in payloads], host.arrays()[0], list(range(n)))
+        device.tensors[0].copy_(host.tensors[0])
+        sync()
+        times["host"] = min(times["host"], time.perf_counter() - started)
+        started = time.perf_counter()
+        received = Received(n, pin=mover.device.type == "cuda")
+        for index, payload in enumerate(payloads):
+            received.add(index, payload)
+        decode_batch(received, device.tensors[0])
+        sync()
+        times["device"] = min(times["device"], time.perf_counter() - started)
+    host.release()
+    raw = n * mover.part_bytes(0)
+    pays = times["device"] < times["host"]
+    why = (
+        f"decoding {n} blocks measured {raw / times['device'] / 1e9:.2f} GB/s on the device, "
+        f"{raw / times['host'] / 1e9:.2f} GB/s on the host (with its copy to the device)"
+    )
+    return pays, why
+
+
 def hand_over(staged: Staged, dtypes: Sequence[str], send: Send) -> None:
     """Wait until `staged` is complete, then `send(index, part, array, dtype, on_done)` every
     part of every block; the staging is released once each has called its on_done()."""

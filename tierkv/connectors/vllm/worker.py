@@ -22,8 +22,9 @@ Blocks that failed are reported through vLLM's load-error path, so vLLM recomput
 decoded one is left out, so its bytes never reach the paged buffer; a placed one holds whatever
 arrived until vLLM's recompute overwrites it, before anything reads it. A request is
 reported finished only once its copies have completed. On CUDA with a lossy codec, the
-compressed payloads are decoded on the device (tierkv.quant.torch_ops), so only compressed
-bytes cross PCIe.
+compressed payloads are decoded on the device (one batched decode per batch,
+tierkv.quant.torch_batch: only compressed bytes cross PCIe) when a measurement at start says
+that beats the host decode (a log line says which and why).
 
 Sleep mode (vLLM 0.33+) unmaps the paged buffers: before it, the worker waits for its loads and
 store copies and drops its views; after wake-up it takes them again. In between, a store is
@@ -45,12 +46,19 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tierkv.codecs import SINK_TOKENS, kv_pair_codecs
+from tierkv.codecs import SINK_TOKENS
 from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
 from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
 from tierkv.logs import get_logger
-from tierkv.movers import BlockMover, Staged, StagingRing, codec_dtype, hand_over
+from tierkv.movers import (
+    BlockMover,
+    Staged,
+    StagingRing,
+    codec_dtype,
+    device_decode_pays,
+    hand_over,
+)
 
 if TYPE_CHECKING:
     from tierkv.load import Consume
@@ -119,8 +127,8 @@ class TierWorker:
         num_groups: int | None = None,
     ) -> None:
         """`device_decode`: decode loads on the KV cache's device (None: on CUDA for lossy
-        codecs, on the host otherwise); `num_groups`: vLLM's KV-cache groups, those tierkv does
-        not plan included (None: as many as `plans`)."""
+        codecs where measured faster at start, on the host otherwise); `num_groups`: vLLM's
+        KV-cache groups, those tierkv does not plan included (None: as many as `plans`)."""
         self.tier = tier
         self.plans = {plan.group_id: plan for plan in plans}
         self.blockwise_failures = blockwise_load_failures(
@@ -163,9 +171,24 @@ class TierWorker:
         )
         self._kv_caches = (kv_caches, num_blocks)
         self._take_views()
-        if self.device_decode is None:  # torch_ops decodes single-codec payloads, not K/V pairs
-            codec = self.tier.codec.name
-            self.device_decode = pin and codec != "none" and kv_pair_codecs(codec) is None
+        if self.device_decode is None:
+            self.device_decode = pin and self.tier.codec.name != "none" and self._measure_decode()
+
+    def _measure_decode(self) -> bool:
+        """Whether to decode on the device: measured at start on the first group's blocks
+        (tierkv.movers.device_decode_pays), said in a log line."""
+        from tierkv.quant.codec import encode_block
+
+        group_id, mover = next(iter(self._movers.items()))
+        split = self._kv_splits.get(group_id)
+        dtype = mover.codec_dtypes[0]
+
+        def encode(block: np.ndarray) -> bytes:
+            return encode_block(self.tier.codec, block, dtype, kv_split=split)
+
+        pays, why = device_decode_pays(mover, encode)
+        log.info("restores decode on the %s: %s", "device" if pays else "host", why)
+        return pays
 
     def _take_views(self) -> None:
         """One BlockMover per group over views of the registered paged buffers."""
