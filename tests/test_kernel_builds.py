@@ -106,3 +106,7 @@ def test_bench_refuses_a_build_this_cpu_does_not_run() -> None:
     result = CliRunner().invoke(app, ["bench", "--cpu", "cortex-a72", "--tokens", "256"])
     assert result.exit_code == 2
     assert "--cpu 'cortex-a72': this CPU runs native" in result.output
+
+
+def test_lossless_is_never_measured(choices: Path) -> None:
+    assert choose("none").build == "native" and not choices.exists()

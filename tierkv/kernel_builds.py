@@ -29,6 +29,8 @@ BUILDS = ("native", "haswell")
 HASWELL_FEATURES = ("avx2", "fma", "f16c")
 """What a haswell build needs of the CPU."""
 CHOICES_FILE = "tierkv-kernel-builds.json"
+LOSSLESS = "none"
+"""The lossless codec: a checked copy, bound by memory on either build (never measured)."""
 CHILD_TIMEOUT_S = 600.0
 """A timing child compiles its build's kernels first (or loads them from Numba's cache)."""
 
@@ -36,8 +38,8 @@ CHILD_TIMEOUT_S = 600.0
 @dataclass(frozen=True)
 class Choice:
     """The build to run and how it was chosen: "forced" (NUMBA_CPU_NAME), "cached", "measured",
-    or "only one" (the CPU runs no other); `seconds` per build timed (empty unless measured or
-    cached)."""
+    "only one" (the CPU runs no other), or why nothing was measured; `seconds` per build timed
+    (empty unless measured or cached)."""
 
     build: str
     how: str
@@ -117,6 +119,8 @@ def choose(codec: str, *, measure: bool = True) -> Choice:
     builds = runnable_builds()
     if len(builds) == 1:
         return Choice(builds[0], "only one", {})
+    if codec == LOSSLESS:
+        return Choice("native", "lossless: a copy, as fast in either", {})
     path = choices_path()
     choices = _read_choices(path)
     key = machine_key()

@@ -118,6 +118,13 @@ def bench(
             show_default="vLLM's choice",
         ),
     ] = None,
+    links: Annotated[
+        bool,
+        typer.Option(
+            "--links",
+            help="Also restore over 1, 10 and 25 GbE links (paced to each; takes their time).",
+        ),
+    ] = False,
     cpu: Annotated[
         str | None,
         typer.Option(
@@ -176,6 +183,7 @@ def bench(
         cfg.security,
         workers,
         as_json,
+        links,
     )
     if as_json:
         objects = [result.as_json() for result in results]
@@ -219,6 +227,7 @@ def _run_bench(
     security: SecurityConfig,
     workers: int,
     quiet: bool,
+    links: bool,
 ) -> list[BenchResult]:
     """run_bench with live progress when stderr is a terminal (one row per codec; with --json
     too: the JSON goes to stdout), plain lines elsewhere unless `quiet`."""
@@ -271,6 +280,7 @@ def _run_bench(
                 security=security,
                 workers=workers,
                 repeat=repeat,
+                links=links,
                 on_phase=on_phase,
             )
         except ValueError as exc:
