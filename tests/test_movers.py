@@ -323,3 +323,95 @@ def test_a_load_receives_lossless_payloads_straight_into_block_first_engine_bloc
         assert tier.stats()["loaded_payload_bytes"] == (n - 2) * len(payload)
     finally:
         tier.close()
+
+
+def test_a_vllm_worker_store_step_drops_what_the_full_staging_ring_cannot_hold(vault):
+    """The engine thread's store step never waits for staging: with the ring full it returns
+    at once and counts every block dropped; with room for some, it stores those and drops the
+    rest."""
+    pytest.importorskip("vllm")
+    import threading
+
+    from tierkv.backends.vault import VaultClient
+    from tierkv.connectors.vllm.groups import GroupPlan
+    from tierkv.connectors.vllm.scheduler import StoreJob, TierKVMetadata
+    from tierkv.connectors.vllm.worker import TierWorker
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+
+    plan = GroupPlan(0, "kv", ("layer0", "layer1"), (), 4, (bytes(16),))
+    caches = {name: torch.randn(2, 12, 4, 2, 8).to(torch.bfloat16) for name in plan.layer_names}
+    tier = ColdTier(get_codec("int8"), {"kv": VaultClient(vault.address)})
+    block_bytes = 2 * 2 * 4 * 2 * 8 * 2
+    worker = TierWorker(tier, [plan], tp_rank=0, staging_bytes=4 * block_bytes)
+    try:
+        worker.register_kv_caches(caches, num_blocks=12)
+        ring = worker._movers[0].store_ring
+        held = ring.take(ring.nbytes)  # the ring is full (blocks the tier still encodes)
+        assert held is not None
+        stores = [StoreJob(0, i, (9 << 32 | i).to_bytes(16, "big")) for i in range(6)]
+        step = threading.Thread(target=worker.store_blocks, args=(TierKVMetadata(stores=stores),))
+        step.start()
+        step.join(30)
+        assert not step.is_alive(), "the store step waited for staging"
+        assert worker.stats.data["staging_dropped_blocks"] == 6
+        assert worker.stats.data.get("stored_blocks", 0) == 0
+        assert tier.stats()["queued_blocks"] == 0
+        held.release()
+        worker.store_blocks(TierKVMetadata(stores=stores))
+        assert worker.stats.data["staging_dropped_blocks"] == 6 + 2
+        assert worker.stats.data["stored_blocks"] == 4
+        assert tier.flush(30)
+        assert tier.stats()["acknowledged_blocks"] == 4
+    finally:
+        worker.shutdown()
+        tier.close()
+
+
+@pytest.mark.parametrize("name", ["int8", "tq3.5", "kv4"])
+def test_a_restore_through_the_batched_torch_decode_equals_one_through_host_decode(vault, name):
+    """The same blocks restored from a real vault twice: with the Numba host decode (the CPU's
+    path) and with the batched torch decode (the device path, here on the CPU): the same bits,
+    the first block (with sink tokens, a longer payload) included."""
+    from tierkv.backends.vault import VaultClient
+    from tierkv.movers import hand_over
+    from tierkv.quant import get_codec
+    from tierkv.tier import ColdTier
+
+    n = 12
+    caches = [torch.randn(3 * n, 16, 2, 64).to(torch.bfloat16) for _ in range(2)]
+    mover = BlockMover(
+        [[(cache, 0) for cache in caches]], StagingRing(1 << 22), StagingRing(1 << 22)
+    )
+    namespace, keys = b"b" * 16, [(11 << 32 | i).to_bytes(16, "big") for i in range(n)]
+    tier = ColdTier(get_codec(name, 64), {"kv": VaultClient(vault.address)})
+    try:
+        staged = mover.store(list(range(n)))
+        assert staged is not None
+
+        def send(index, part, array, dtype, on_done) -> None:
+            tier.store(
+                namespace,
+                keys[index],
+                part,
+                array,
+                dtype,
+                on_done=on_done,
+                kv_split=(3, 32),  # [layers, tokens, heads, K | V]
+                sink_tokens=(1, 4 if index == 0 else 0),
+            )
+
+        hand_over(staged, mover.codec_dtypes, send)
+        assert tier.flush(30)
+
+        def fetch(start, stop, consume, into) -> set[int]:
+            return tier.load_blocks(namespace, keys[start:stop], {"kv": [0]}, consume, into)
+
+        host, batched = list(range(n, 2 * n)), list(range(2 * n, 3 * n))
+        assert mover.load(host, fetch, batch_blocks=5) == set()
+        assert mover.load(batched, fetch, batch_blocks=5, on_device=True) == set()
+        for cache in caches:
+            assert torch.equal(cache[n : 2 * n].view(torch.int16), cache[2 * n :].view(torch.int16))
+            assert not torch.equal(cache[n : 2 * n], cache[:n])  # lossy: decoded, not copied
+    finally:
+        tier.close()

@@ -17,7 +17,7 @@ from helpers import key, wait_until
 from tierkv.backends.vault import VaultClient
 from tierkv.checksum import block_checksum
 from tierkv.sizes import MIB
-from tierkv.vault.disk import DiskLockedError, DiskTier
+from tierkv.vault.disk import INDEX_BYTES_PER_BLOCK, DiskLockedError, DiskTier
 from tierkv.vault.server import serve
 from tierkv.vault.store import VaultStore, entry_bytes
 
@@ -158,6 +158,41 @@ def test_the_cap_drops_the_oldest_segments(disk_dir: Path) -> None:
     assert 20 <= len(kept) < 32 and kept == list(range(100 - len(kept), 100))
     assert all(found[i] == payload(i, 256 * 1024) for i in kept)
     disk.close()
+
+
+def test_the_index_cap_bounds_the_blocks_indexed_also_after_a_restart(disk_dir: Path) -> None:
+    """Tiny blocks: the disk's byte cap would let millions in, each costing index RAM; the index
+    cap drops the oldest segments (of at most an eighth of the blocks each) instead."""
+    index_cap = 400 * INDEX_BYTES_PER_BLOCK
+    disk = DiskTier(disk_dir, 64 * MIB, "never", max_index_bytes=index_cap)
+    assert disk.max_blocks == 400
+    for i in range(3000):
+        write(disk, i, 8)
+        if i % 100 == 99:
+            written(disk)
+            assert disk.stats().entries <= 400 and disk.index_bytes <= index_cap
+    written(disk)
+    newest = read(disk, list(range(2990, 3000)))
+    assert newest == [payload(i, 8) for i in range(2990, 3000)]
+    assert 300 <= disk.stats().entries <= 400  # an eighth at a time goes, never all
+    disk.close(timeout=30)
+    smaller = DiskTier(disk_dir, 64 * MIB, max_index_bytes=100 * INDEX_BYTES_PER_BLOCK)
+    assert smaller.recovery.blocks <= 100 and read(smaller, [2999]) == [payload(2999, 8)]
+    smaller.close()
+
+
+def test_the_disk_index_counts_against_the_ram_cap(disk_dir: Path) -> None:
+    cap = 4 * MIB
+    disk = DiskTier(disk_dir, 64 * MIB, "never", max_index_bytes=cap // 4)
+    store = VaultStore(cap, disk=disk)
+    for i in range(5000):
+        data = payload(i, 8)
+        store.put(NS, key(i), 0, data, block_checksum(NS, key(i), 0, data))
+    written(disk)
+    ram = store.stats()
+    assert 0 < disk.index_bytes <= cap // 4
+    assert ram.bytes_used + disk.index_bytes <= cap
+    store.close(timeout=30)
 
 
 def written(disk: DiskTier) -> None:

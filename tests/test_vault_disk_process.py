@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers import LOOPBACK, VaultHandle, key, wait_until
+from test_vault_attacks import peak_rss_bytes
 from test_vault_auth import ALICE, BOB
 from test_vault_disk import forged_record
 
@@ -23,7 +24,7 @@ from tierkv.backends.base import BackendStats
 from tierkv.backends.vault import VaultClient
 from tierkv.backends.vault_bulk import BulkConnection, BulkError
 from tierkv.checksum import block_checksum
-from tierkv.sizes import MIB
+from tierkv.sizes import MIB, format_size
 from tierkv.vault.disk import KIND_BLOCK, KIND_CLEAR
 from tierkv.wire._pb import vault_pb2
 
@@ -105,6 +106,29 @@ def test_sigterm_and_restart_lose_no_acknowledged_block(
     again = disk_vault(vault_factory, disk_dir)
     assert "recovered 60 blocks (15.0 MiB)" in log_of(again)
     assert len(read_back(again.address, 60)) == 60
+
+
+def test_status_tells_the_disk_live_bytes_from_dead_records_across_a_restart(
+    vault_factory: Callable[..., VaultHandle], disk_dir: Path
+) -> None:
+    """Blocks written twice leave dead records in their segments: status reports the segment
+    bytes against the cap and, apart, the bytes still readable, before and after a restart."""
+    vault = disk_vault(vault_factory, disk_dir)
+    put_all(vault.address, range(40))
+    put_all(vault.address, range(40))  # the same keys again: the first records are dead
+    before = stats(vault.address).disk
+    assert before is not None and 0 < before.live_bytes < before.bytes_used
+    vault.stop()
+    again = disk_vault(vault_factory, disk_dir)
+    after = stats(again.address).disk
+    assert after is not None and after.live_bytes == before.live_bytes < after.bytes_used
+    status = [sys.executable, "-m", "tierkv", "status", "--vault", again.address]
+    [row] = json.loads(subprocess.run([*status, "--json"], capture_output=True, check=True).stdout)[
+        "vaults"
+    ]
+    assert row["disk"]["live_bytes"] == after.live_bytes
+    wide = subprocess.run([*status, "--wide"], capture_output=True, text=True, check=True)
+    assert f"({format_size(after.live_bytes)})" in wide.stdout, wide.stdout
 
 
 @pytest.mark.parametrize("fsync", ["never", "interval", "always"])
@@ -272,6 +296,28 @@ def test_the_disk_cap_is_honoured(
     again = disk_vault(vault_factory, disk_dir, "--disk-max-bytes", "8MiB")
     kept = sorted(set(read_back(again.address, 80)) - {2})
     assert 16 <= len(kept) <= 32 and kept == list(range(80 - len(kept), 80))  # the newest
+
+
+def test_tiny_blocks_cannot_grow_the_vault_past_its_ram_cap_through_the_disk_index(
+    vault_factory: Callable[..., VaultHandle], disk_dir: Path
+) -> None:
+    """60,000 four-byte blocks on a 16 MiB vault with a roomy disk: the disk tier's index (about
+    600 B a block, 34 MiB for them all) is RAM the cap counts, so the oldest go instead."""
+    vault = vault_factory("16MiB", subprocess=True, args=["--disk-dir", str(disk_dir)], config="")
+    before = peak_rss_bytes(vault.process.pid)
+    with VaultClient(vault.address, deadline_s=60, max_pending_bytes=64 * MIB) as client:
+        for start in range(0, 60_000, 5_000):
+            for i in range(start, start + 5_000):
+                client.put(NS, key(i), 0, payload(i, 4))
+            assert client.flush(timeout=120), client.counters()
+        assert client.stored_puts == 60_000, client.last_rejections[:3]
+    disk = stats(vault.address).disk
+    grown = peak_rss_bytes(vault.process.pid) - before
+    print(f"\n60,000 four-byte blocks, 16 MiB cap: vault RSS +{grown / MIB:.0f} MiB, "
+          f"{disk.entries if disk else 0} on disk")  # fmt: skip
+    assert disk is not None and 0 < disk.entries < 60_000
+    assert grown < 24 * MIB
+    assert 59_999 in read_back(vault.address, [59_999], size_of=lambda _: 4)
 
 
 def test_a_second_vault_on_the_same_disk_dir_refuses(

@@ -21,7 +21,8 @@ l of part p, stacked ([layers, *block]); attention has one part, a Mamba layer o
   With other layouts, payloads received back to back in one buffer are a strided numpy view,
   and one indexed copy per layer writes them from the receive buffer into the paged buffer
   while the rest is on the wire. Other codecs decode into the batch's staging, scattered once
-  per batch.
+  per batch: on the host with Numba, or (device decode) in one batched torch decode per batch,
+  whose payloads land in one (pinned) host buffer and cross to the device in one copy.
 
 Nothing here issues torch operations per block: the work per call is a constant number of
 operations per layer and part, whatever the number of blocks.
@@ -55,6 +56,8 @@ from tierkv.codecs import FRAMEWORK_DTYPES
 
 if TYPE_CHECKING:
     from tierkv.load import Block, Consume
+    from tierkv.quant.torch_batch import Received
+    from tierkv.real_axes import RealAxes
     from tierkv.transfer import Into
 
 ALIGN = 256
@@ -98,13 +101,15 @@ class StagingRing:
 
     Regions may be released in any order; a region's space is reused once it and every region
     taken before it are released (like a log). The memory is allocated on first use and pinned
-    when `pin` (page-locked memory is what lets CUDA copy asynchronously).
+    when `pin` (page-locked memory is what lets CUDA copy asynchronously; then it is allocated
+    at once).
     """
 
     def __init__(self, nbytes: int, *, pin: bool = False) -> None:
         self.nbytes = nbytes
-        self._pin = pin
-        self._buffer: torch.Tensor | None = None
+        # Pinned memory is allocated here, not on an engine step's first store (allocating and
+        # page-locking a large buffer takes a large part of a second).
+        self._buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pin else None
         self._lock = threading.Lock()
         self._live: deque[list[int]] = deque()  # [start, end, released], oldest first
 
@@ -128,7 +133,7 @@ class StagingRing:
             if start is None:
                 return None
             if self._buffer is None:
-                self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self._pin)
+                self._buffer = torch.empty(self.nbytes, dtype=torch.uint8)
             entry = [start, start + size, 0]
             self._live.append(entry)
             return Region(self, entry, self._buffer[start : start + size])
@@ -198,6 +203,8 @@ class Staged:
     event: torch.cuda.Event | None = None
     keep: list[torch.Tensor] = field(default_factory=list)
     """Device buffers that an asynchronous copy still reads or writes."""
+    keep_host: np.ndarray | None = None
+    """A load's blocks decoded in their real axes (BlockMover.real), before they are put back."""
 
     @property
     def count(self) -> int:
@@ -228,10 +235,14 @@ class BlockMover:
         parts: Sequence[Sequence[tuple[torch.Tensor, int]]],
         store_ring: StagingRing,
         load_ring: StagingRing,
+        real: RealAxes | None = None,
     ) -> None:
         """`parts[p]` lists, per layer, the tensor and its block dimension; every layer of a part
-        has the same block shape and dtype."""
+        has the same block shape and dtype. `real`: a one-part host mover whose lossy payloads
+        hold blocks in their real axes (tierkv.real_axes; they are decoded in those and put
+        back before the scatter)."""
         self.parts = [list(layers) for layers in parts]
+        self.real = real
         first = self.parts[0][0][0]
         self.device = first.device
         self.shapes: list[tuple[int, ...]] = []
@@ -308,7 +319,12 @@ class BlockMover:
                 for layer, array in enumerate(layers):
                     words[:, layer] = array[host_ids]
             return Staged(host, region)
-        ids = torch.tensor(block_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        ids = torch.tensor(block_ids, dtype=torch.long)
+        if self._copy_stream is not None:
+            # A copy from pageable memory first waits for the engine's stream (its whole
+            # enqueued forward pass); from pinned memory it is enqueued at once.
+            ids = ids.pin_memory()
+        ids = ids.to(self.device, non_blocking=True)
         if self._copy_stream is None:
             for part, out in enumerate(host):
                 self._gather(part, ids, out)
@@ -399,8 +415,10 @@ class BlockMover:
         them to `consume(blocks)` as their payloads arrive ((i - start, part, payload), every
         part of a block in one call), which returns the ones it could not restore; fetch
         returns every failed one (relative to start). Blocks are decoded into host staging with
-        the Numba codecs, or with `on_device` into device staging with torch_ops, and one
-        scatter per batch writes them. With host layers and one part, lossless payloads skip
+        the Numba codecs, or with `on_device` copied as they arrive into one host buffer per
+        part (pinned on CUDA) and decoded into device staging with one batched torch decode
+        (tierkv.quant.torch_batch: one device copy, one decode per codec), and one scatter per
+        batch writes them. With host layers and one part, lossless payloads skip
         all that: `into` (None otherwise) has the receive place each one straight into its
         engine block when every layer's block is contiguous (`_placing`), else each call
         copies them from the receive buffers into the paged buffer (`_scatter_lossless`) while
@@ -415,8 +433,8 @@ class BlockMover:
     def _load(
         self, block_ids: Sequence[int], fetch: Fetch, batch_blocks: int, on_device: bool
     ) -> set[int]:
-        from tierkv.load import decode_each
-
+        # Real axes are vLLM CPU's layout, whose blocks live in host memory: decoded on the host.
+        on_device = on_device and self.real is None
         direct = self._host_layers is not None and len(self.parts) == 1 and not on_device
         placeable = direct and self._placeable()
         failed: set[int] = set()
@@ -431,12 +449,15 @@ class BlockMover:
                 staged = self.staging(len(ids), on_device=on_device)
                 in_flight.append(staged)
                 decode: Consume
+                received: list[Received] = []
                 if on_device:
-                    out_for = _slot_of(staged.tensors)
-                    decoder = self.decode_on_device
-                    decode = functools.partial(decode_each, out_for=out_for, decoder=decoder)
+                    from tierkv.quant.torch_batch import Received
+
+                    pin = self.device.type == "cuda"
+                    received = [Received(len(ids), pin=pin) for _ in self.parts]
+                    decode = functools.partial(self._receive, received, staged)
                 else:
-                    decode = functools.partial(_decode_runs, staged.arrays())
+                    decode = functools.partial(_decode_runs, self._decode_targets(staged))
                 written: set[int] = set()
                 places = _Places(len(ids), self._head_bytes()) if placeable else None
                 consume = (
@@ -446,7 +467,11 @@ class BlockMover:
                 )
                 into = functools.partial(self._placing, ids, places) if places is not None else None
                 bad = fetch(start, start + len(ids), consume, into)
+                if received:
+                    bad |= self._decode_received(received, staged)
                 good = sorted(set(range(len(ids))) - bad - written)
+                if self.real is not None and good:
+                    self._from_real_axes(staged, good)
                 self.scatter(staged, good, [ids[index] for index in good])
                 failed.update(start + index for index in bad)
         finally:
@@ -454,6 +479,23 @@ class BlockMover:
                 staged.wait()
                 staged.release()
         return failed
+
+    def _decode_targets(self, staged: Staged) -> list[np.ndarray]:
+        """Per part, the host arrays a batch decodes into: the staging, or with real axes a
+        buffer of blocks in those (`_from_real_axes` puts them into the staging)."""
+        arrays = staged.arrays()
+        if self.real is None:
+            return arrays
+        real = np.empty((staged.count, *self.real.real_shape(self.shapes[0])), arrays[0].dtype)
+        staged.keep_host = real
+        return [real]
+
+    def _from_real_axes(self, staged: Staged, slots: list[int]) -> None:
+        """Put decoded slots `slots` of a real-axes batch into its staging, in the nominal
+        layout the engine's kernel reads."""
+        assert self.real is not None and staged.keep_host is not None
+        at = np.asarray(slots, dtype=np.int64)
+        numpy_words(staged.tensors[0])[at] = self.real.from_real_axes(staged.keep_host[at])
 
     def _placeable(self) -> bool:
         """Whether every layer of this one-part host mover is contiguous, blocks first (a
@@ -608,8 +650,40 @@ class BlockMover:
             header, _ = checked_body(payload)
         except PayloadError:
             return None
-        elements = int(np.prod(self.shapes[0]))
-        return (header.codec, header.dtype, header.size) == ("none", self.codec_dtypes[0], elements)
+        wanted = ("none", self.codec_dtypes[0], self.shapes[0])
+        return (header.codec, header.dtype, header.shape) == wanted
+
+    def _receive(self, received: list[Received], staged: Staged, blocks: list[Block]) -> set[int]:
+        """consume of a device-decode load: each payload copied into its part's host buffer
+        for the batch's decode (`_decode_received`); one that does not fit is decoded now, by
+        itself. The indices that failed so far."""
+        from tierkv.load import decode_each
+
+        rest = [block for block in blocks if not received[block[1]].add(block[0], block[2])]
+        if not rest:
+            return set()
+        return decode_each(rest, _slot_of(staged.tensors), self.decode_on_device)
+
+    def _decode_received(self, received: list[Received], staged: Staged) -> set[int]:
+        """Decode a batch's received payloads into its device staging, one batched decode per
+        part on the load stream (tierkv.quant.torch_batch); the indices that failed. The host
+        buffers are kept until the batch's copies have completed."""
+        from tierkv.quant import PayloadError
+        from tierkv.quant.torch_batch import decode_batch
+
+        failed: set[int] = set()
+        with _on_stream(self._load_stream):
+            for part, batch in enumerate(received):
+                bad, unhandled = decode_batch(batch, staged.tensors[part])
+                failed |= bad
+                for index in unhandled:  # format version 1 payloads: one by one
+                    payload = batch.payload(index)
+                    try:
+                        self.decode_on_device(payload, staged.tensors[part][index])
+                    except PayloadError:
+                        failed.add(index)
+                staged.keep.append(batch.data)
+        return failed
 
     def decode_on_device(self, payload: memoryview, out: torch.Tensor) -> None:
         """Decode `payload` into device staging with tierkv.quant.torch_ops, on the load stream
@@ -617,6 +691,7 @@ class BlockMover:
         wait for it)."""
         from tierkv.quant import torch_ops
 
+        _check_shape(payload, tuple(out.shape))
         with _on_stream(self._load_stream):
             torch_ops.decode_into(payload, out)
 
@@ -663,19 +738,52 @@ class _Places:
 def _decode_runs(outputs: list[np.ndarray], blocks: list[Block]) -> set[int]:
     """Decode `blocks` into their slots of per-part host staging `outputs`; the indices that
     failed. Each part's blocks go to decode_many (a run of payloads received back to back is
-    one kernel call, which gives the GIL back once, not once per block), the rest one by one."""
+    one kernel call, which gives the GIL back once, not once per block), the rest one by one.
+    A payload of another block shape than its slot's fails (see `_check_shape`)."""
     from tierkv.load import decode_each
-    from tierkv.quant import decode_into, decode_many  # Numba: only once a load runs
+    from tierkv.quant import decode_many  # Numba: only once a load runs
 
     by_part: dict[int, list[Block]] = {}
     for block in blocks:
         by_part.setdefault(block[1], []).append(block)
     rest: list[Block] = []
     for part, group in by_part.items():
-        rows = [index for index, _, _ in group]
-        done = decode_many([payload for _, _, payload in group], outputs[part], rows)
-        rest.extend(block for block, ok in zip(group, done, strict=True) if not ok)
-    return decode_each(rest, _slot_of(outputs), decode_into) if rest else set()
+        shape = outputs[part].shape[1:]
+        fits = [_shape_fits(payload, shape) for _, _, payload in group]
+        fit = [block for block, ok in zip(group, fits, strict=True) if ok]
+        rest.extend(block for block, ok in zip(group, fits, strict=True) if not ok)
+        rows = [index for index, _, _ in fit]
+        done = decode_many([payload for _, _, payload in fit], outputs[part], rows)
+        rest.extend(block for block, ok in zip(fit, done, strict=True) if not ok)
+    return decode_each(rest, _slot_of(outputs), _decode_checked) if rest else set()
+
+
+def _shape_fits(payload: memoryview, shape: tuple[int, ...]) -> bool:
+    from tierkv.quant import PayloadError, payload_shape
+
+    try:
+        return payload_shape(payload) == shape
+    except PayloadError:
+        return False
+
+
+def _check_shape(payload: memoryview, shape: tuple[int, ...]) -> None:
+    """PayloadError unless `payload` holds a block of `shape`. The decoders check only the
+    element count, and a block of one count is stored in more than one shape (a lossy codec's
+    block in its real axes, tierkv.real_axes): such a payload is a miss, never decoded into a
+    wrong layout."""
+    from tierkv.quant import PayloadError, payload_shape
+
+    found = payload_shape(payload)
+    if found != shape:
+        raise PayloadError(f"payload holds a block of shape {found}, this engine's is {shape}")
+
+
+def _decode_checked(payload: memoryview, out: np.ndarray) -> None:
+    from tierkv.quant import decode_into
+
+    _check_shape(payload, out.shape)
+    decode_into(payload, out)
 
 
 def _slot_of(outputs: list[Any]) -> Callable[[int, int], Any]:

@@ -1,13 +1,14 @@
 """Cold stores behind one protocol (base.Backend): a tierkv vault, Valkey / Redis (single or
-cluster), or several of them with blocks spread by weight. `open_backend` builds the right one
-from configured endpoints; ColdTier holds backends, never addresses."""
+cluster), a directory engines share (file.FileTier), or several of them with blocks spread by
+weight. `open_backend` builds the right one from configured endpoints; ColdTier holds backends,
+never addresses."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from tierkv.addresses import is_redis_url
+from tierkv.addresses import is_file_url, is_redis_url
 from tierkv.backends.base import Backend
 from tierkv.config import ClientConfig, Endpoint, SecurityConfig
 
@@ -15,8 +16,12 @@ from tierkv.config import ClientConfig, Endpoint, SecurityConfig
 def open_one(
     address: str, client_cfg: ClientConfig, security: SecurityConfig | None = None
 ) -> Backend:
-    """The backend of one address: a vault "host:port" or a redis[s][+cluster]:// URL (with
-    the token / TLS files of `security`)."""
+    """The backend of one address: a vault "host:port", a redis[s][+cluster]:// URL (with
+    the token / TLS files of `security`) or a file:/// URL."""
+    if is_file_url(address):
+        from tierkv.backends.file import FileTier
+
+        return FileTier.from_url(address, client_cfg)
     if not is_redis_url(address):
         from tierkv.backends.vault import VaultClient
 

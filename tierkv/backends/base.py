@@ -39,6 +39,7 @@ class StorageTierStats(NamedTuple):
     corrupt: int
     queued_bytes: int
     kept: int
+    live_bytes: int = 0  # disk: bytes_used less dead (overwritten, deleted) records
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """`tierkv status`: one row per vault with a verdict, its tiers and the totals — table or JSON.
 
-A vault is a tierkv vault or a Valkey / Redis backend (a cluster is one entry, its nodes summed).
+A vault is a tierkv vault, a Valkey / Redis backend (a cluster is one entry, its nodes summed) or
+a file tier (a directory engines share: its path, bytes used and cap in the disk column).
 Each row gets a verdict:
 
 - up: answers, serves the role it is configured for;
@@ -20,6 +21,7 @@ role (and when a checked EXO hook is missing); 2 on a configuration error. The d
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import socket
 import ssl
@@ -36,7 +38,13 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from tierkv.addresses import is_redis_url, parse_address, parse_cold_address, redact
+from tierkv.addresses import (
+    is_file_url,
+    is_redis_url,
+    parse_address,
+    parse_cold_address,
+    redact,
+)
 from tierkv.cli import app
 from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
@@ -74,7 +82,7 @@ WIDE_COLUMNS = {
     "role": "role",
     "rtt_ms": "rtt ms",
     "ram": "RAM used / cap",
-    "disk": "disk used / cap",
+    "disk": "disk used / cap (live)",
     "entries": "entries",
     "hit_rate": "hits",
     "share": "share (entries / bytes)",
@@ -170,18 +178,21 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     from tierkv.backends.security import client_token
     from tierkv.backends.vault import VaultClient, VaultRefused
 
+    vault = not is_redis_url(address) and not is_file_url(address)  # a tierkv vault
     row: dict[str, Any] = {
         "name": name,
         "address": redact(address),
         # the client's link to it is encrypted / the blocks we write are sealed with a data key
-        "tls": address.startswith("rediss://")
-        or (not is_redis_url(address) and cfg.security.tls_ca is not None),
+        "tls": address.startswith("rediss://") or (vault and cfg.security.tls_ca is not None),
         "sealed": cfg.security.data_key_file is not None,
     }
     deadline_s = cfg.client.deadline_ms / 1000
-    if not is_redis_url(address) and (why := unreachable(address, deadline_s)):
+    if vault and (why := unreachable(address, deadline_s)):
         return {**row, "up": False, "reachable": False, "verdict": "down", "reason": why}
-    backend = open_one(address, cfg.client, cfg.security)
+    try:
+        backend = open_one(address, cfg.client, cfg.security)
+    except ConfigError as exc:  # a file tier's directory missing or open to others
+        return {**row, "up": False, "reachable": False, "verdict": "down", "reason": str(exc)}
     bulk_port: int | None = None
     bulk_reachable = False
     try:
@@ -198,14 +209,14 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
     except BackendUnavailable as exc:
         reason = (
             str(exc)
-            if is_redis_url(address)
+            if not vault
             else tls_refused(*parse_address(address), cfg)
             or (
                 f"answers TCP at {address}, but not as a tierkv vault in {deadline_s * 1000:.0f} ms"
                 " (another service on that port, a TLS mismatch, or overloaded)"
             )
         )
-        return {**row, "up": False, "reachable": not is_redis_url(address), "verdict": "down",
+        return {**row, "up": False, "reachable": vault, "verdict": "down",
                 "reason": reason}  # fmt: skip
     finally:
         backend.close()
@@ -242,7 +253,12 @@ def check_vault(name: str, address: str, cfg: TierKVConfig, role: str | None) ->
 
 def _verdict(row: dict[str, Any], role: str | None) -> dict[str, Any]:
     """`verdict` and `reason` of a vault that answered (its row's figures)."""
-    if role is not None and row["role"] != role and not is_redis_url(row["address"]):
+    address = row["address"]
+    if (
+        role is not None
+        and row["role"] != role
+        and not is_redis_url(address) | is_file_url(address)
+    ):
         reason = f"serves {row['role']}, but tierkv.toml's [cluster] names it as {role}"
         return {"up": False, "verdict": "wrong role", "reason": reason}
     problems = []
@@ -299,7 +315,7 @@ def _auth(backend: object, stats: BackendStats) -> str:
     from tierkv.backends.vault import VaultClient
 
     if not isinstance(backend, VaultClient):
-        return "n/a (redis)"
+        return f"n/a ({'file' if is_file_url(stats.address) else 'redis'})"
     return "required, accepted" if stats.auth_required else "none"
 
 
@@ -358,6 +374,7 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, Any]:
             ]
         found[f"{tier}_bytes_used"] = sum(t["bytes_used"] for t in present)
         found[f"{tier}_max_bytes"] = sum(t["max_bytes"] for t in present)
+    found["disk_live_bytes"] = sum(row["disk"]["live_bytes"] for row in serving if row.get("disk"))
     return found
 
 
@@ -399,6 +416,16 @@ def _used(used: int, cap: int, *, wide: bool) -> str:
     return f"{short_size(used)}/{'∞' if cap == 0 else short_size(cap)}"
 
 
+def _disk_used(used: int, cap: int, live: int, *, wide: bool) -> str:
+    """The disk's segment bytes against its cap; wide, also the bytes of records it can still
+    read (overwritten and deleted ones stay in their segment until it is dropped)."""
+    return (
+        f"{_used(used, cap, wide=wide)} ({format_size(live)})"
+        if wide
+        else _used(used, cap, wide=wide)
+    )
+
+
 def _hit_rate(hits: int, misses: int) -> str:
     return f"{hits / (hits + misses):.0%}" if hits + misses else "-"
 
@@ -435,14 +462,18 @@ def _cell(row: dict[str, Any], key: str, wide: bool) -> str | Text:
     if key == "uptime":
         return _duration(row["uptime_s"])
     if key == "ram":
+        if is_file_url(row["address"]):
+            return "-"
         tier = row["ram"] or row
         return _used(tier["bytes_used"], tier["max_bytes"], wide=wide)
     if key == "disk":
         disk = row["disk"]
-        return _used(disk["bytes_used"], disk["max_bytes"], wide=wide) if disk else "-"
+        if not disk:
+            return "-"
+        return _disk_used(disk["bytes_used"], disk["max_bytes"], disk["live_bytes"], wide=wide)
     if key == "bulk":
         if row["bulk_port"] is None:
-            return "n/a (redis)"
+            return f"n/a ({'file' if is_file_url(row['address']) else 'redis'})"
         if not row["bulk_port"]:
             return "none (gRPC)"
         if not row["bulk_reachable"]:
@@ -458,7 +489,9 @@ def _totals_cells(result: CheckResult, wide: bool) -> dict[str, str]:
     return {
         "address": f"{serving} of {found['vaults']} serving",
         "ram": _used(found["ram_bytes_used"], found["ram_max_bytes"], wide=wide),
-        "disk": _used(found["disk_bytes_used"], found["disk_max_bytes"], wide=wide)
+        "disk": _disk_used(
+            found["disk_bytes_used"], found["disk_max_bytes"], found["disk_live_bytes"], wide=wide
+        )
         if found["disk_max_bytes"]
         else "-",
         "entries": str(found["entries"]),
@@ -522,7 +555,7 @@ def status(
         list[str] | None,
         typer.Option(
             metavar="HOST:PORT|URL",
-            help="A vault, or a redis:// URL, to check (repeatable).",
+            help="A vault, a redis:// or a file:/// URL, to check (repeatable).",
             show_default="the vaults of tierkv.toml's [cluster]",
         ),
     ] = None,
@@ -555,6 +588,9 @@ def status(
     that the tierkv hook is installed in that EXO checkout.
     """
     addresses = vault or []
+    # Each vault's state and why are in its row and the reason lines: a backend's own warning
+    # about a vault that does not answer would say it a second time.
+    logging.getLogger("tierkv.backends").setLevel(logging.ERROR)
     cfg = engine_config(config)
     if cfg.security.data_key_file:  # one that does not parse would fail every store
         from tierkv.seal import read_data_keys

@@ -20,6 +20,7 @@ from tierkv.cli import app
 from tierkv.cli.errors import fail
 from tierkv.config import (
     DEFAULT_RAM_FRACTION,
+    UNLIMITED,
     VAULT_ROLES,
     ConfigError,
     TierKVConfig,
@@ -35,6 +36,8 @@ if TYPE_CHECKING:  # the server's modules (gRPC, numpy) are imported to run one,
 
 STOP_GRACE_S = 5.0
 FLUSH_TIMEOUT_S = 60.0
+INDEX_SHARE = 0.25
+"""The most of --max-bytes the disk tier's index may take (the RAM tier holds the rest)."""
 
 
 @app.command()
@@ -192,7 +195,7 @@ def vault(
     from tierkv.vault.server import VaultBindError, serve
 
     reuse_freed_memory()
-    disk = _open_disk(cfg, disk_dir, disk_max_bytes, disk_reset)
+    disk = _open_disk(cfg, disk_dir, disk_max_bytes, disk_reset, cap)
     _warn_beyond_memory(cap, origin, disk.max_bytes if disk else 0)
     try:
         bulk = cfg.vault.bulk_port if bulk_port is None else bulk_port
@@ -293,10 +296,11 @@ def _access_text(tokens: Tokens | None, cfg: TierKVConfig) -> str:
 
 
 def _open_disk(
-    cfg: TierKVConfig, option: Path | None, cap_option: str | None, reset: bool
+    cfg: TierKVConfig, option: Path | None, cap_option: str | None, reset: bool, ram_cap: int
 ) -> DiskTier | None:
     """The disk tier the options or the config ask for (recovered, or emptied first when
-    `reset`), else None; exits on errors."""
+    `reset`), else None; exits on errors. Its index is RAM counted in `ram_cap` (the RAM tier
+    holds what the index leaves), at most INDEX_SHARE of it."""
     from tierkv.vault.disk import DiskKeyError, DiskLockedError, DiskTier, default_max_bytes
     from tierkv.wire.secrets import make_private_dir
 
@@ -334,7 +338,8 @@ def _open_disk(
                 "with --disk-max-bytes)",
                 1,
             )
-        disk = DiskTier(directory, cap, cfg.vault.fsync, reset=reset)
+        index_cap = None if ram_cap == UNLIMITED else int(ram_cap * INDEX_SHARE)
+        disk = DiskTier(directory, cap, cfg.vault.fsync, max_index_bytes=index_cap, reset=reset)
     except (DiskLockedError, DiskKeyError) as exc:
         raise fail("vault", str(exc), 1) from None
     except OSError as exc:

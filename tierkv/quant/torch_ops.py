@@ -4,7 +4,7 @@ A restore on a GPU machine can copy the compressed body over PCIe and decode the
 for bit the Numba result (the same float32 operations in the same order); TurboQuant rotates
 with a dense matrix instead of the Walsh–Hadamard butterflies, so it matches within float32
 rounding (an index can flip where a coordinate sits on a decision boundary).
-Only this module of tierkv.quant imports torch.
+Only this module and torch_batch (the batched decode) of tierkv.quant import torch.
 """
 
 from __future__ import annotations

@@ -92,6 +92,12 @@ FAILED_RANGES = 64
 LOCK_NAME = "lock"
 SEGMENT_SUFFIX = ".seg"
 KEEP_FRACTION = 0.5
+INDEX_BYTES_PER_BLOCK = 600
+"""RAM the index takes per disk block (measured 568 B with 16-byte keys and namespaces, rounded
+up): what `max_index_bytes` is divided by to cap the blocks a disk tier indexes."""
+SEGMENTS_PER_INDEX_CAP = 8
+"""A segment holds at most 1/8 of the indexed-block cap, so reaching that cap drops about an
+eighth of the blocks, not all of them (one segment of tiny blocks could hold them all)."""
 """Most bytes of read blocks copied forward when one segment is dropped, as a share of a segment;
 also the share of a segment the tier keeps free below its cap for those copies."""
 
@@ -258,8 +264,11 @@ class DiskTier:
         *,
         segment_bytes: int | None = None,
         write_behind_bytes: int = WRITE_BEHIND_BYTES,
+        max_index_bytes: int | None = None,
         reset: bool = False,
     ) -> None:
+        """`max_index_bytes`: RAM the index may take (None: unbounded); past it the oldest
+        segment goes, as past `max_bytes`, at start-up too."""
         if fsync not in FSYNC_MODES:
             raise ValueError(f"fsync must be one of {', '.join(FSYNC_MODES)}, got {fsync!r}")
         if max_bytes <= 0:
@@ -271,6 +280,12 @@ class DiskTier:
         self._keep_bytes = int(self.segment_bytes * KEEP_FRACTION)
         self._room = max(1, max_bytes - self._keep_bytes)
         """Bytes of segments new records may fill; the rest is for blocks kept on eviction."""
+        self.max_blocks = (
+            max(SEGMENTS_PER_INDEX_CAP, max_index_bytes // INDEX_BYTES_PER_BLOCK)
+            if max_index_bytes
+            else None
+        )
+        """Blocks the index may hold (None: as many as fit in max_bytes)."""
         self._write_behind = write_behind_bytes
         make_private_dir(self.directory)
         self._lock_fd = self._take_lock()
@@ -300,11 +315,13 @@ class DiskTier:
         restart."""
         started = time.monotonic()
         damaged = [problem for segment in self._segment_ids() for problem in self._scan(segment)]
+        self._active = max(self._fds, default=0) + 1
+        self._open_segment(self._active)
+        while self._index_full(0):  # written under a larger index cap
+            self._drop_segment(min(self._sizes))
         self.recovery = Recovery(
             self._indexed, self._live_bytes, time.monotonic() - started, damaged
         )
-        self._active = max(self._fds, default=0) + 1
-        self._open_segment(self._active)
         self._last_sync = time.monotonic()
         self._writer = threading.Thread(target=self._write_loop, name="tierkv-disk", daemon=True)
         self._writer.start()
@@ -726,6 +743,7 @@ class DiskTier:
         landed: list[tuple[int, int]] = []  # (segment, start) of the pieces written so far
         iov: list[bytes | memoryview] = []
         start = offset = self._sizes[self._active]
+        in_active = 0  # records of this batch in the active segment, not yet indexed
         try:
             for op in batch:
                 header = _header(op, self._record_key)
@@ -737,16 +755,22 @@ class DiskTier:
                         self._room,
                     )
                     continue
-                if self._needs_room(record_len, offset - start) or len(iov) + 2 > IOV_MAX:
+                if (
+                    self._needs_room(record_len, offset - start, len(written), in_active)
+                    or len(iov) + 2 > IOV_MAX
+                ):
                     self._write_iov(iov, start)
                     if iov:
                         landed.append((self._active, start))
                     iov = []
-                    self._make_room(record_len)
+                    active = self._active
+                    self._make_room(record_len, len(written), in_active)
+                    in_active = in_active if self._active == active else 0
                     start = offset = self._sizes[self._active]
                 iov += [header, op.payload]
                 loc = Location(self._active, offset, len(header), len(op.payload), op.checksum)
                 written.append((op, loc))
+                in_active += 1
                 offset += record_len
             self._write_iov(iov, start)
         except BaseException:
@@ -774,13 +798,24 @@ class DiskTier:
             self._handled = taken
             self._changed.notify_all()
 
-    def _needs_room(self, record_len: int, unwritten: int) -> bool:
-        """Whether a record must start a new segment or push out old ones first."""
+    def _needs_room(self, record_len: int, unwritten: int, pending: int, in_active: int) -> bool:
+        """Whether a record must start a new segment or push out old ones first (`pending`
+        records of the batch written so far, `in_active` of them in the active segment, are not
+        indexed yet)."""
         size = self._sizes[self._active] + unwritten
         total = sum(self._sizes.values()) + unwritten
-        return (size > 0 and size + record_len > self.segment_bytes) or (
-            total + record_len > self._room
+        return (
+            (size > 0 and self._segment_full(size + record_len, in_active))
+            or total + record_len > self._room
+            or self._index_full(pending + 1)
         )
+
+    def _segment_full(self, size: int, in_active: int) -> bool:
+        """Whether the active segment is full at `size` bytes and `in_active` more records."""
+        if size > self.segment_bytes:
+            return True
+        records = len(self._segment_keys[self._active]) + in_active
+        return self.max_blocks is not None and records * SEGMENTS_PER_INDEX_CAP >= self.max_blocks
 
     def _write_iov(self, iov: list[bytes | memoryview], start: int) -> None:
         if not iov:
@@ -815,19 +850,36 @@ class DiskTier:
         with self._lock:
             self._sizes[segment] = size
 
-    def _make_room(self, record_len: int) -> None:
-        """Start a new segment when the active one is full; drop the oldest past the cap,
-        copying forward its blocks read since they were written."""
+    def _make_room(self, record_len: int, pending: int, in_active: int) -> None:
+        """Start a new segment when the active one is full; drop the oldest past the caps,
+        copying forward its blocks read since they were written (`pending`, `in_active`: as for
+        _needs_room)."""
         size = self._sizes[self._active]
-        if size > 0 and size + record_len > self.segment_bytes:
+        if size > 0 and self._segment_full(size + record_len, in_active):
             self._roll()
         budget = self._keep_bytes  # for all segments dropped now: the loop ends
-        while sum(self._sizes.values()) + record_len > self._room:
+        while sum(self._sizes.values()) + record_len > self._room or self._index_full(pending + 1):
             oldest = min(self._sizes)
             if oldest == self._active:
                 self._roll()
             budget -= self._keep_read_blocks(oldest, budget)
             self._drop_segment(oldest)
+
+    @property
+    def index_bytes(self) -> int:
+        """RAM the index takes once what is queued is written (INDEX_BYTES_PER_BLOCK per block,
+        an estimate; every queued op counted as a block, within max_blocks)."""
+        blocks = self._indexed + self._enqueued - self._handled
+        return min(blocks, self.max_blocks or blocks) * INDEX_BYTES_PER_BLOCK
+
+    def _index_full(self, adding: int) -> bool:
+        """Whether `adding` more blocks would take the index past max_blocks (while an older
+        segment than the active one is left to drop)."""
+        return (
+            self.max_blocks is not None
+            and self._indexed + adding > self.max_blocks
+            and min(self._sizes) != self._active
+        )
 
     def _keep_read_blocks(self, segment: int, budget: int) -> int:
         """Append to the active segment the read blocks of `segment`, at most `budget` bytes of

@@ -408,6 +408,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
                 corrupt=stats.disk.corrupt,
                 queued_bytes=stats.disk.queued_bytes,
                 kept=stats.disk.kept,
+                live_bytes=stats.disk.live_bytes,
             )
         reply.MergeFrom(
             vault_pb2.StatsReply(

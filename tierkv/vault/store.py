@@ -358,7 +358,7 @@ class VaultStore:
             tenant = self._tenants.setdefault(self._tenant_of(namespace), _TenantLRU())
             tenant.order[entry_key] = None
             tenant.bytes_used += size
-        while self.max_bytes != UNLIMITED and self._bytes_used > self.max_bytes:
+        while self.max_bytes != UNLIMITED and self._entries and self._over_cap():
             victim = self._victim()
             if self.disk:
                 self.disk.spill(*victim, *self._entries[victim])
@@ -367,6 +367,13 @@ class VaultStore:
             if self._tenant_of is not None:
                 owner = self._tenant_of(victim[0])
                 self._tenant_evictions[owner] = self._tenant_evictions.get(owner, 0) + 1
+
+    def _over_cap(self) -> bool:
+        """Whether the RAM tier's entries and the disk tier's index hold more than max_bytes:
+        the index is RAM too, counted where the disk tier caps it (the vault caps it at a share
+        of max_bytes; a disk tier without an index cap is one a caller sized itself)."""
+        index = self.disk.index_bytes if self.disk and self.disk.max_blocks else 0
+        return self._bytes_used + index > self.max_bytes
 
     def _victim(self) -> EntryKey:
         """The entry to evict next: the least recently used of all, or with tenants that of the

@@ -54,6 +54,7 @@ from tierkv.movers import BlockMover, Staged, StagingRing, codec_dtype, hand_ove
 
 if TYPE_CHECKING:
     from tierkv.load import Consume
+    from tierkv.real_axes import RealAxes
     from tierkv.tier import ColdTier
     from tierkv.transfer import Into
 
@@ -135,13 +136,25 @@ class TierWorker:
         self._rings: tuple[StagingRing, StagingRing] | None = None
         self._kv_splits: dict[int, tuple[int, int] | None] = {}
         self._token_axes: dict[int, int | None] = {}
+        self._real: dict[int, RealAxes] = {}
+        """Groups whose lossy payloads hold blocks in their real axes (tierkv.real_axes)."""
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="tierkv-store")
         self._loading: dict[str, Future[_LoadResult]] = {}
         self._invalid_block_ids: set[int] = set()
         self._loads_started_for: TierKVMetadata | None = None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        real: dict[int, RealAxes] | None = None,
+    ) -> None:
+        """Take views of the paged buffers. `real`: per group id, how the engine's attention
+        really lays out its blocks when not as their shape says (vLLM CPU's): a lossy codec is
+        handed such a group's blocks in their real axes."""
+        self._real = dict(real or {})
+        self.use_codec(self.tier.codec.name, self.tier.codec.group_size)
         devices = {cache.device for cache in kv_caches.values() if isinstance(cache, torch.Tensor)}
         pin = any(device.type == "cuda" for device in devices)
         self._rings = (
@@ -164,15 +177,42 @@ class TierWorker:
             for group_id, plan in self.plans.items()
         }
         self._movers = {
-            group_id: BlockMover(found, store_ring, load_ring) for group_id, found in parts.items()
-        }
-        self._kv_splits = {
-            group_id: kv_split(self.plans[group_id], found[0]) for group_id, found in parts.items()
-        }
-        self._token_axes = {
-            group_id: token_axis(self.plans[group_id], found[0])
+            group_id: BlockMover(found, store_ring, load_ring, self._real.get(group_id))
             for group_id, found in parts.items()
         }
+        self._kv_splits = {
+            group_id: REAL_KV_SPLIT
+            if group_id in self._real
+            else kv_split(self.plans[group_id], found[0])
+            for group_id, found in parts.items()
+        }
+        self._token_axes = {
+            group_id: REAL_TOKEN_AXIS
+            if group_id in self._real
+            else token_axis(self.plans[group_id], found[0])
+            for group_id, found in parts.items()
+        }
+
+    def use_codec(self, name: str, group_size: int) -> None:
+        """Store with codec `name` from now on, in groups of `group_size` values, or of the
+        head size where `group_size` does not divide it (the sink codecs take whole vectors of
+        a token's values, in a block in its real axes one head's: SmolLM2's 64 with the default
+        128)."""
+        from tierkv.quant import get_codec  # Numba: only on the worker
+        from tierkv.quant.turbo import check_group_size
+
+        heads = {plan.kv_widths[0] for plan in self.plans.values() if plan.kv_widths[0]}
+        head = min(heads, default=0)
+        if name != "none" and head and any(size % group_size for size in heads):
+            try:
+                check_group_size(name, head)
+            except ValueError:
+                pass
+            else:
+                log.info("codec %s: groups of %d values, the head size", name, head)
+                group_size = head
+        if (name, group_size) != (self.tier.codec.name, self.tier.codec.group_size):
+            self.tier.codec = get_codec(name, group_size)
 
     def unregister_kv_caches(self) -> None:
         """Before vLLM's sleep mode unmaps the paged buffers: wait until no load writes into
@@ -239,6 +279,7 @@ class TierWorker:
         namespace = plan.namespaces[self.tp_rank]
         split = self._kv_splits.get(plan.group_id)
         axis = self._token_axes.get(plan.group_id)
+        real = self._real.get(plan.group_id) if self.tier.codec.name != "none" else None
 
         def send(
             index: int, part: int, array: np.ndarray, dtype: str, on_done: Callable[[], None]
@@ -257,7 +298,16 @@ class TierWorker:
                 sink_tokens=sinks,
             )
 
-        hand_over(staged, mover.codec_dtypes, send)
+        if real is None:
+            hand_over(staged, mover.codec_dtypes, send)
+            return
+        staged.wait()
+        # One more copy (CPU engines only, as fast as the gather into staging), so the staging
+        # goes back at once.
+        blocks = real.to_real_axes(staged.arrays()[0])
+        staged.release()
+        for index in range(len(blocks)):
+            send(index, 0, blocks[index], mover.codec_dtypes[0], _nothing)
 
     # ---- loads -----------------------------------------------------------------------------
 
@@ -378,6 +428,16 @@ def _collections_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+REAL_KV_SPLIT = (2, 1)
+"""kv_split of a block in its real axes, [layers, heads, K|V, tokens, head_size]."""
+REAL_TOKEN_AXIS = 3
+"""token_axis of a block in its real axes."""
+
+
+def _nothing() -> None:
+    """on_done of a block the tier may keep: a copy, not staging."""
 
 
 def kv_split(plan: GroupPlan, layers: Sequence[tuple[torch.Tensor, int]]) -> tuple[int, int] | None:

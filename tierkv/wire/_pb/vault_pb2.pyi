@@ -135,7 +135,7 @@ class StatsReply(_message.Message):
     def __init__(self, role: _Optional[str] = ..., entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., uptime_s: _Optional[float] = ..., version: _Optional[str] = ..., ram: _Optional[_Union[TierStats, _Mapping]] = ..., disk: _Optional[_Union[TierStats, _Mapping]] = ..., auth_required: _Optional[bool] = ..., insecure: _Optional[bool] = ..., tls: _Optional[bool] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("entries", "bytes_used", "max_bytes", "hits", "reads_per_s", "evictions", "corrupt", "queued_bytes", "kept")
+    __slots__ = ("entries", "bytes_used", "max_bytes", "hits", "reads_per_s", "evictions", "corrupt", "queued_bytes", "kept", "live_bytes")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BYTES_USED_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class TierStats(_message.Message):
     CORRUPT_FIELD_NUMBER: _ClassVar[int]
     QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
     KEPT_FIELD_NUMBER: _ClassVar[int]
+    LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     entries: int
     bytes_used: int
     max_bytes: int
@@ -154,7 +155,8 @@ class TierStats(_message.Message):
     corrupt: int
     queued_bytes: int
     kept: int
-    def __init__(self, entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., reads_per_s: _Optional[float] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., kept: _Optional[int] = ...) -> None: ...
+    live_bytes: int
+    def __init__(self, entries: _Optional[int] = ..., bytes_used: _Optional[int] = ..., max_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., reads_per_s: _Optional[float] = ..., evictions: _Optional[int] = ..., corrupt: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., kept: _Optional[int] = ..., live_bytes: _Optional[int] = ...) -> None: ...
 
 class DeleteRequest(_message.Message):
     __slots__ = ("namespace", "keys")
