@@ -656,10 +656,16 @@ class BlockMover:
     def _receive(self, received: list[Received], staged: Staged, blocks: list[Block]) -> set[int]:
         """consume of a device-decode load: each payload copied into its part's host buffer
         for the batch's decode (`_decode_received`); one that does not fit is decoded now, by
-        itself. The indices that failed so far."""
+        itself (one of another block shape fails there: `_check_shape`). The indices that
+        failed so far."""
         from tierkv.load import decode_each
 
-        rest = [block for block in blocks if not received[block[1]].add(block[0], block[2])]
+        rest = [
+            block
+            for block in blocks
+            if not _shape_fits(block[2], tuple(staged.tensors[block[1]].shape[1:]))
+            or not received[block[1]].add(block[0], block[2])
+        ]
         if not rest:
             return set()
         return decode_each(rest, _slot_of(staged.tensors), self.decode_on_device)
