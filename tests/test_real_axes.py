@@ -191,3 +191,25 @@ def test_a_payload_stored_in_the_nominal_axes_is_a_miss(vault):
         tier.close()
     assert torch.equal(cache[4], cache[1])
     assert read_header(vault.store.held()[bytes(16), key, 0]).shape == (1, 2, TOKENS, 128)
+
+
+def test_a_layout_probe_that_fails_leaves_the_nominal_axes_and_warns(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another vLLM whose kernel the probe cannot call: the engine starts, the group keeps its
+    nominal layout, and the log says what lossy codecs lose."""
+    import torch
+
+    from tierkv.connectors.vllm import layout
+
+    plan = type("Plan", (), {"group_id": 0, "layer_names": ["layer.0"], "is_state": False})()
+
+    def no_kernel(*_: object) -> RealAxes:
+        raise AttributeError("module 'vllm._custom_ops' has no attribute 'cpu_attn_reshape'")
+
+    monkeypatch.setattr(layout, "cpu_attn_groups", lambda config, plans: [plan])
+    monkeypatch.setattr(layout, "probe", no_kernel)
+    caches = {"layer.0": torch.zeros((4, 2, TOKENS, 2 * HEAD), dtype=torch.bfloat16)}
+    with caplog.at_level("WARNING"):
+        assert layout.real_axes(None, [plan], caches) == {}  # type: ignore[arg-type]
+    assert "could not be probed" in caplog.text and "cpu_attn_reshape" in caplog.text
