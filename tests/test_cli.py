@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import subprocess
 import sys
@@ -419,6 +420,15 @@ def test_a_redis_cluster_that_is_down_is_a_status_row_not_a_crash(free_port: int
     assert result.returncode == 1, result.stderr
     [line] = result.stderr.splitlines()  # said once: the backend's own warning is not repeated
     assert line.startswith("vault 1: down, no node of the cluster at redis+cluster://127.0.0.1:")
+
+
+def test_status_leaves_the_backends_logging_as_it_found_it(free_port: int) -> None:
+    """status keeps the backends' warnings out of its own output only while it runs (an engine
+    or test in the same process still hears them afterwards)."""
+    backends = logging.getLogger("tierkv.backends")
+    before = backends.level
+    runner.invoke(app, ["status", "--vault", f"127.0.0.1:{free_port}"])
+    assert backends.level == before
 
 
 def test_serve_only_warns_of_a_redis_cluster_that_is_down(tmp_path: Path, free_port: int) -> None:

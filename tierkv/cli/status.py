@@ -26,7 +26,9 @@ import signal
 import socket
 import ssl
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -587,10 +589,32 @@ def status(
     our token or serves the wrong role, 2 on a configuration error. With --exo-path, also check
     that the tierkv hook is installed in that EXO checkout.
     """
-    addresses = vault or []
-    # Each vault's state and why are in its row and the reason lines: a backend's own warning
-    # about a vault that does not answer would say it a second time.
-    logging.getLogger("tierkv.backends").setLevel(logging.ERROR)
+    with _backend_warnings_kept_out():
+        _status(config, vault or [], json_output, wide, watch, interval, exo_path)
+
+
+@contextmanager
+def _backend_warnings_kept_out() -> Iterator[None]:
+    """Each vault's state and why are in its row and the reason lines: a backend's own warning
+    about a vault that does not answer would say it a second time."""
+    backends = logging.getLogger("tierkv.backends")
+    level = backends.level
+    backends.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        backends.setLevel(level)
+
+
+def _status(
+    config: Path | None,
+    addresses: list[str],
+    json_output: bool,
+    wide: bool,
+    watch: bool,
+    interval: float,
+    exo_path: Path | None,
+) -> None:
     cfg = engine_config(config)
     if cfg.security.data_key_file:  # one that does not parse would fail every store
         from tierkv.seal import read_data_keys
