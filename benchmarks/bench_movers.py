@@ -4,11 +4,12 @@ torch only (no vLLM): builds a paged KV buffer of --tokens tokens on --device (d
 available) shaped like Llama-3.1-8B (32 layers, 8 KV heads × 128, bf16, 16-token blocks; 30k
 tokens are 3.9 GB), stores it through tierkv.movers into a vault on 127.0.0.1 in engine steps of
 --step-tokens and restores it, for each --codec, with host decode (Numba) and device decode
-(tierkv.quant.torch_ops). Prints per codec and decode: the engine-thread time of the store per
-step (the gather and hand-over a worker does inside vLLM's step; on CUDA the copy to the host is
-asynchronous; what does not fit in the free staging is dropped, as the worker does, and stored
-after the steps) beside one copy of a step's bytes on the device, restore wall time and GB/s of
-the restored bf16 bytes, a bare client Promote of the same blocks and the decode alone, each
+(tierkv.quant.torch_batch, batched). Prints per codec and decode: the engine-thread time of the
+store per step (the gather and hand-over a worker does inside vLLM's step; on CUDA the copy to
+the host is asynchronous; what does not fit in the free staging is dropped, as the worker does,
+and stored after the steps) beside one copy of a step's bytes on the device, restore wall time
+and GB/s of the restored bf16 bytes, a bare client Promote of the same blocks and the decode
+alone (device decode: batched, beside the per-payload torch_ops decode it replaced), each
 measured in the same run, and the device's memcpy GB/s (a tensor copy on the device). Figures
 on a shared machine are noisy; read the ratios.
 
@@ -42,6 +43,7 @@ from tierkv.load import Consume
 from tierkv.movers import BlockMover, StagingRing, hand_over
 from tierkv.quant import decode_into, get_codec, torch_ops
 from tierkv.quant import warmup as warmup_codecs
+from tierkv.quant.torch_batch import Received, decode_batch
 from tierkv.sizes import format_size, parse_size
 from tierkv.tier import ColdTier
 from tierkv.transfer import Into
@@ -171,10 +173,12 @@ def restore_all(
 
 
 def promote_and_decode(
-    address: str, namespace: bytes, keys: list[bytes], mover: BlockMover
-) -> tuple[float, int, float, float]:
-    """(bare Promote seconds (median of 3), payload bytes, host decode s, device decode s) of
-    every block."""
+    address: str, namespace: bytes, keys: list[bytes], mover: BlockMover, batch_blocks: int
+) -> tuple[float, int, float, float, float]:
+    """(bare Promote seconds (median of 3), payload bytes, host decode s, per-payload device
+    decode s, batched device decode s) of every block. The per-payload decode is the device
+    path before the batched one: one torch_ops.decode_into per payload; the batched one copies
+    each batch's payloads into one (pinned) host buffer and runs torch_batch.decode_batch."""
     with VaultClient(address) as client:
         client.promote(namespace, keys[:1], [0])  # a warm connection, as the tier has
         times = []
@@ -197,8 +201,21 @@ def promote_and_decode(
     for payload in payloads:
         torch_ops.decode_into(payload, device_out)
     synchronize(mover.device)
-    device_s = time.perf_counter() - started
-    return promote_s, sum(map(len, payloads)), host_s, device_s
+    per_payload_s = time.perf_counter() - started
+    batch = mover.staging(min(batch_blocks, len(payloads)), on_device=True).tensors[0]
+    pin = mover.device.type == "cuda"
+    synchronize(mover.device)
+    started = time.perf_counter()
+    for start in range(0, len(payloads), len(batch)):
+        chunk = payloads[start : start + len(batch)]
+        received = Received(len(batch), pin=pin)
+        for index, payload in enumerate(chunk):
+            assert received.add(index, payload)
+        failed, unhandled = decode_batch(received, batch)
+        assert not failed and not unhandled
+        synchronize(mover.device)  # the host buffer is released with the next one
+    batched_s = time.perf_counter() - started
+    return promote_s, sum(map(len, payloads)), host_s, per_payload_s, batched_s
 
 
 def main() -> None:
@@ -261,8 +278,8 @@ def main() -> None:
             tier = ColdTier(codec, {"kv": client}, max_pending_encode_bytes=staging)
             try:
                 per_step, store_s, dropped = store_all(tier, mover, namespace, keys, step_blocks)
-                promote_s, payload_bytes, host_decode_s, device_decode_s = promote_and_decode(
-                    address, namespace, keys, mover
+                promote_s, payload_bytes, host_decode_s, per_payload_s, device_decode_s = (
+                    promote_and_decode(address, namespace, keys, mover, batch_blocks)
                 )
                 for decode in args.decode:
                     for layer in layers:
@@ -302,6 +319,8 @@ def main() -> None:
                         "decode_gbps": round(raw_bytes / decode_s / 1e9, 3),
                         "memcpy_gbps": round(memcpy, 3),
                         "decode_over_memcpy": round(raw_bytes / decode_s / 1e9 / memcpy, 4),
+                        "per_payload_device_decode_gbps": round(raw_bytes / per_payload_s / 1e9, 3),
+                        "batched_over_per_payload": round(per_payload_s / device_decode_s, 2),
                         "min_cosine": round(cosine, 5),
                         "exact": exact,
                     }
@@ -331,7 +350,7 @@ def print_table(
     columns = ("codec", "decode", "store ms/step (median, max; step copy)", "dropped")
     columns += ("restore s", "restore GB/s")
     columns += ("promote s", "restore / promote", "decode GB/s", "decode / memcpy")
-    columns += ("memcpy GB/s", "min cosine")
+    columns += ("batched / per payload", "memcpy GB/s", "min cosine")
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
@@ -347,6 +366,7 @@ def print_table(
             f"{row['restore_over_promote']:.2f}x",
             f"{row['decode_gbps']:.2f}",
             f"{row['decode_over_memcpy']:.3f}x",
+            f"{row['batched_over_per_payload']:.1f}x",
             f"{row['memcpy_gbps']:.2f}",
             f"{row['min_cosine']:.4f}",
         )

@@ -39,7 +39,18 @@ MIN_COSINE = {
 @pytest.fixture(scope="module")
 def all_codecs() -> list[dict[str, object]]:
     result = CliRunner().invoke(
-        app, ["bench", "--tokens", "600", "--block-tokens", "128", "--codec", "all", "--json"]
+        app,
+        [
+            "bench",
+            "--tokens",
+            "600",
+            "--block-tokens",
+            "128",
+            "--codec",
+            "all",
+            "--json",
+            "--links",
+        ],
     )
     assert result.exit_code == 0, result.output
     objects = json.loads(result.stdout)

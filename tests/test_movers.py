@@ -415,3 +415,22 @@ def test_a_restore_through_the_batched_torch_decode_equals_one_through_host_deco
             assert not torch.equal(cache[n : 2 * n], cache[:n])  # lossy: decoded, not copied
     finally:
         tier.close()
+
+
+def test_the_start_up_measurement_of_device_decode_says_why_and_frees_its_staging():
+    from tierkv.movers import device_decode_pays
+    from tierkv.quant import get_codec
+    from tierkv.quant.codec import encode_block
+
+    caches = [torch.randn(40, 16, 2, 64).to(torch.bfloat16) for _ in range(2)]
+    mover = BlockMover(
+        [[(cache, 0) for cache in caches]], StagingRing(1 << 22), StagingRing(1 << 22)
+    )
+    codec = get_codec("kv4", 64)
+    pays, why = device_decode_pays(
+        mover, lambda block: encode_block(codec, block, "bf16", kv_split=(3, 32))
+    )
+    assert isinstance(pays, bool)
+    assert "32 blocks" in why and why.count("GB/s") == 2
+    assert mover.store_ring.largest_free() == mover.store_ring.nbytes
+    assert mover.load_ring.largest_free() == mover.load_ring.nbytes

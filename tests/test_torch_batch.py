@@ -110,3 +110,26 @@ def test_a_payload_larger_than_the_received_stride_is_left_to_the_caller():
     small = encode("tq4", blocks_of((16, 2, 64), torch.bfloat16, 1)[0], False, 64)
     assert received.add(0, small)
     assert not received.add(1, small * 2)
+
+
+def test_payloads_received_on_several_threads_at_once_all_land():
+    """A restore's runs arrive on several receive threads: the first payloads of a batch raced
+    to size its buffer, and one saw the size before the buffer (seen in bench_movers)."""
+    import threading
+
+    payload = encode("tq4", blocks_of((16, 2, 64), torch.bfloat16, 1)[0], False, 64)
+    for _ in range(20):
+        received = Received(8, pin=False)
+        start = threading.Barrier(8)
+        results: list[bool] = []
+
+        def add(index: int, received=received, start=start, results=results) -> None:
+            start.wait()
+            results.append(received.add(index, payload))
+
+        threads = [threading.Thread(target=add, args=(index,)) for index in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results == [True] * 8 and sorted(received.lengths) == list(range(8))

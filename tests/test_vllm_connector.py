@@ -134,6 +134,9 @@ def _engine_main(conn: Connection, model: str, extra: dict[str, Any], engine: di
             recorded = _record_stored_and_restored(worker.worker_side)
         elif command == "recorded_kv":
             conn.send(recorded)
+        elif command == "use_codec":  # (name, group_size), as tierkv eval switches codecs
+            worker.worker_side.use_codec(*arg)
+            conn.send(None)
         else:
             break
     llm.llm_engine.engine_core.shutdown()
@@ -227,7 +230,8 @@ def _kill_on_next_load(scheduler_side: Any, pid: int) -> None:
 def _record_stored_and_restored(worker_side: Any) -> dict[str, dict[tuple[bytes, int], Any]]:
     """Keep a copy of every block the worker stores and of every block it restores, as read
     back from the paged KV buffer after the load (bf16 as 16-bit words), by (key, part), and
-    how many times each was stored ("stores")."""
+    how many times each was stored ("stores"). Both in the axes the codec sees: with a lossy
+    codec on vLLM CPU, [layers, heads, K|V, tokens, head_size] (tierkv.real_axes)."""
     import torch
 
     recorded: dict[str, dict[tuple[bytes, int], Any]] = {"stored": {}, "restored": {}, "stores": {}}
@@ -247,7 +251,10 @@ def _record_stored_and_restored(worker_side: Any) -> dict[str, dict[tuple[bytes,
             for part, layers in enumerate(mover.parts):
                 if index not in failed:
                     block = torch.stack([tensor.select(dim, block_id) for tensor, dim in layers])
-                    recorded["restored"][key, part] = block.view(torch.int16).numpy().view("u2")
+                    words = block.view(torch.int16).numpy().view("u2")
+                    if mover.real is not None and tier.codec.name != "none":
+                        words = mover.real.to_real_axes(words)
+                    recorded["restored"][key, part] = words
         return result
 
     tier.store, worker_side._load_group = store_and_record, load_and_record

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from helpers import pick_free_port, start_subprocess_vault
 from test_vllm_connector import Engine
@@ -146,6 +147,75 @@ def test_eval_verdict_is_what_codec_auto_stores_with(
         assert tier["queued_raw_bytes"] / tier["queued_payload_bytes"] > 3.0  # tq4, not none
     finally:
         auto.close()
+
+
+def _as_float(words: np.ndarray) -> np.ndarray:
+    """bf16 words as float32 values."""
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+def _stored_and_restored(engine: Engine, tokens: list[int], recorded_before: int) -> dict:
+    """Store a prompt's blocks (on finish), drop vLLM's prefix cache, restore them."""
+    engine.generate(tokens)
+    engine.generate(tokens[:8])  # one more step: the finished prompt's blocks go out
+    assert engine.call("flush"), "stored blocks were not acknowledged"
+    engine.call("reset_prefix_cache")
+    engine.generate(tokens)
+    recorded = engine.call("recorded_kv")
+    assert len(recorded["restored"]) > recorded_before
+    return recorded
+
+
+def test_lossy_codecs_see_keys_and_values_as_vllm_cpus_kernel_reads_them(
+    real_model: Path, vault: tuple[Any, str], tokenize: Any
+):
+    """kv4 and k8v4 in a vLLM CPU engine (bf16, SmolLM2's 64-wide heads, group_size 128 as
+    configured): the blocks reach the codecs as [layers, heads, K|V, tokens, head_size], the
+    order vLLM CPU's attention kernel itself writes (probed at start). Under kv4 the first
+    block's tokens 0..3 come back into the paged buffer bit-exact, keys and values; under
+    k8v4 the keys come back at int8's error and the values at 4 bits', against the engine's
+    own KV."""
+    from tierkv.codecs import SINK_TOKENS
+    from tierkv.keys import chain_block_keys
+
+    extra = {
+        "cluster.kv_cold": vault[1],
+        "connector.store": "on_finish",
+        "compression.enabled": True,
+        "compression.codec": "kv4",
+    }
+    engine = Engine(real_model, extra, ENGINE)
+    try:
+        engine.call("record_kv")
+        kv4_tokens = text(tokenize, seed=11, length=300)
+        recorded = _stored_and_restored(engine, kv4_tokens, 0)
+        kv4_keys = chain_block_keys(kv4_tokens, BLOCK)[: (len(kv4_tokens) - 1) // BLOCK]
+        engine.call("use_codec", ("k8v4", 128))
+        k8v4_tokens = text(tokenize, seed=12, length=300)
+        recorded = _stored_and_restored(engine, k8v4_tokens, len(recorded["restored"]))
+        k8v4_keys = chain_block_keys(k8v4_tokens, BLOCK)[: (len(k8v4_tokens) - 1) // BLOCK]
+        stats = engine.stats()
+    finally:
+        engine.close()
+    assert stats["load_failed_blocks"] == 0
+    for key in kv4_keys + k8v4_keys:
+        assert recorded["stored"][key, 0].shape == (30, 3, 2, BLOCK, 64)
+    first = kv4_keys[0]
+    stored, restored = recorded["stored"][first, 0], recorded["restored"][first, 0]
+    sinks = (slice(None),) * 3 + (slice(0, SINK_TOKENS),)
+    assert np.array_equal(restored[sinks], stored[sinks])  # keys and values, every layer
+    assert not np.array_equal(restored, stored)  # the rest is lossy
+    later = (recorded["stored"][kv4_keys[1], 0], recorded["restored"][kv4_keys[1], 0])
+    assert not np.array_equal(later[0][sinks], later[1][sinks])  # no sinks kept there
+
+    def error(key: bytes, half: int) -> float:
+        stored = _as_float(recorded["stored"][key, 0][:, :, half])
+        restored = _as_float(recorded["restored"][key, 0][:, :, half])
+        return float(np.linalg.norm(restored - stored) / np.linalg.norm(stored))
+
+    for key in k8v4_keys:
+        keys, values = error(key, 0), error(key, 1)
+        assert keys < 0.02 and 0.04 < values < 0.2, (keys, values)
 
 
 def test_dead_vault_generates_the_cold_run(engine: Engine, vault: tuple[Any, str], tokenize: Any):

@@ -57,6 +57,7 @@ from tierkv.codecs import FRAMEWORK_DTYPES
 if TYPE_CHECKING:
     from tierkv.load import Block, Consume
     from tierkv.quant.torch_batch import Received
+    from tierkv.real_axes import RealAxes
     from tierkv.transfer import Into
 
 ALIGN = 256
@@ -202,6 +203,8 @@ class Staged:
     event: torch.cuda.Event | None = None
     keep: list[torch.Tensor] = field(default_factory=list)
     """Device buffers that an asynchronous copy still reads or writes."""
+    keep_host: np.ndarray | None = None
+    """A load's blocks decoded in their real axes (BlockMover.real), before they are put back."""
 
     @property
     def count(self) -> int:
@@ -232,10 +235,14 @@ class BlockMover:
         parts: Sequence[Sequence[tuple[torch.Tensor, int]]],
         store_ring: StagingRing,
         load_ring: StagingRing,
+        real: RealAxes | None = None,
     ) -> None:
         """`parts[p]` lists, per layer, the tensor and its block dimension; every layer of a part
-        has the same block shape and dtype."""
+        has the same block shape and dtype. `real`: a one-part host mover whose lossy payloads
+        hold blocks in their real axes (tierkv.real_axes; they are decoded in those and put
+        back before the scatter)."""
         self.parts = [list(layers) for layers in parts]
+        self.real = real
         first = self.parts[0][0][0]
         self.device = first.device
         self.shapes: list[tuple[int, ...]] = []
@@ -426,7 +433,8 @@ class BlockMover:
     def _load(
         self, block_ids: Sequence[int], fetch: Fetch, batch_blocks: int, on_device: bool
     ) -> set[int]:
-
+        # Real axes are vLLM CPU's layout, whose blocks live in host memory: decoded on the host.
+        on_device = on_device and self.real is None
         direct = self._host_layers is not None and len(self.parts) == 1 and not on_device
         placeable = direct and self._placeable()
         failed: set[int] = set()
@@ -449,7 +457,7 @@ class BlockMover:
                     received = [Received(len(ids), pin=pin) for _ in self.parts]
                     decode = functools.partial(self._receive, received, staged)
                 else:
-                    decode = functools.partial(_decode_runs, staged.arrays())
+                    decode = functools.partial(_decode_runs, self._decode_targets(staged))
                 written: set[int] = set()
                 places = _Places(len(ids), self._head_bytes()) if placeable else None
                 consume = (
@@ -462,6 +470,8 @@ class BlockMover:
                 if received:
                     bad |= self._decode_received(received, staged)
                 good = sorted(set(range(len(ids))) - bad - written)
+                if self.real is not None and good:
+                    self._from_real_axes(staged, good)
                 self.scatter(staged, good, [ids[index] for index in good])
                 failed.update(start + index for index in bad)
         finally:
@@ -469,6 +479,23 @@ class BlockMover:
                 staged.wait()
                 staged.release()
         return failed
+
+    def _decode_targets(self, staged: Staged) -> list[np.ndarray]:
+        """Per part, the host arrays a batch decodes into: the staging, or with real axes a
+        buffer of blocks in those (`_from_real_axes` puts them into the staging)."""
+        arrays = staged.arrays()
+        if self.real is None:
+            return arrays
+        real = np.empty((staged.count, *self.real.real_shape(self.shapes[0])), arrays[0].dtype)
+        staged.keep_host = real
+        return [real]
+
+    def _from_real_axes(self, staged: Staged, slots: list[int]) -> None:
+        """Put decoded slots `slots` of a real-axes batch into its staging, in the nominal
+        layout the engine's kernel reads."""
+        assert self.real is not None and staged.keep_host is not None
+        at = np.asarray(slots, dtype=np.int64)
+        numpy_words(staged.tensors[0])[at] = self.real.from_real_axes(staged.keep_host[at])
 
     def _placeable(self) -> bool:
         """Whether every layer of this one-part host mover is contiguous, blocks first (a
@@ -623,16 +650,22 @@ class BlockMover:
             header, _ = checked_body(payload)
         except PayloadError:
             return None
-        elements = int(np.prod(self.shapes[0]))
-        return (header.codec, header.dtype, header.size) == ("none", self.codec_dtypes[0], elements)
+        wanted = ("none", self.codec_dtypes[0], self.shapes[0])
+        return (header.codec, header.dtype, header.shape) == wanted
 
     def _receive(self, received: list[Received], staged: Staged, blocks: list[Block]) -> set[int]:
         """consume of a device-decode load: each payload copied into its part's host buffer
         for the batch's decode (`_decode_received`); one that does not fit is decoded now, by
-        itself. The indices that failed so far."""
+        itself (one of another block shape fails there: `_check_shape`). The indices that
+        failed so far."""
         from tierkv.load import decode_each
 
-        rest = [block for block in blocks if not received[block[1]].add(block[0], block[2])]
+        rest = [
+            block
+            for block in blocks
+            if not _shape_fits(block[2], tuple(staged.tensors[block[1]].shape[1:]))
+            or not received[block[1]].add(block[0], block[2])
+        ]
         if not rest:
             return set()
         return decode_each(rest, _slot_of(staged.tensors), self.decode_on_device)
@@ -664,6 +697,7 @@ class BlockMover:
         wait for it)."""
         from tierkv.quant import torch_ops
 
+        _check_shape(payload, tuple(out.shape))
         with _on_stream(self._load_stream):
             torch_ops.decode_into(payload, out)
 
@@ -685,6 +719,52 @@ class BlockMover:
             views.append(data[offset : offset + nbytes].view(dtype).view(n, *shape))
             offset += _aligned(nbytes)
         return views
+
+
+def device_decode_pays(
+    mover: BlockMover, encode: Callable[[np.ndarray], bytes]
+) -> tuple[bool, str]:
+    """Whether decoding on the device beats decoding on the host for this mover's blocks, and
+    why (for the start-up log line): times one batch of up to 32 payloads, made by `encode` from
+    the mover's first blocks (part 0), decoded both ways, the host way with the device copy of
+    its result (best of 3 each)."""
+    import time
+
+    from tierkv.quant import decode_many
+    from tierkv.quant.torch_batch import Received, decode_batch
+
+    n = min(32, mover.parts[0][0][0].shape[mover.parts[0][0][1]])
+    staged = mover.store(list(range(n)))
+    if staged is None:
+        return False, "no staging free to measure in; host decode"
+    staged.wait()
+    payloads = [encode(array) for array in staged.arrays()[0]]
+    staged.release()
+    host = mover.staging(n)
+    device = mover.staging(n, on_device=True)
+    times = {"host": float("inf"), "device": float("inf")}
+    sync = torch.cuda.synchronize if mover.device.type == "cuda" else (lambda: None)
+    for _ in range(3):
+        started = time.perf_counter()
+        decode_many([memoryview(p) for p in payloads], host.arrays()[0], list(range(n)))
+        device.tensors[0].copy_(host.tensors[0])
+        sync()
+        times["host"] = min(times["host"], time.perf_counter() - started)
+        started = time.perf_counter()
+        received = Received(n, pin=mover.device.type == "cuda")
+        for index, payload in enumerate(payloads):
+            received.add(index, payload)
+        decode_batch(received, device.tensors[0])
+        sync()
+        times["device"] = min(times["device"], time.perf_counter() - started)
+    host.release()
+    raw = n * mover.part_bytes(0)
+    pays = times["device"] < times["host"]
+    why = (
+        f"decoding {n} blocks measured {raw / times['device'] / 1e9:.2f} GB/s on the device, "
+        f"{raw / times['host'] / 1e9:.2f} GB/s on the host (with its copy to the device)"
+    )
+    return pays, why
 
 
 def hand_over(staged: Staged, dtypes: Sequence[str], send: Send) -> None:
@@ -710,19 +790,52 @@ class _Places:
 def _decode_runs(outputs: list[np.ndarray], blocks: list[Block]) -> set[int]:
     """Decode `blocks` into their slots of per-part host staging `outputs`; the indices that
     failed. Each part's blocks go to decode_many (a run of payloads received back to back is
-    one kernel call, which gives the GIL back once, not once per block), the rest one by one."""
+    one kernel call, which gives the GIL back once, not once per block), the rest one by one.
+    A payload of another block shape than its slot's fails (see `_check_shape`)."""
     from tierkv.load import decode_each
-    from tierkv.quant import decode_into, decode_many  # Numba: only once a load runs
+    from tierkv.quant import decode_many  # Numba: only once a load runs
 
     by_part: dict[int, list[Block]] = {}
     for block in blocks:
         by_part.setdefault(block[1], []).append(block)
     rest: list[Block] = []
     for part, group in by_part.items():
-        rows = [index for index, _, _ in group]
-        done = decode_many([payload for _, _, payload in group], outputs[part], rows)
-        rest.extend(block for block, ok in zip(group, done, strict=True) if not ok)
-    return decode_each(rest, _slot_of(outputs), decode_into) if rest else set()
+        shape = outputs[part].shape[1:]
+        fits = [_shape_fits(payload, shape) for _, _, payload in group]
+        fit = [block for block, ok in zip(group, fits, strict=True) if ok]
+        rest.extend(block for block, ok in zip(group, fits, strict=True) if not ok)
+        rows = [index for index, _, _ in fit]
+        done = decode_many([payload for _, _, payload in fit], outputs[part], rows)
+        rest.extend(block for block, ok in zip(fit, done, strict=True) if not ok)
+    return decode_each(rest, _slot_of(outputs), _decode_checked) if rest else set()
+
+
+def _shape_fits(payload: memoryview, shape: tuple[int, ...]) -> bool:
+    from tierkv.quant import PayloadError, payload_shape
+
+    try:
+        return payload_shape(payload) == shape
+    except PayloadError:
+        return False
+
+
+def _check_shape(payload: memoryview, shape: tuple[int, ...]) -> None:
+    """PayloadError unless `payload` holds a block of `shape`. The decoders check only the
+    element count, and a block of one count is stored in more than one shape (a lossy codec's
+    block in its real axes, tierkv.real_axes): such a payload is a miss, never decoded into a
+    wrong layout."""
+    from tierkv.quant import PayloadError, payload_shape
+
+    found = payload_shape(payload)
+    if found != shape:
+        raise PayloadError(f"payload holds a block of shape {found}, this engine's is {shape}")
+
+
+def _decode_checked(payload: memoryview, out: np.ndarray) -> None:
+    from tierkv.quant import decode_into
+
+    _check_shape(payload, out.shape)
+    decode_into(payload, out)
 
 
 def _slot_of(outputs: list[Any]) -> Callable[[int, int], Any]:

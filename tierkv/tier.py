@@ -55,6 +55,7 @@ from tierkv.quant import (
     get_codec,
 )
 from tierkv.quant import warmup as warmup_codecs
+from tierkv.quant.kernels import target_name
 from tierkv.quant.lossless import LosslessCodec
 from tierkv.quant.pair import is_pair, parse_pair
 from tierkv.quant.payload import parse_header
@@ -175,10 +176,11 @@ class ColdTier:
             tier.warm_up(warm_dtypes)
         log.info(
             "cold tier started in %.2f s: %s of receive buffers mapped and touched in %.2f s,"
-            " kernels %.2f s; process resident peak %s",
+            " kernels (built for %s) %.2f s; process resident peak %s",
             time.perf_counter() - started,
             format_size(tier.pool_bytes),
             tier.pool_s,
+            target_name(),
             tier.warmup_s,
             format_size(peak_resident_bytes()),
         )

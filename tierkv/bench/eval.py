@@ -524,7 +524,6 @@ def eval_in_this_process(
         )
     except Exception as exc:  # vLLM raises many kinds; the user needs one line, not a traceback
         return {"error": engine_start_error(exc, kv_cache_bytes)}
-    from tierkv.quant import get_codec  # Numba only once vLLM has started (see in_engine_process)
 
     block = llm.llm_engine.vllm_config.cache_config.block_size
     texts = [index for index, answer in enumerate(answers) if answer is None]
@@ -599,10 +598,11 @@ def eval_in_this_process(
     say("cold teacher-forced runs")
     for index in texts:
         colds[index] = measured(index, one(index, "cold", forced=True, skip_cache=True))
-    tier = worker_connector().tier
+    connector = worker_connector()
+    tier = connector.tier
     results = []
     for codec in codecs:
-        tier.codec = get_codec(codec, group_size)
+        connector.worker_side.use_codec(codec, group_size)
         salt = f"codec-{codec}"
         before = tier.stats()
         say(f"{codec}: store {len(prompts)} prompts")

@@ -424,9 +424,12 @@ def run_bench(
     security: SecurityConfig | None = None,
     workers: int = 1,
     repeat: int = DEFAULT_REPEAT,
+    links: bool = False,
     on_phase: Callable[[str, str, int, int], None] = lambda codec, phase, done, total: None,
 ) -> list[BenchResult]:
-    """Run every phase for each codec, WARMUP_RUNS times untimed, then `repeat` times timed;
+    """Run every phase for each codec, WARMUP_RUNS times untimed, then `repeat` times timed,
+    with `links` each timed run's restore over every LINK_GBITS link too (they take the wire's
+    time: most of a large bench's);
     `on_phase(codec, phase, done, total)` reports progress ("compile" first, with what is being
     compiled in place of the codec). `vaults` are reached with the token and TLS of `security`
     (the embedded vault, when none is given, without). Every block the bench stores is removed
@@ -488,6 +491,7 @@ def run_bench(
                             held,
                             sealer,
                             repeat,
+                            links,
                             partial(on_phase, codec.name),
                             promote_workers=(addresses, client_cfg, security, workers),
                         )
@@ -571,6 +575,7 @@ def _bench_codec(
     held: list[bytes],
     sealer: tuple[Sealer, str],
     repeat: int,
+    links: bool,
     report: Report,
     promote_workers: tuple[list[str], ClientConfig, SecurityConfig | None, int],
 ) -> BenchResult:
@@ -592,7 +597,10 @@ def _bench_codec(
         kv_ns, state_ns = _new_namespaces(held, codec.name, "kv", "state")
         timing = index >= WARMUP_RUNS
         namespaces = (kv_ns, state_ns)
-        restored = _unsealed_pass(client, codec, kv, shape, keys, namespaces, run, report, timing)
+        over_links = timing and links
+        restored = _unsealed_pass(
+            client, codec, kv, shape, keys, namespaces, run, report, over_links
+        )
         # The fidelity of the last run, and its restored KV let go before the sealed pass: one
         # copy of the KV less at the bench's peak.
         worst = [fidelity(ref, out) for ref, out in zip(kv.blocks, restored, strict=True)]

@@ -118,6 +118,21 @@ def bench(
             show_default="vLLM's choice",
         ),
     ] = None,
+    links: Annotated[
+        bool,
+        typer.Option(
+            "--links",
+            help="Also restore over 1, 10 and 25 GbE links (paced to each; takes their time).",
+        ),
+    ] = False,
+    cpu: Annotated[
+        str | None,
+        typer.Option(
+            metavar="native|haswell",
+            help="Run the kernels built for this CPU: native, or haswell (AVX2, FMA, F16C).",
+            show_default="the faster for the codec, measured once per machine",
+        ),
+    ] = None,
     prompt_file: Annotated[
         Path | None,
         typer.Option(
@@ -156,6 +171,7 @@ def bench(
         else:
             _exo_bench(engine, model, exo_api, prompt, as_json)
         return
+    build = _kernel_build(cpu, cfg.compression.codec_name if codec == "all" else codec)
     results = _run_bench(
         tokens,
         model_shape,
@@ -167,12 +183,13 @@ def bench(
         cfg.security,
         workers,
         as_json,
+        links,
     )
     if as_json:
         objects = [result.as_json() for result in results]
         typer.echo(json.dumps(objects if codec == "all" else objects[0], indent=2, allow_nan=False))
     else:
-        Console().print(results_table(results))
+        Console().print(results_table(results, build))
 
 
 def _is_pair(codec: str) -> bool:
@@ -210,6 +227,7 @@ def _run_bench(
     security: SecurityConfig,
     workers: int,
     quiet: bool,
+    links: bool,
 ) -> list[BenchResult]:
     """run_bench with live progress when stderr is a terminal (one row per codec; with --json
     too: the JSON goes to stdout), plain lines elsewhere unless `quiet`."""
@@ -262,6 +280,7 @@ def _run_bench(
                 security=security,
                 workers=workers,
                 repeat=repeat,
+                links=links,
                 on_phase=on_phase,
             )
         except ValueError as exc:
@@ -278,7 +297,20 @@ def _figure(value: float | None, fmt: str) -> str:
     return "lossless" if value is None or not math.isfinite(value) else format(value, fmt)
 
 
-def results_table(results: list[BenchResult]) -> Group:
+def _kernel_build(cpu: str | None, codec: str) -> str:
+    """Choose the kernels' build (--cpu, else measured for `codec`: kernel_builds) and run it in
+    this process; what the bench's title says of it."""
+    from tierkv import kernel_builds as builds
+
+    if cpu is not None and cpu not in builds.runnable_builds():
+        runnable = " or ".join(builds.runnable_builds())
+        raise fail("bench", f"--cpu {cpu!r}: this CPU runs {runnable}", 2)
+    choice = builds.Choice(cpu, "--cpu", {}) if cpu else builds.choose(codec)
+    builds.apply(choice)
+    return str(choice)
+
+
+def results_table(results: list[BenchResult], build: str | None = None) -> Group:
     """One column per codec, one row per figure (fits an 80-column terminal with every codec);
     speeds in GB/s, with numpy memcpy of the same bytes and the kernels' instruction set and
     vector width in the title line. Title and caption
@@ -292,7 +324,7 @@ def results_table(results: list[BenchResult]) -> Group:
     title = (
         f"{tokens} of {first.model_shape}, {first.dtype}, "
         f"{first.raw_bytes / 1e6:,.0f} MB; memcpy {first.memcpy_gbps:.2f} GB/s; "
-        f"kernels for {instruction_set()}"
+        f"kernels for {instruction_set()}" + (f", build {build}" if build else "")
     )
     runs = "1 timed run" if first.runs == 1 else f"the median of {first.runs} timed runs"
     caption = (

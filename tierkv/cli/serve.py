@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from tierkv import kernel_builds
 from tierkv.cli import app
 from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
@@ -131,7 +132,9 @@ def serve(
                 highlight=False,
                 soft_wrap=True,
             )
-    env = with_huge_pages(os.environ)
+    choice = kernel_builds.choose(cfg.compression.codec_name, measure=not dry_run)
+    console.print(f"kernels: the {choice} build", highlight=False, soft_wrap=True)
+    env = kernel_builds.with_build(with_huge_pages(os.environ), choice)
     if dry_run:
         changed = {name: value for name, value in env.items() if os.environ.get(name) != value}
         for name, value in changed.items():

@@ -12,6 +12,7 @@ from tierkv.quant.codec import (
     decode_many,
     encode_block,
     get_codec,
+    payload_shape,
     warmup,
 )
 from tierkv.quant.fidelity import Fidelity, fidelity
@@ -35,6 +36,7 @@ __all__ = [
     "encode_block",
     "fidelity",
     "get_codec",
+    "payload_shape",
     "read_header",
     "warmup",
 ]

@@ -20,7 +20,7 @@ from tierkv.quant import int8, lossless, sinks, turbo
 from tierkv.quant.base import Codec
 from tierkv.quant.fidelity import fidelity
 from tierkv.quant.kernels import PARALLEL_MIN_BYTES, Threaded
-from tierkv.quant.pair import PairCodec, decode_pair_into, is_pair
+from tierkv.quant.pair import PairCodec, decode_pair_into, is_pair, parse_pair
 from tierkv.quant.payload import (
     PayloadError,
     PayloadHeader,
@@ -92,6 +92,15 @@ def decode_into(payload: bytes | bytearray | memoryview, out: np.ndarray) -> Non
     body_array = np.frombuffer(body, np.uint8)
     body_array.flags.writeable = False  # one kernel specialisation for bytes and bytearrays
     _DECODERS[header.codec](header, body_array, words)
+
+
+def payload_shape(payload: bytes | bytearray | memoryview) -> tuple[int, ...]:
+    """The block shape a payload (any codec, a K/V pair too) holds; PayloadError when its header
+    is malformed. A decoder checks only the element count, so a caller that stores blocks in
+    more than one shape tells them apart by this."""
+    if is_pair(payload):
+        return parse_pair(payload)[0].shape
+    return parse_header(payload)[0].shape
 
 
 def decode_many(payloads: Sequence[memoryview], out: np.ndarray, rows: Sequence[int]) -> np.ndarray:

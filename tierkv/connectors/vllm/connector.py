@@ -168,7 +168,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._worker()
-        worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+        from tierkv.connectors.vllm.layout import real_axes
+
+        real = real_axes(self._vllm_config, list(worker.plans.values()), kv_caches)
+        worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks, real)
         if not worker.plans:
             return  # nothing to store (the cold tier is off for this model): no kernels needed
         largest = worker.largest_block_bytes()

@@ -22,8 +22,9 @@ Blocks that failed are reported through vLLM's load-error path, so vLLM recomput
 decoded one is left out, so its bytes never reach the paged buffer; a placed one holds whatever
 arrived until vLLM's recompute overwrites it, before anything reads it. A request is
 reported finished only once its copies have completed. On CUDA with a lossy codec, the
-compressed payloads are decoded on the device (tierkv.quant.torch_ops), so only compressed
-bytes cross PCIe.
+compressed payloads are decoded on the device (one batched decode per batch,
+tierkv.quant.torch_batch: only compressed bytes cross PCIe) when a measurement at start says
+that beats the host decode (a log line says which and why).
 
 Sleep mode (vLLM 0.33+) unmaps the paged buffers: before it, the worker waits for its loads and
 store copies and drops its views; after wake-up it takes them again. In between, a store is
@@ -45,15 +46,23 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tierkv.codecs import SINK_TOKENS, kv_pair_codecs
+from tierkv.codecs import SINK_TOKENS
 from tierkv.connectors.vllm.groups import GroupPlan, blockwise_load_failures
 from tierkv.connectors.vllm.scheduler import GroupLoad, LoadJob, StoreJob, TierKVMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
 from tierkv.logs import get_logger
-from tierkv.movers import BlockMover, Staged, StagingRing, codec_dtype, hand_over
+from tierkv.movers import (
+    BlockMover,
+    Staged,
+    StagingRing,
+    codec_dtype,
+    device_decode_pays,
+    hand_over,
+)
 
 if TYPE_CHECKING:
     from tierkv.load import Consume
+    from tierkv.real_axes import RealAxes
     from tierkv.tier import ColdTier
     from tierkv.transfer import Into
 
@@ -118,8 +127,8 @@ class TierWorker:
         num_groups: int | None = None,
     ) -> None:
         """`device_decode`: decode loads on the KV cache's device (None: on CUDA for lossy
-        codecs, on the host otherwise); `num_groups`: vLLM's KV-cache groups, those tierkv does
-        not plan included (None: as many as `plans`)."""
+        codecs where measured faster at start, on the host otherwise); `num_groups`: vLLM's
+        KV-cache groups, those tierkv does not plan included (None: as many as `plans`)."""
         self.tier = tier
         self.plans = {plan.group_id: plan for plan in plans}
         self.blockwise_failures = blockwise_load_failures(
@@ -135,13 +144,25 @@ class TierWorker:
         self._rings: tuple[StagingRing, StagingRing] | None = None
         self._kv_splits: dict[int, tuple[int, int] | None] = {}
         self._token_axes: dict[int, int | None] = {}
+        self._real: dict[int, RealAxes] = {}
+        """Groups whose lossy payloads hold blocks in their real axes (tierkv.real_axes)."""
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="tierkv-load")
         self._handoff = ThreadPoolExecutor(1, thread_name_prefix="tierkv-store")
         self._loading: dict[str, Future[_LoadResult]] = {}
         self._invalid_block_ids: set[int] = set()
         self._loads_started_for: TierKVMetadata | None = None
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+    def register_kv_caches(
+        self,
+        kv_caches: dict[str, torch.Tensor],
+        num_blocks: int,
+        real: dict[int, RealAxes] | None = None,
+    ) -> None:
+        """Take views of the paged buffers. `real`: per group id, how the engine's attention
+        really lays out its blocks when not as their shape says (vLLM CPU's): a lossy codec is
+        handed such a group's blocks in their real axes."""
+        self._real = dict(real or {})
+        self.use_codec(self.tier.codec.name, self.tier.codec.group_size)
         devices = {cache.device for cache in kv_caches.values() if isinstance(cache, torch.Tensor)}
         pin = any(device.type == "cuda" for device in devices)
         self._rings = (
@@ -150,9 +171,24 @@ class TierWorker:
         )
         self._kv_caches = (kv_caches, num_blocks)
         self._take_views()
-        if self.device_decode is None:  # torch_ops decodes single-codec payloads, not K/V pairs
-            codec = self.tier.codec.name
-            self.device_decode = pin and codec != "none" and kv_pair_codecs(codec) is None
+        if self.device_decode is None:
+            self.device_decode = pin and self.tier.codec.name != "none" and self._measure_decode()
+
+    def _measure_decode(self) -> bool:
+        """Whether to decode on the device: measured at start on the first group's blocks
+        (tierkv.movers.device_decode_pays), said in a log line."""
+        from tierkv.quant.codec import encode_block
+
+        group_id, mover = next(iter(self._movers.items()))
+        split = self._kv_splits.get(group_id)
+        dtype = mover.codec_dtypes[0]
+
+        def encode(block: np.ndarray) -> bytes:
+            return encode_block(self.tier.codec, block, dtype, kv_split=split)
+
+        pays, why = device_decode_pays(mover, encode)
+        log.info("restores decode on the %s: %s", "device" if pays else "host", why)
+        return pays
 
     def _take_views(self) -> None:
         """One BlockMover per group over views of the registered paged buffers."""
@@ -164,15 +200,42 @@ class TierWorker:
             for group_id, plan in self.plans.items()
         }
         self._movers = {
-            group_id: BlockMover(found, store_ring, load_ring) for group_id, found in parts.items()
-        }
-        self._kv_splits = {
-            group_id: kv_split(self.plans[group_id], found[0]) for group_id, found in parts.items()
-        }
-        self._token_axes = {
-            group_id: token_axis(self.plans[group_id], found[0])
+            group_id: BlockMover(found, store_ring, load_ring, self._real.get(group_id))
             for group_id, found in parts.items()
         }
+        self._kv_splits = {
+            group_id: REAL_KV_SPLIT
+            if group_id in self._real
+            else kv_split(self.plans[group_id], found[0])
+            for group_id, found in parts.items()
+        }
+        self._token_axes = {
+            group_id: REAL_TOKEN_AXIS
+            if group_id in self._real
+            else token_axis(self.plans[group_id], found[0])
+            for group_id, found in parts.items()
+        }
+
+    def use_codec(self, name: str, group_size: int) -> None:
+        """Store with codec `name` from now on, in groups of `group_size` values, or of the
+        head size where `group_size` does not divide it (the sink codecs take whole vectors of
+        a token's values, in a block in its real axes one head's: SmolLM2's 64 with the default
+        128)."""
+        from tierkv.quant import get_codec  # Numba: only on the worker
+        from tierkv.quant.turbo import check_group_size
+
+        heads = {plan.kv_widths[0] for plan in self.plans.values() if plan.kv_widths[0]}
+        head = min(heads, default=0)
+        if name != "none" and head and any(size % group_size for size in heads):
+            try:
+                check_group_size(name, head)
+            except ValueError:
+                pass
+            else:
+                log.info("codec %s: groups of %d values, the head size", name, head)
+                group_size = head
+        if (name, group_size) != (self.tier.codec.name, self.tier.codec.group_size):
+            self.tier.codec = get_codec(name, group_size)
 
     def unregister_kv_caches(self) -> None:
         """Before vLLM's sleep mode unmaps the paged buffers: wait until no load writes into
@@ -239,6 +302,7 @@ class TierWorker:
         namespace = plan.namespaces[self.tp_rank]
         split = self._kv_splits.get(plan.group_id)
         axis = self._token_axes.get(plan.group_id)
+        real = self._real.get(plan.group_id) if self.tier.codec.name != "none" else None
 
         def send(
             index: int, part: int, array: np.ndarray, dtype: str, on_done: Callable[[], None]
@@ -257,7 +321,16 @@ class TierWorker:
                 sink_tokens=sinks,
             )
 
-        hand_over(staged, mover.codec_dtypes, send)
+        if real is None:
+            hand_over(staged, mover.codec_dtypes, send)
+            return
+        staged.wait()
+        # One more copy (CPU engines only, as fast as the gather into staging), so the staging
+        # goes back at once.
+        blocks = real.to_real_axes(staged.arrays()[0])
+        staged.release()
+        for index in range(len(blocks)):
+            send(index, 0, blocks[index], mover.codec_dtypes[0], _nothing)
 
     # ---- loads -----------------------------------------------------------------------------
 
@@ -378,6 +451,16 @@ def _collections_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+REAL_KV_SPLIT = (2, 1)
+"""kv_split of a block in its real axes, [layers, heads, K|V, tokens, head_size]."""
+REAL_TOKEN_AXIS = 3
+"""token_axis of a block in its real axes."""
+
+
+def _nothing() -> None:
+    """on_done of a block the tier may keep: a copy, not staging."""
 
 
 def kv_split(plan: GroupPlan, layers: Sequence[tuple[torch.Tensor, int]]) -> tuple[int, int] | None:
