@@ -3,8 +3,9 @@
     python benchmarks/bench_vault_clear.py                     # 50k entries, 1,000 Clears
     python benchmarks/bench_vault_clear.py --entries 200000 --clears 5000 --json
 
-A real `tierkv vault` process on 127.0.0.1 with a small RAM tier and a disk tier (in a
-temporary directory under --disk-dir) holds --entries blocks of --block bytes in one namespace
+A real `tierkv vault` process on 127.0.0.1 with a disk tier (in a temporary directory under
+--disk-dir) and a --max-bytes that holds the disk index of every entry (which may take at most a
+quarter of it; the RAM tier holds the rest) holds --entries blocks of --block bytes in one namespace
 (another tenant's, as far as the Clears go). Then, in the same run:
 
 - restart (reference): SIGTERM, start again on the same directory (three times, the fastest
@@ -41,14 +42,17 @@ from typing import TypeVar
 from bench_vault import recovery_of, running_vault
 
 from tierkv.backends.vault import VaultClient
+from tierkv.cli.vault import INDEX_SHARE
 from tierkv.sizes import MIB, parse_size
+from tierkv.vault.disk import INDEX_BYTES_PER_BLOCK
 
 HELD = b"bench-held-00000"
 CLEARED = b"bench-clear-0000"
 PROMOTED = 4
 RESTARTS = 3
 """Restarts timed each time (the least counts: the machine's other load only adds)."""
-RAM_CAP = "4MiB"
+RAM_TIER_BYTES = 4 * MIB
+"""The RAM tier's own share of --max-bytes, besides what the disk tier's index takes."""
 T = TypeVar("T")
 
 
@@ -169,7 +173,9 @@ def run(
     with tempfile.TemporaryDirectory(dir=parent) as tmp:
         disk_dir = Path(tmp) / "disk"
         log = Path(tmp) / "vault.log"
-        options = ["--max-bytes", RAM_CAP, "--disk-dir", str(disk_dir)]
+        # --max-bytes counts the disk index (at most INDEX_SHARE of it): room for every entry's
+        ram_cap = RAM_TIER_BYTES + int(entries * INDEX_BYTES_PER_BLOCK / INDEX_SHARE)
+        options = ["--max-bytes", str(ram_cap), "--disk-dir", str(disk_dir)]
         with running_vault(False, False, *options) as (address, _):
             fill(address, entries, block)
         reference, held = restart_s(options, log, RESTARTS)
