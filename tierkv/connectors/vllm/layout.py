@@ -73,10 +73,10 @@ def real_axes(
 
 def probe(dtype: torch.dtype, tokens: int, head_size: int) -> RealAxes:
     """The order in which vLLM CPU's kernel writes a head's keys and values into its block."""
-    from vllm._custom_ops import cpu_attn_reshape_and_cache
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    # The backend's own ops module: vllm._custom_ops in 0.32, vllm._cpu_ops from 0.34.
+    from vllm.v1.attention.backends import cpu_attn
 
-    isa = _get_attn_isa(dtype, tokens, head_size)
+    isa = cpu_attn._get_attn_isa(dtype, tokens, head_size)
     size = 2 * tokens * head_size
     index = np.arange(size).reshape(2, tokens, 1, head_size)  # [K|V, tokens, heads, head_size]
     seen = np.zeros(size, np.int64)
@@ -86,7 +86,7 @@ def probe(dtype: torch.dtype, tokens: int, head_size: int) -> RealAxes:
         values = torch.from_numpy((index >> (8 * digit)) & 0xFF).to(dtype)
         cache = torch.full((1, 1, 2 * tokens, head_size), -1.0, dtype=dtype)
         keys, vals = cache.chunk(2, dim=2)
-        cpu_attn_reshape_and_cache(values[0], values[1], keys, vals, slots, isa)
+        cpu_attn.ops.cpu_attn_reshape_and_cache(values[0], values[1], keys, vals, slots, isa)
         seen += cache.reshape(-1).to(torch.int64).numpy() << (8 * digit)
     if not np.array_equal(np.sort(seen), np.arange(size)):
         raise ValueError(
