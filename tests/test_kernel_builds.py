@@ -110,3 +110,17 @@ def test_bench_refuses_a_build_this_cpu_does_not_run() -> None:
 
 def test_lossless_is_never_measured(choices: Path) -> None:
     assert choose("none").build == "native" and not choices.exists()
+
+
+def test_a_choice_after_the_kernels_loaded_leaves_the_environment_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An in-process bench after the kernels loaded (natively here) cannot switch builds: it
+    used to set NUMBA_CPU_NAME anyway, so this process claimed a build it does not run and
+    every process it started compiled for that one."""
+    import tierkv.quant.kernels  # noqa: F401  (loaded, for the host)
+
+    monkeypatch.delenv("NUMBA_CPU_NAME", raising=False)
+    monkeypatch.delenv("NUMBA_CPU_FEATURES", raising=False)
+    assert kernel_builds.apply(kernel_builds.Choice("haswell", "--cpu", {})) is False
+    assert "NUMBA_CPU_NAME" not in os.environ and "NUMBA_CPU_FEATURES" not in os.environ

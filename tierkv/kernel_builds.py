@@ -156,14 +156,16 @@ def with_build(env: Mapping[str, str], build: str | Choice) -> dict[str, str]:
 
 
 def apply(choice: Choice) -> bool:
-    """Run `choice` in this process: its environment set for the kernels; False when they
-    loaded already for another build (the choice then holds for the next process only)."""
-    loaded = "tierkv.quant.kernels" in sys.modules
-    was = os.environ.get("NUMBA_CPU_NAME") or "native"
+    """Run `choice` in this process: its environment set for the kernels, when they have not
+    loaded yet; False when they loaded already for another build. Loaded kernels leave the
+    environment alone: it would only mislead this process and the processes it starts about
+    the build they run (a child is given a build with `with_build`)."""
+    if "tierkv.quant.kernels" in sys.modules:
+        return (os.environ.get("NUMBA_CPU_NAME") or "native") == choice.build
     wanted = with_build(os.environ, choice)
     for name in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
         if name in wanted:
             os.environ[name] = wanted[name]
         else:
             os.environ.pop(name, None)
-    return not loaded or was == choice.build
+    return True
