@@ -267,7 +267,10 @@ def synthetic_kv(
         drift = 0.5 * np.sin(np.linspace(0, rng.uniform(2, 8) * np.pi, span))
         token_scale = np.exp(drift + rng.normal(0, 0.25, size=span))[None, :, None, None]
         layer = rng.standard_normal((2, span, shape.kv_heads, shape.head_dim), dtype=np.float32)
-        layer *= channel_scale * token_scale
+        # In place and in float32: the product of the two scales as one float64 array the size
+        # of the layer cost more than drawing the layer.
+        layer *= channel_scale.astype(np.float32)
+        layer *= token_scale.astype(np.float32)
         for b in range(first, n_blocks):
             offset = (b - first) * block_tokens
             blocks[b][index] = layer[:, offset : offset + block_tokens]
