@@ -166,7 +166,8 @@ class _StoreCollector(Collector):
         )
         yield CounterMetricFamily(
             "tierkv_vault_disk_kept_blocks",
-            "Read blocks copied forward when their segment was dropped (second chances)",
+            "Blocks copied forward when their segment was dropped: read since written (second "
+            "chances), or of a tenant within its fair share of the disk",
             value=disk.kept,
         )
         yield CounterMetricFamily(

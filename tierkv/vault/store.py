@@ -141,6 +141,8 @@ class VaultStore:
         self._entries: OrderedDict[EntryKey, tuple[bytes | memoryview, int]] = OrderedDict()
         self._namespaces: dict[bytes, _Namespace] = {}
         self._tenant_of = tenant_of
+        if disk is not None and tenant_of is not None:
+            disk.share_by(tenant_of)
         self._tenants: dict[bytes, _TenantLRU] = {}
         """tenant → its entries, with `tenant_of` only."""
         self._tenant_evictions: dict[bytes, int] = {}
