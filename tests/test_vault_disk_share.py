@@ -1,8 +1,8 @@
 """Fair share on the disk tier: a real `tierkv vault --disk-dir` process of two tenants on
 loopback. Alice holds a quarter of the disk (RAM is small, so her blocks live on disk); Bob then
-writes four times the disk; Alice must still have every block, byte for byte. The figures
-(Alice's blocks kept, the bytes copied forward during Bob's flood) are printed for the closing
-note (run with -s).
+writes four times the disk, the vault restarting halfway; Alice must still have every block,
+byte for byte. The figures (Alice's blocks kept, the bytes copied forward during Bob's flood)
+are printed for the closing note (run with -s).
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ def payload(tenant: bytes, i: int) -> bytes:
     return (tenant + i.to_bytes(4, "little")) * (BLOCK // (len(tenant) + 4))
 
 
-def put_all(address: str, token: str, tenant: bytes, count: int) -> None:
-    """Store `count` blocks of `tenant`, each batch acknowledged before the next."""
+def put_all(address: str, token: str, tenant: bytes, count: int, first: int = 0) -> None:
+    """Store `count` blocks of `tenant` from number `first`, each batch acknowledged before the
+    next."""
     with VaultClient(address, token=token, deadline_s=60, max_pending_bytes=64 * MIB) as client:
-        for start in range(0, count, BATCH):
-            for i in range(start, min(count, start + BATCH)):
+        for start in range(first, first + count, BATCH):
+            for i in range(start, min(first + count, start + BATCH)):
                 client.put(NS, key(i), 0, payload(tenant, i))
             assert client.flush(timeout=120), client.counters()
         assert client.stored_puts == count, client.counters()
@@ -48,23 +49,32 @@ def test_a_tenant_within_its_disk_share_keeps_every_block_through_anothers_flood
     vault_factory: Callable[..., VaultHandle], tmp_path: Path
 ) -> None:
     tokens = token_file(tmp_path, alice=ALICE, bob=BOB)
-    metrics = f"127.0.0.1:{pick_free_port()}"
-    config = (
-        f'[security]\ntoken_file = "{tokens}"\n'
-        f'[vault]\nfsync = "never"\nmetrics_port = {metrics.split(":")[1]}\n'
-    )
     args = ["--disk-dir", str(tmp_path / "disk"), "--disk-max-bytes", str(DISK_CAP)]
-    vault = vault_factory("2MiB", subprocess=True, args=args, config=config, token=ALICE)
+
+    def start() -> tuple[VaultHandle, str]:
+        metrics = pick_free_port()
+        config = (
+            f'[security]\ntoken_file = "{tokens}"\n'
+            f'[vault]\nfsync = "never"\nmetrics_port = {metrics}\n'
+        )
+        vault = vault_factory("2MiB", subprocess=True, args=args, config=config, token=ALICE)
+        return vault, f"127.0.0.1:{metrics}"
+
+    vault, metrics = start()
     put_all(vault.address, ALICE, b"alice", ALICE_BLOCKS)
     before = scrape(metrics)
-    put_all(vault.address, BOB, b"bob", BOB_BLOCKS)
+    put_all(vault.address, BOB, b"bob", BOB_BLOCKS // 2)
+    halfway = scrape(metrics)
+    vault.stop()  # the share is counted again from what recovery finds
+    vault, metrics = start()
+    put_all(vault.address, BOB, b"bob", BOB_BLOCKS // 2, first=BOB_BLOCKS // 2)
     after = scrape(metrics)
-    assert after[EVICTED] > 0
+    assert halfway[EVICTED] > 0 and after[EVICTED] > 0
     with VaultClient(vault.address, token=ALICE, promote_deadline_s=60) as alice:
         found = alice.promote(NS, [key(i) for i in range(ALICE_BLOCKS)], [0])
         assert alice.checksum_failures == 0
     held = {index: bytes(data) for (index, _), data in found.items()}
-    kept = int(after[KEPT] - before[KEPT])
+    kept = int(halfway[KEPT] - before[KEPT] + after[KEPT])
     copied = kept * BLOCK
     print(
         f"disk fair share: alice kept {len(held)} of {ALICE_BLOCKS} blocks "
