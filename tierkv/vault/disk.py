@@ -45,15 +45,15 @@ rest of the marked blocks going like cold ones. Marks are not kept across restar
 Tenants (`share_by`, a vault of several): the tier also counts each tenant's indexed blocks and
 payload bytes as they change (rebuilt from what recovery indexed), and a dropped segment copies
 forward, besides read blocks, the unread blocks of every tenant within its fair share: at most
-the room / tenants holding disk blocks, and as many of the index's max_blocks. So a tenant
+room / n payload bytes and max_blocks / n blocks, n the tenants holding disk blocks. So a tenant
 within its share never loses a block to another's flood, as in RAM (store.py): only the blocks
 of tenants over their share go, or, when none is over, those of the tenant holding the most
 bytes (so every drop frees something). The tier then keeps a whole segment free below its cap,
 so a segment's kept blocks always fit; making room copies each block forward at most once (one
 pass), and each pass of other tenants' writes over the disk costs one copy of the blocks kept.
-Reads of
-many blocks sort by position and coalesce neighbours into one `preadv` straight into the
-buffers that are returned. A lock file (`flock`) keeps a second vault off the same directory.
+
+Reads of many blocks sort by position and coalesce neighbours into one `preadv` straight into
+the buffers that are returned. A lock file (`flock`) keeps a second vault off the same directory.
 """
 
 from __future__ import annotations
