@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import resource
 import signal
 import struct
@@ -703,3 +704,49 @@ def test_a_tenant_within_its_share_of_the_index_keeps_its_blocks(tmp_path: Path)
     found = disk.read_many(ALICES, [(key(i), 0) for i in range(50)])
     assert [bytes(f[0]) for f in found if f is not None] == [payload(i, 8) for i in range(50)]
     disk.close(timeout=30)
+
+
+def test_per_tenant_disk_counters_match_the_index_after_random_work_past_the_cap(
+    tmp_path: Path,
+) -> None:
+    """Writes, replacements, deletes and clears of three tenants through a small disk (segments
+    drop and blocks are copied forward): each tenant's counters equal a count of the index,
+    live and after a restart."""
+    rng = random.Random(55)
+    namespaces = [tenant + b"/" + NS for tenant in (b"a", b"b", b"c")]
+    disk = shared(tmp_path / "disk", 4 * MIB)
+
+    def counted(tier: DiskTier) -> dict[bytes, tuple[int, int]]:
+        found: dict[bytes, tuple[int, int]] = {}
+        for namespace, space in tier._spaces.items():
+            blocks, size = found.get(namespace_tenant(namespace), (0, 0))
+            found[namespace_tenant(namespace)] = (
+                blocks + len(space.index),
+                size + sum(loc.length for loc in space.index.values()),
+            )
+        return {tenant: held for tenant, held in found.items() if held[0]}
+
+    def held(tier: DiskTier) -> dict[bytes, tuple[int, int]]:
+        every = {tenant: tier.held_by(tenant) for tenant in (b"a", b"b", b"c")}
+        return {tenant: counts for tenant, counts in every.items() if counts[0]}
+
+    for step in range(600):
+        namespace = rng.choice(namespaces)
+        roll = rng.random()
+        if roll < 0.85:
+            write_as(disk, namespace, rng.randrange(40), rng.randrange(1, 64 * 1024))
+        elif roll < 0.97:
+            disk.delete(namespace, [key(rng.randrange(40))])
+        else:
+            disk.clear(namespace)
+        if step % 50 == 49:
+            written(disk)
+            assert held(disk) == counted(disk)
+    written(disk)
+    assert disk.stats().evictions > 0
+    live = held(disk)
+    assert live == counted(disk)
+    disk.close(timeout=30)
+    again = shared(tmp_path / "disk", 4 * MIB)
+    assert held(again) == counted(again) == live
+    again.close()
