@@ -400,7 +400,8 @@ class _Turbo(_Decoder):
             means = group.values(
                 rows, means_at + 2 * d * low, means_at + 2 * d * high, torch.float16
             )
-            centre = means.float().view(g, high - low, d)[:, mean_rows[first:last] - low]
+            centre = means.float().view(g, high - low, d)
+            centre = centre.index_select(1, mean_rows[first:last] - low)
         words = torch.empty((g, n, d), dtype=_FLOAT[self.header.dtype], device=norms.device)
         for i, (start, inst, byte_at) in enumerate(codec.instances()):
             x = _levels(indices, inst, byte_at)  # a temporary: scaled in place, in order
@@ -410,7 +411,7 @@ class _Turbo(_Decoder):
             words[:, :, start : start + inst.m] = _words(x, self.header.dtype)
         if self.order is not None:
             merged = torch.empty_like(words)
-            merged.scatter_(2, self.order[rows][:, self.sel[first:last]], words)
+            merged.scatter_(2, self.order[rows].index_select(1, self.sel[first:last]), words)
             words = merged
         words = words.view(g, -1)
         if self.sinks is not None:
@@ -419,7 +420,7 @@ class _Turbo(_Decoder):
             if high > low:
                 size = words.element_size()
                 raw = group.values(rows, raw_at + size * low, raw_at + size * high, words.dtype)
-                words[:, on_device[low:high] - a] = raw
+                words.index_copy_(1, on_device[low:high] - a, raw)
         return words
 
 
@@ -469,8 +470,21 @@ def _levels(packed: torch.Tensor, inst: Instance, byte_at: int) -> torch.Tensor:
     device = packed.device
     table, offset, shift, mix = _tables(inst, str(device))
     per_entry = inst.table.shape[1]
-    if inst.bits * per_entry == 8 and inst.m % 8 == 0:  # a table entry is a whole byte
-        codes = packed[..., byte_at : byte_at + inst.m // per_entry].long()
+    width = inst.bits * per_entry  # bits of a table entry's code
+    word = math.lcm(8, width) // 8  # bytes of a whole number of codes
+    count = inst.m // per_entry  # codes per vector
+    if width == 8 and inst.m % 8 == 0:  # a table entry is a whole byte
+        codes = packed[..., byte_at : byte_at + count].long()
+    elif count * width % (8 * word) == 0:  # the codes fill whole words of the bit stream
+        # the packed indices are an LSB-first bit stream: a code is one field of `width` bits
+        words = count * width // (8 * word)
+        stream = packed[..., byte_at : byte_at + words * word]
+        parts = stream.reshape(*stream.shape[:-1], words, word).to(torch.int64).unbind(-1)
+        value = parts[0]
+        for i in range(1, word):
+            value = value | (parts[i] << (8 * i))
+        fields = _field_shifts(width, word, str(device))
+        codes = ((value.unsqueeze(-1) >> fields) & ((1 << width) - 1)).flatten(-2)
     else:
         indices = torch.cat([packed, packed.new_zeros((*packed.shape[:-1], 1))], dim=-1)
         indices = indices.to(torch.int32)
@@ -528,6 +542,12 @@ def _tables(
     shifts = torch.from_numpy(shift).to(device=device, dtype=torch.int32)
     table = torch.from_numpy(inst.table).to(device).view(torch.int64)
     return table.squeeze(1) if table.shape[1] == 1 else table, offset, shifts, mix
+
+
+@functools.lru_cache(maxsize=16)
+def _field_shifts(width: int, word: int, device: str) -> torch.Tensor:
+    """The bit offsets of the codes of `width` bits in a little-endian word of `word` bytes."""
+    return torch.arange(0, 8 * word, width, device=device)
 
 
 @functools.lru_cache(maxsize=64)
