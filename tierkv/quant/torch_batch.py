@@ -499,16 +499,16 @@ def _levels(packed: torch.Tensor, inst: Instance, byte_at: int) -> torch.Tensor:
     y = y.view(*codes.shape[:-1], inst.m)  # [G, n, m]
     if mix is None:
         return _butterflies(y, per_entry)
-    q = mix.shape[0]
-    p = inst.m // q
-    blocks = y.view(*y.shape[:-1], q, p)
+    q = len(mix)
+    blocks = y.view(*y.shape[:-1], q, inst.m // q)
     z = torch.empty_like(blocks)
+    parts = blocks.unbind(-2)
     zero = torch.zeros((), device=device)
-    for a in range(q):
-        acc = zero + mix[a, 0] * blocks[..., 0, :]
-        for b in range(1, q):
-            acc = acc + mix[a, b] * blocks[..., b, :]
-        z[..., a, :] = acc
+    for row, out in zip(mix, z.unbind(-2), strict=True):
+        acc = zero + row[0] * parts[0]
+        for c, part in zip(row[1:], parts[1:], strict=True):
+            acc = acc + c * part
+        out.copy_(acc)
     return _butterflies(z, 1).flatten(-2)
 
 
@@ -533,12 +533,15 @@ def _butterflies(y: torch.Tensor, first: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _tables(
     inst: Instance, device: str
-) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, list[list[torch.Tensor]] | None]:
     """(look-up table as 64-bit words, one row per entry (1-D for two levels an entry), byte
     offsets and shifts of the packed indices, mix or None) on `device`."""
     offset, shift = index_positions(inst.m, inst.bits)
     q = inst.rotation.matrix.shape[0]
-    mix = torch.from_numpy(inst.rotation.matrix_t).to(device) if q > 1 else None
+    mix = None
+    if q > 1:  # its rows of 0-d tensors (float32 products, as the kernel's)
+        matrix = torch.from_numpy(inst.rotation.matrix_t).to(device)
+        mix = [list(row.unbind()) for row in matrix]
     shifts = torch.from_numpy(shift).to(device=device, dtype=torch.int32)
     table = torch.from_numpy(inst.table).to(device).view(torch.int64)
     return table.squeeze(1) if table.shape[1] == 1 else table, offset, shifts, mix
