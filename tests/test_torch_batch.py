@@ -85,6 +85,20 @@ def test_the_batched_decode_at_head_size_128(name):
     assert same_bits(out, reference)
 
 
+@pytest.mark.parametrize("name", [*CODEC_NAMES, *PAIRS])
+def test_the_batched_decode_in_chunks_of_a_payload_is_the_numba_decode(name, monkeypatch):
+    """On the CPU a payload larger than a chunk is decoded a few vectors at a time (sink tokens,
+    means, channel groups and K/V halves cut across chunks): the same bits."""
+    from tierkv.quant import torch_batch
+
+    monkeypatch.setattr(torch_batch, "_CPU_CHUNK", 320)
+    shape = (16, 2, 64)
+    blocks = blocks_of(shape, torch.float16, 3)
+    payloads = [encode(name, block, i == 0, 64) for i, block in enumerate(blocks)]
+    out, reference = numba_and_batched(payloads, shape, torch.float16)
+    assert same_bits(out, reference)
+
+
 def test_a_corrupt_payload_fails_alone_and_a_misfit_one_is_refused():
     shape = (16, 2, 64)
     blocks = blocks_of(shape, torch.bfloat16, 4)

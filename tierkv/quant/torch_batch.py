@@ -192,51 +192,270 @@ def _decode_group(
     out: torch.Tensor,
 ) -> set[int]:
     """Decode one group into its slots of `out`; the indices that failed (corrupt masks)."""
-    header = key.header
-    body = members[0][2] - key.body_bytes  # the same offset in every member's payload
+    start = members[0][2] - key.body_bytes  # the same offset in every member's payload
     slots = np.asarray([index for index, _, _ in members], dtype=np.int64)
-    host_bodies = host[slots, body : body + key.body_bytes]
-    if data.device.type == "cpu":  # numpy's row copy (torch's index_select: ~10x slower)
-        bodies = torch.from_numpy(host_bodies)
-    else:
-        bodies = data.index_select(0, torch.from_numpy(slots).to(data.device))
-        bodies = bodies[:, body : body + key.body_bytes]
-    ok = np.ones(len(members), bool)
-    if header.codec == "none":
-        words = bodies.view(_FLOAT[header.dtype])
-    elif header.codec == "int8":
-        words = _int8(bodies, host_bodies, header)
-    elif header.codec in SINK_MODES:
-        words, ok = _sinks(bodies, host_bodies, header, key.prefix)
-    else:
-        codec = named_codec(header.codec, header.group_size, header.version)
-        words, ok = _turbo(bodies, host_bodies, codec, header, None)
-    good_slots = torch.from_numpy(slots[ok]).to(out.device)
+    group = _Group(host, data, slots, start)
+    decoder = _decoder(key, group)
+    ok = decoder.ok
     if not ok.all():
-        words = words[torch.from_numpy(np.flatnonzero(ok)).to(words.device)]
-    values = words.reshape(len(good_slots), *header.shape).view(out.dtype)
+        group = _Group(host, data, slots[ok], start)
+        decoder = _decoder(key, group)
     target = out
+    cols = 1
     if key.half is not None:
         (axis, first, last), _ = key.half
         target = out.narrow(axis + 1, first, last - first)
-    _write_rows(target, good_slots, values.reshape(len(good_slots), *target.shape[1:]))
+        cols = math.prod(target.shape[axis + 1 :])
+    n = key.header.size
+    # [blocks, rows, cols] words: a chunk of whole rows is a view of the target
+    rows = target.view(len(out), n // cols, cols).view(_FLOAT[key.header.dtype])
+    _chunks(decoder, group, rows, n, cols)
     return {index for (index, _, _), good in zip(members, ok, strict=True) if not good}
 
 
-def _write_rows(target: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
-    """target[slots[i]] = values[i]: one index_copy_ on a device; on the CPU numpy's fancy
-    indexing (torch's index_copy_ of 16-bit words measured an order of magnitude slower)."""
-    if target.device.type != "cpu":
-        target.index_copy_(0, slots, values)
+def _chunks(decoder: _Decoder, group: _Group, target: torch.Tensor, n: int, cols: int) -> None:
+    """Decode the group chunk by chunk into `target` [blocks, rows, cols]: on the CPU, chunks of
+    about _CPU_CHUNK values (whole payloads when they are smaller); on a device, the whole group
+    at once."""
+    count = len(group.slots)
+    per_rows, per_values = count, n
+    if target.device.type == "cpu":
+        unit = math.lcm(decoder.unit, cols)
+        if n <= _CPU_CHUNK:
+            per_rows = max(1, _CPU_CHUNK // n)
+        else:
+            per_rows, per_values = 1, max(unit, _CPU_CHUNK // unit * unit)
+    for first in range(0, count, per_rows):
+        rows = slice(first, min(count, first + per_rows))
+        for a in range(0, n, per_values):
+            b = min(n, a + per_values)
+            _write_rows(target[:, a // cols : b // cols], group, rows, decoder(rows, a, b))
+
+
+_CPU_CHUNK = 1 << 18
+"""Values a CPU decode works on at once (1 MiB of float32): a pass over a whole batch's values
+allocates temporaries of tens of MB that are mostly page faults (fresh memory each time) and
+leave the cache, while a chunk's temporaries come back from the allocator already mapped and
+stay in cache; much smaller chunks pay torch's per-operation overhead (measured on the bench
+shape: 32k values 0.5 GB/s for int8, 256k 3.8 GB/s, 1M 3.1). A device decodes a group at
+once."""
+
+
+class _Group:
+    """The bodies of one group's payloads: row slots[i] of the received buffer from `start`,
+    on the decode device (`data`) and on the host (`host`)."""
+
+    def __init__(self, host: np.ndarray, data: torch.Tensor, slots: np.ndarray, start: int):
+        self.host, self.data, self.slots, self.start = host, data, slots, start
+        self.index = torch.from_numpy(slots).to(data.device)
+
+    def host_bytes(self, a: int, b: int) -> np.ndarray:
+        """Bytes a:b of every body, on the host [G, b - a] (small fields: headers, masks)."""
+        return self.host[self.slots, self.start + a : self.start + b]
+
+    def bytes(self, rows: slice, a: int, b: int) -> torch.Tensor:
+        """Bytes a:b of bodies `rows` on the device, [rows, b - a] uint8."""
+        if rows.stop - rows.start == 1:  # a view
+            slot = int(self.slots[rows.start])
+            return self.data[slot : slot + 1, self.start + a : self.start + b]
+        return self.data[self.index[rows], self.start + a : self.start + b]
+
+    def values(self, rows: slice, a: int, b: int, dtype: torch.dtype) -> torch.Tensor:
+        """Bytes a:b of bodies `rows` as `dtype` words (copied: they may start at an odd byte)."""
+        return self.bytes(rows, a, b).clone(memory_format=torch.contiguous_format).view(dtype)
+
+
+class _Decoder:
+    """One group's decode, a chunk at a time: __call__(rows, a, b) is values a:b of bodies
+    `rows` as words [rows, b - a] of the payloads' dtype, their float32 values, or their bytes;
+    a chunk starts at a multiple of `unit`. `ok`: which bodies are valid."""
+
+    unit = 1
+
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+        self.ok = np.ones(len(group.slots), bool)
+
+    def __call__(self, rows: slice, a: int, b: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _decoder(key: _Key, group: _Group) -> _Decoder:
+    header = key.header
+    if header.codec == "none":
+        return _Raw(group, header)
+    if header.codec == "int8":
+        return _Int8(group, header)
+    if header.codec in SINK_MODES:
+        codec = sinks.named_codec(header.codec, header.group_size)
+        parts, _ = codec.parts(header, group.host_bytes(0, key.body_bytes)[0])
+        return _Turbo(group, codec.turbo, header, parts)
+    return _Turbo(group, named_codec(header.codec, header.group_size, header.version), header)
+
+
+class _Raw(_Decoder):
+    """Codec none: the body is the words."""
+
+    def __init__(self, group: _Group, header: PayloadHeader) -> None:
+        super().__init__(group)
+        self.dtype = _FLOAT[header.dtype]
+
+    def __call__(self, rows: slice, a: int, b: int) -> torch.Tensor:
+        size = self.dtype.itemsize
+        return self.group.bytes(rows, a * size, b * size)
+
+
+class _Int8(_Decoder):
+    """INT8 bodies: clamped float32 values (the step of each group of values computed once)."""
+
+    def __init__(self, group: _Group, header: PayloadHeader) -> None:
+        super().__init__(group)
+        self.header = header
+        self.unit = header.group_size
+        n_groups = -(-header.size // header.group_size)
+        scales = group.values(slice(0, len(group.slots)), 2, 2 + 2 * n_groups, torch.float16)
+        pow2k = _pow2k(group.host_bytes(0, 2), group.data.device)  # [G, 1] float64
+        self.steps = (scales.double() * pow2k).float()
+        self.q_at = 2 + 2 * n_groups
+
+    def __call__(self, rows: slice, a: int, b: int) -> torch.Tensor:
+        group_size = self.header.group_size
+        first, last = a // group_size, -(-b // group_size)
+        q = self.group.bytes(rows, self.q_at + a, self.q_at + b).view(torch.int8)
+        g = len(q)
+        pad = (last - first) * group_size - (b - a)
+        if pad:
+            q = torch.cat([q, q.new_zeros((g, pad))], dim=1)
+        steps = self.steps[rows, first:last, None]
+        x = (q.view(g, last - first, group_size) * steps).view(g, -1)[:, : b - a]
+        bound = _MAX_FINITE[self.header.dtype]
+        return x.clamp_(-bound, bound)
+
+
+class _Turbo(_Decoder):
+    """TurboQuant bodies (a sink codec's: after its prefix, means and sink tokens, given its
+    `parts`), with their channel orders, means and sink tokens."""
+
+    def __init__(
+        self,
+        group: _Group,
+        codec: TurboCodec,
+        header: PayloadHeader,
+        parts: sinks.Parts | None = None,
+    ) -> None:
+        super().__init__(group)
+        self.codec, self.header = codec, header
+        d, device = codec.group_size, group.data.device
+        self.unit = d
+        self.layout = layout = codec.layout(header.shape)
+        self.at = 0  # the TurboQuant body's offset in the body
+        self.means: tuple[int, int, int, torch.Tensor] | None = None
+        self.sinks: tuple[int, np.ndarray, torch.Tensor] | None = None
+        if parts is not None:
+            means_end = sinks.PREFIX.size + len(parts.means)
+            self.at = means_end + len(parts.raw)
+            outer, tokens, inner = parts.blocks
+            if len(parts.means):
+                per = inner // d
+                v = torch.arange(layout.n_vectors, device=device)
+                rows = (v // (per * tokens)) * per + v % per  # vector v's row of means
+                self.means = (sinks.PREFIX.size, per, tokens, rows)
+            if parts.count:
+                at = _sink_positions(outer, tokens, inner, parts.count)
+                self.sinks = (means_end, at, torch.from_numpy(at).to(device))
+        g = len(group.slots)
+        self.order = None
+        if codec.lo is not None:
+            masks = group.host_bytes(self.at + 2, self.at + layout.norms_offset)
+            bits = np.unpackbits(masks.reshape(g, layout.sel_mod, -1), axis=2, bitorder="little")
+            bits = bits[:, :, :d]
+            self.ok = (bits.sum(axis=2) == codec.hi.m).all(axis=1)
+            order = torch.from_numpy(bits).to(device).argsort(dim=2, descending=True, stable=True)
+            self.order = order  # [G, groups, d]: group s's channel of its word j
+            self.sel = (torch.arange(layout.n_vectors, device=device) // layout.sel_div) % (
+                layout.sel_mod
+            )
+        self.pow2k = _pow2k(group.host_bytes(self.at, self.at + 2), device).float()[:, :, None]
+
+    def __call__(self, rows: slice, a: int, b: int) -> torch.Tensor:
+        codec, layout, group = self.codec, self.layout, self.group
+        d, at = codec.group_size, self.at
+        first, last = a // d, b // d
+        n, ni = last - first, layout.n_instances
+        norms_at = at + layout.norms_offset
+        norms = group.values(
+            rows, norms_at + 2 * ni * first, norms_at + 2 * ni * last, torch.float16
+        )
+        g = len(norms)
+        norms = norms.float().view(g, n, ni)
+        per_vector = layout.bytes_per_vector
+        indices_at = at + layout.indices_offset
+        indices = group.bytes(rows, indices_at + per_vector * first, indices_at + per_vector * last)
+        indices = indices.view(g, n, per_vector)
+        pow2k = self.pow2k[rows]
+        centre = None
+        if self.means is not None:
+            means_at, per, tokens, mean_rows = self.means
+            low = (first // (per * tokens)) * per
+            high = ((last - 1) // (per * tokens)) * per + per
+            means = group.values(
+                rows, means_at + 2 * d * low, means_at + 2 * d * high, torch.float16
+            )
+            centre = means.float().view(g, high - low, d)
+            centre = centre.index_select(1, mean_rows[first:last] - low)
+        words = torch.empty((g, n, d), dtype=_FLOAT[self.header.dtype], device=norms.device)
+        for i, (start, inst, byte_at) in enumerate(codec.instances()):
+            x = _levels(indices, inst, byte_at)  # a temporary: scaled in place, in order
+            x.mul_(_factors(inst, x.device)).mul_(norms[:, :, i : i + 1]).mul_(pow2k)
+            if centre is not None:
+                x.add_(centre)
+            words[:, :, start : start + inst.m] = _words(x, self.header.dtype)
+        if self.order is not None:
+            merged = torch.empty_like(words)
+            merged.scatter_(2, self.order[rows].index_select(1, self.sel[first:last]), words)
+            words = merged
+        words = words.view(g, -1)
+        if self.sinks is not None:
+            raw_at, positions, on_device = self.sinks
+            low, high = np.searchsorted(positions, (a, b))
+            if high > low:
+                size = words.element_size()
+                raw = group.values(rows, raw_at + size * low, raw_at + size * high, words.dtype)
+                words.index_copy_(1, on_device[low:high] - a, raw)
+        return words
+
+
+@functools.lru_cache(maxsize=16)
+def _sink_positions(outer: int, tokens: int, inner: int, count: int) -> np.ndarray:
+    """The flat positions of the sink tokens' values in a block [outer, tokens, inner],
+    ascending (the order of their raw words)."""
+    rows = np.arange(outer)[:, None] * tokens * inner + np.arange(count * inner)[None, :]
+    return rows.reshape(-1)
+
+
+def _write_rows(target: torch.Tensor, group: _Group, rows: slice, values: torch.Tensor) -> None:
+    """target[slot] = values[i] for each slot of group rows `rows`, converted to the target's
+    dtype (uint8 values: its bytes). One block: a copy into its view; else one index_copy_ on a
+    device, on the CPU numpy's fancy indexing (torch's index_copy_ of 16-bit words measured an
+    order of magnitude slower)."""
+    if values.dtype == torch.uint8:
+        target = target.view(torch.uint8)
+    if rows.stop - rows.start == 1:
+        view = target[int(group.slots[rows.start])]
+        view.copy_(values.view(view.shape))
         return
-    as_int = {2: torch.int16, 4: torch.int32}[target.element_size()]
-    target.view(as_int).numpy()[slots.numpy()] = values.view(as_int).numpy()
+    values = values.to(target.dtype).view(len(values), *target.shape[1:])
+    if target.device.type != "cpu":
+        target.index_copy_(0, group.index[rows], values)
+        return
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[target.element_size()]
+    target.view(as_int).numpy()[group.slots[rows]] = values.view(as_int).numpy()
 
 
-def _pow2k(host_bodies: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Each body's 2**k (the int16 at its start) as float64 [G, 1]."""
-    k = host_bodies[:, :2].copy().view("<i2")[:, 0].astype(np.float64)
-    return torch.from_numpy(np.ldexp(1.0, k.astype(np.int64))[:, None]).to(device)
+def _pow2k(head: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Each body's 2**k (the int16 `head` [G, 2] bytes) as float64 [G, 1]."""
+    k = head.copy().view("<i2")[:, 0].astype(np.int64)
+    return torch.from_numpy(np.ldexp(1.0, k)[:, None]).to(device)
 
 
 def _words(x: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -245,124 +464,28 @@ def _words(x: torch.Tensor, dtype: str) -> torch.Tensor:
     return x.clamp_(-bound, bound).to(_FLOAT[dtype])
 
 
-def _int8(bodies: torch.Tensor, host_bodies: np.ndarray, header: PayloadHeader) -> torch.Tensor:
-    n, group = header.size, header.group_size
-    n_groups = -(-n // group)
-    scales = (
-        bodies[:, 2 : 2 + 2 * n_groups]
-        .clone(memory_format=torch.contiguous_format)
-        .view(torch.float16)
-    )
-    steps = (scales.double() * _pow2k(host_bodies, bodies.device)).float()
-    start = 2 + 2 * n_groups
-    q = (
-        bodies[:, start : start + n]
-        .clone(memory_format=torch.contiguous_format)
-        .view(torch.int8)
-        .float()
-    )
-    pad = n_groups * group - n
-    if pad:
-        q = torch.cat([q, q.new_zeros((len(q), pad))], dim=1)
-    x = (q.view(len(q), n_groups, group) * steps[:, :, None]).view(len(q), -1)[:, :n]
-    return _words(x, header.dtype)
-
-
-def _sinks(
-    bodies: torch.Tensor, host_bodies: np.ndarray, header: PayloadHeader, prefix: bytes
-) -> tuple[torch.Tensor, np.ndarray]:
-    codec = sinks.named_codec(header.codec, header.group_size)
-    parts, _ = codec.parts(header, host_bodies[0])
-    outer, tokens, inner = parts.blocks
-    means_end = sinks.PREFIX.size + len(parts.means)
-    head = means_end + len(parts.raw)
-    centre = None
-    if len(parts.means):
-        means = (
-            bodies[:, sinks.PREFIX.size : means_end]
-            .clone(memory_format=torch.contiguous_format)
-            .view(torch.float16)
-            .float()
-        )
-        centre = (
-            means.view(len(bodies), -1, header.group_size),
-            inner // header.group_size,
-            tokens,
-        )
-    words, ok = _turbo(bodies[:, head:], host_bodies[:, head:], codec.turbo, header, centre)
-    if parts.count:
-        target = _FLOAT[header.dtype]
-        raw = bodies[:, means_end:head].clone(memory_format=torch.contiguous_format).view(target)
-        view = words.view(len(bodies), outer, tokens, inner)
-        view[:, :, : parts.count] = raw.view(len(bodies), outer, parts.count, inner)
-    return words, ok
-
-
-def _turbo(
-    bodies: torch.Tensor,
-    host_bodies: np.ndarray,
-    codec: TurboCodec,
-    header: PayloadHeader,
-    centre: tuple[torch.Tensor, int, int] | None,
-) -> tuple[torch.Tensor, np.ndarray]:
-    """Words [G, values] of TurboQuant bodies, and which bodies' channel masks are valid."""
-    d, device, g = codec.group_size, bodies.device, len(bodies)
-    layout = codec.layout(header.shape)
-    n = layout.n_vectors
-    ok = np.ones(g, bool)
-    channels = None
-    if codec.lo is not None:
-        masks = host_bodies[:, 2 : layout.norms_offset].reshape(g, layout.sel_mod, -1)
-        bits = np.unpackbits(masks, axis=2, bitorder="little")[:, :, :d]
-        ok = (bits.sum(axis=2) == codec.hi.m).all(axis=1)
-        order = torch.from_numpy(bits).to(device).argsort(dim=2, descending=True, stable=True)
-        sel = (torch.arange(n, device=device) // layout.sel_div) % layout.sel_mod
-        channels = order[:, sel]  # [G, n, d]: vector v's channel of its word j
-    norms_end = layout.norms_offset + 2 * layout.n_instances * n
-    norms = (
-        bodies[:, layout.norms_offset : norms_end]
-        .clone(memory_format=torch.contiguous_format)
-        .view(torch.float16)
-        .float()
-    )
-    norms = norms.view(g, n, layout.n_instances)
-    indices = bodies[:, norms_end:].reshape(g, n, layout.bytes_per_vector)
-    pow2k = _pow2k(host_bodies, device).float()[:, :, None]  # [G, 1, 1]
-    rows = _mean_rows(centre, n, device)
-    words = torch.empty((g, n, d), dtype=_FLOAT[header.dtype], device=device)
-    for i, (start, inst, byte_at) in enumerate(codec.instances()):
-        x = _levels(indices, inst, byte_at)
-        x = x * _factors(inst, device) * norms[:, :, i : i + 1] * pow2k
-        if centre is not None and rows is not None:
-            x = x + centre[0][:, rows]
-        words[:, :, start : start + inst.m] = _words(x, header.dtype)
-    if channels is not None:
-        merged = torch.empty_like(words)
-        merged.scatter_(2, channels, words)
-        words = merged
-    return words.view(g, -1), ok
-
-
-def _mean_rows(
-    centre: tuple[torch.Tensor, int, int] | None, n: int, device: torch.device
-) -> torch.Tensor | None:
-    """Vector v's row of a centred codec's means: (v // (iv * tokens)) * iv + v % iv."""
-    if centre is None:
-        return None
-    _, iv, tokens = centre
-    v = torch.arange(n, device=device)
-    return (v // (iv * tokens)) * iv + v % iv
-
-
 def _levels(packed: torch.Tensor, inst: Instance, byte_at: int) -> torch.Tensor:
     """One instance's values of every vector, rotated back up to its scale factors: the
     look-up table's levels (with its first butterfly stages), the mix of Hadamard blocks, the
     remaining butterflies. `packed`: [G, n, bytes per vector] uint8; [G, n, m] float32."""
     device = packed.device
     table, offset, shift, mix = _tables(inst, str(device))
-    per_entry = table.shape[1]
-    if inst.bits * per_entry == 8 and inst.m % 8 == 0:  # a table entry is a whole byte
-        codes = packed[..., byte_at : byte_at + inst.m // per_entry].long()
+    per_entry = inst.table.shape[1]
+    width = inst.bits * per_entry  # bits of a table entry's code
+    word = math.lcm(8, width) // 8  # bytes of a whole number of codes
+    count = inst.m // per_entry  # codes per vector
+    if width == 8 and inst.m % 8 == 0:  # a table entry is a whole byte
+        codes = packed[..., byte_at : byte_at + count].long()
+    elif count * width % (8 * word) == 0:  # the codes fill whole words of the bit stream
+        # the packed indices are an LSB-first bit stream: a code is one field of `width` bits
+        words = count * width // (8 * word)
+        stream = packed[..., byte_at : byte_at + words * word]
+        parts = stream.reshape(*stream.shape[:-1], words, word).to(torch.int64).unbind(-1)
+        value = parts[0]
+        for i in range(1, word):
+            value = value | (parts[i] << (8 * i))
+        fields = _field_shifts(width, word, str(device))
+        codes = ((value.unsqueeze(-1) >> fields) & ((1 << width) - 1)).flatten(-2)
     else:
         indices = torch.cat([packed, packed.new_zeros((*packed.shape[:-1], 1))], dim=-1)
         indices = indices.to(torch.int32)
@@ -372,31 +495,38 @@ def _levels(packed: torch.Tensor, inst: Instance, byte_at: int) -> torch.Tensor:
         for e in range(1, per_entry):
             codes = codes | (idx[..., e::per_entry] << (inst.bits * e))
         codes = codes.long()
-    y = table.index_select(0, codes.reshape(-1)).view(*codes.shape[:-1], inst.m)  # [G, n, m]
+    # the entries' float32 levels moved as 64-bit words (one look-up per entry)
+    y = table.index_select(0, codes.reshape(-1)).view(torch.float32)
+    y = y.view(*codes.shape[:-1], inst.m)  # [G, n, m]
     if mix is None:
         return _butterflies(y, per_entry)
-    q = mix.shape[0]
-    p = inst.m // q
-    blocks = y.view(*y.shape[:-1], q, p)
+    q = len(mix)
+    blocks = y.view(*y.shape[:-1], q, inst.m // q)
     z = torch.empty_like(blocks)
+    parts = blocks.unbind(-2)
     zero = torch.zeros((), device=device)
-    for a in range(q):
-        acc = zero + mix[a, 0] * blocks[..., 0, :]
-        for b in range(1, q):
-            acc = acc + mix[a, b] * blocks[..., b, :]
-        z[..., a, :] = acc
+    for row, out in zip(mix, z.unbind(-2), strict=True):
+        acc = zero + row[0] * parts[0]
+        for c, part in zip(row[1:], parts[1:], strict=True):
+            acc = acc + c * part
+        out.copy_(acc)
     return _butterflies(z, 1).flatten(-2)
 
 
 def _butterflies(y: torch.Tensor, first: int) -> torch.Tensor:
-    """The Walsh-Hadamard stages of distance first .. size / 2 on the last axis: each pair
-    (a, b) becomes (a + b, a - b), stage by stage (the kernel's order, so the same bits)."""
+    """The Walsh-Hadamard stages of distance first .. size / 2 on the last axis of `y` (a
+    contiguous temporary, overwritten): each pair (a, b) becomes (a + b, a - b), stage by stage
+    (the kernel's order, so the same bits), between two buffers."""
     size = y.shape[-1]
     h = first
+    z = torch.empty_like(y) if h < size else y
     while h < size:
-        pairs = y.reshape(*y.shape[:-1], size // (2 * h), 2, h)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2).reshape(y.shape)
+        shape = (*y.shape[:-1], size // (2 * h), 2, h)
+        a, b = y.view(shape).unbind(-2)
+        sums, differences = z.view(shape).unbind(-2)
+        torch.add(a, b, out=sums)
+        torch.sub(a, b, out=differences)
+        y, z = z, y
         h *= 2
     return y
 
@@ -404,13 +534,24 @@ def _butterflies(y: torch.Tensor, first: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _tables(
     inst: Instance, device: str
-) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, torch.Tensor | None]:
-    """(look-up table, byte offsets and shifts of the packed indices, mix or None) on `device`."""
+) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, list[list[torch.Tensor]] | None]:
+    """(look-up table as 64-bit words, one row per entry (1-D for two levels an entry), byte
+    offsets and shifts of the packed indices, mix or None) on `device`."""
     offset, shift = index_positions(inst.m, inst.bits)
     q = inst.rotation.matrix.shape[0]
-    mix = torch.from_numpy(inst.rotation.matrix_t).to(device) if q > 1 else None
+    mix = None
+    if q > 1:  # its rows of 0-d tensors (float32 products, as the kernel's)
+        matrix = torch.from_numpy(inst.rotation.matrix_t).to(device)
+        mix = [list(row.unbind()) for row in matrix]
     shifts = torch.from_numpy(shift).to(device=device, dtype=torch.int32)
-    return torch.from_numpy(inst.table).to(device), offset, shifts, mix
+    table = torch.from_numpy(inst.table).to(device).view(torch.int64)
+    return table.squeeze(1) if table.shape[1] == 1 else table, offset, shifts, mix
+
+
+@functools.lru_cache(maxsize=16)
+def _field_shifts(width: int, word: int, device: str) -> torch.Tensor:
+    """The bit offsets of the codes of `width` bits in a little-endian word of `word` bytes."""
+    return torch.arange(0, 8 * word, width, device=device)
 
 
 @functools.lru_cache(maxsize=64)
