@@ -435,12 +435,12 @@ def _sink_positions(outer: int, tokens: int, inner: int, count: int) -> np.ndarr
 
 def _write_rows(target: torch.Tensor, group: _Group, rows: slice, values: torch.Tensor) -> None:
     """target[slot] = values[i] for each slot of group rows `rows`, converted to the target's
-    dtype (uint8 values: its bytes). One block: a copy into its view; else one index_copy_ on a
-    device, on the CPU numpy's fancy indexing (torch's index_copy_ of 16-bit words measured an
-    order of magnitude slower)."""
+    dtype (uint8 values: its bytes). Values to convert, of one block: a copy into its view;
+    else one index_copy_ on a device, on the CPU numpy's fancy indexing (on this thread; torch's
+    index_copy_ of 16-bit words measured an order of magnitude slower)."""
     if values.dtype == torch.uint8:
         target = target.view(torch.uint8)
-    if rows.stop - rows.start == 1:
+    if rows.stop - rows.start == 1 and values.dtype != target.dtype:
         view = target[int(group.slots[rows.start])]
         view.copy_(values.view(view.shape))
         return
