@@ -24,6 +24,7 @@ from tierkv.backends.vault import VaultClient, VaultRefused
 from tierkv.checksum import block_checksum
 from tierkv.config import LimitsConfig
 from tierkv.vault.auth import ReplayGuard, Tokens
+from tierkv.vault.limits import ByteBudget
 from tierkv.vault.server import VaultServer, serve
 from tierkv.wire._pb import vault_pb2
 from tierkv.wire.proofs import CALL_NONCE_BYTES
@@ -149,9 +150,28 @@ def test_a_remembered_proof_costs_less_than_a_hundred_bytes() -> None:
     assert guard.admit(nonces[0], now) == "tierkv call proof replayed"
 
 
-def test_a_tenant_holding_its_calls_leaves_the_others_theirs() -> None:
-    """Mallory holds her limit of calls open (Put streams that send nothing): her next call is
-    refused, naming the limit, and Alice's calls are served."""
+def _put_stream(channel: grpc.Channel, token: str) -> grpc.StreamUnaryMultiCallable:
+    return proving_channel(channel, token).stream_unary(
+        "/tierkv.v1.Vault/Put",
+        request_serializer=bytes,
+        response_deserializer=vault_pb2.PutSummary.FromString,
+    )
+
+
+def _refused(put: grpc.StreamUnaryMultiCallable) -> bool:
+    """Whether an empty Put stream is refused for a limit (RESOURCE_EXHAUSTED)."""
+    try:
+        put(iter(()), timeout=10)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        return True
+    return False
+
+
+def test_a_tenant_holding_its_streams_leaves_the_others_theirs() -> None:
+    """Mallory holds her share of Put streams (streams that send nothing): her next one is
+    refused, naming her share, and Alice's calls and streams are served. (One tenant could hold
+    every stream slot of the vault, and with them every byte it receives at once.)"""
     limits = LimitsConfig(max_concurrent_rpcs=16, max_concurrent_rpcs_per_tenant=4)
     tokens = Tokens([("alice", ALICE), ("mallory", MALLORY)])
     server = serve("127.0.0.1:0", 0, tokens=tokens, limits=limits)
@@ -163,24 +183,20 @@ def test_a_tenant_holding_its_calls_leaves_the_others_theirs() -> None:
 
     try:
         with grpc.insecure_channel(server.address) as plain:
-            channel = proving_channel(plain, MALLORY)
-            put = channel.stream_unary(
-                "/tierkv.v1.Vault/Put",
-                request_serializer=bytes,
-                response_deserializer=vault_pb2.PutSummary.FromString,
-            )
-            held = [put.future(nothing_until_released(), timeout=60) for _ in range(4)]
-            with VaultClient(server.address, token=MALLORY) as mallory:
+            put = _put_stream(plain, MALLORY)
+            held = [put.future(nothing_until_released(), timeout=60) for _ in range(2)]
 
-                def refused() -> bool:
-                    try:
-                        mallory.stats()
-                    except BackendUnavailable as exc:
-                        assert "max_concurrent_rpcs_per_tenant" in str(exc)
-                        return True
-                    return False
+            def refused_naming_her_share() -> bool:
+                try:
+                    put(iter(()), timeout=10)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                    assert "streams of tenant mallory" in str(exc.details()), exc
+                    return True
+                return False
 
-                assert wait_until(refused, 20)
+            assert wait_until(refused_naming_her_share, 20)
+            assert not _refused(_put_stream(plain, ALICE))
             with VaultClient(server.address, token=ALICE) as alice:
                 for _ in range(8):
                     assert alice.stats().tenant == "alice"
@@ -190,3 +206,112 @@ def test_a_tenant_holding_its_calls_leaves_the_others_theirs() -> None:
     finally:
         release.set()
         server.stop(grace=None)
+
+
+FLOOD_CHANNELS = 8
+FLOOD_THREADS = 16
+"""Mallory's flood: calls kept in flight on each of FLOOD_CHANNELS connections (128 in all)."""
+
+
+def _flooding(address: str) -> subprocess.Popen[str]:
+    """A process keeping FLOOD_CHANNELS * FLOOD_THREADS of Mallory's Hello calls in flight, each
+    sent again the moment it is answered or refused; ready once it prints "flooding"."""
+    code = f"""
+import threading, grpc
+from tierkv.backends.security import proving_channel
+from tierkv.wire._pb import vault_pb2
+channels = [grpc.insecure_channel({address!r}) for _ in range({FLOOD_CHANNELS})]
+def hello(channel):
+    call = proving_channel(channel, {MALLORY!r}).unary_unary(
+        "/tierkv.v1.Vault/Hello",
+        request_serializer=vault_pb2.HelloRequest.SerializeToString,
+        response_deserializer=vault_pb2.HelloReply.FromString,
+    )
+    while True:
+        try:
+            call(vault_pb2.HelloRequest(), timeout=30)
+        except grpc.RpcError:
+            pass
+for channel in channels:
+    for _ in range({FLOOD_THREADS}):
+        threading.Thread(target=hello, args=(channel,), daemon=True).start()
+print("flooding", flush=True)
+threading.Event().wait()
+"""
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "flooding"
+    return process
+
+
+def _stats_medians_ms(address: str, calls: int) -> tuple[float, int]:
+    """Alice's Stats median over `calls` calls, in ms, and how many were refused."""
+    times, refused = [], 0
+    with VaultClient(address, token=ALICE, deadline_s=30) as alice:
+        for _ in range(calls):
+            started = time.perf_counter()
+            try:
+                alice.stats()
+            except BackendUnavailable:
+                refused += 1
+            times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3, refused
+
+
+def test_a_tenant_flooding_calls_gets_none_of_the_others_refused() -> None:
+    """Mallory holds every Put stream she may and keeps 128 more calls in flight over eight
+    connections: her calls past her share are refused, never Alice's. (gRPC's own concurrent-call
+    limit, shared by every tenant, refused Alice's calls before tierkv's per-tenant limit counted
+    them, and one tenant could hold every Put/Promote stream slot of the vault.)"""
+    limits = LimitsConfig(max_concurrent_rpcs=16, max_concurrent_rpcs_per_tenant=8)
+    tokens = Tokens([("alice", ALICE), ("mallory", MALLORY)])
+    server = serve("127.0.0.1:0", 0, tokens=tokens, limits=limits)
+    release = threading.Event()
+
+    def nothing_until_released() -> Iterator[bytes]:
+        release.wait(60)
+        yield from ()
+
+    flood = None
+    try:
+        baseline, _ = _stats_medians_ms(server.address, 30)
+        with grpc.insecure_channel(server.address) as plain:
+            mallorys_put = _put_stream(plain, MALLORY)
+            held = [mallorys_put.future(nothing_until_released(), timeout=60) for _ in range(8)]
+            assert wait_until(lambda: _refused(mallorys_put), 20)
+            assert not _refused(_put_stream(plain, ALICE))
+            flood = _flooding(server.address)
+            during, refused = _stats_medians_ms(server.address, 60)
+            print(
+                f"\n128 of Mallory's calls in flight: Alice's Stats median {baseline:.2f} -> "
+                f"{during:.2f} ms ({during / baseline:.1f}x), {refused} of 60 refused"
+            )
+            assert refused == 0
+            assert not _refused(_put_stream(plain, ALICE))
+            release.set()
+            for call in held:
+                try:
+                    call.result(timeout=30)
+                except grpc.RpcError as exc:  # her streams past her share
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+    finally:
+        release.set()
+        if flood is not None:
+            flood.kill()
+            flood.wait(timeout=30)
+        server.stop(grace=None)
+
+
+def test_a_byte_budget_keeps_each_holders_share() -> None:
+    """One holder gets at most its share while it holds anything (one item larger than the share
+    fits alone), and what it leaves stays for the others."""
+    budget = ByteBudget(100, per_holder=50)
+    assert budget.acquire(40, 0, "mallory")
+    assert not budget.acquire(20, 0, "mallory")  # past her share
+    assert budget.acquire(40, 0, "alice")
+    budget.release(40, "mallory")
+    assert budget.acquire(60, 0, "mallory")  # larger than a share, alone: fits
+    assert not budget.acquire(10, 0, "mallory")
+    assert not budget.acquire(1, 0, "alice")  # the whole budget is held
+    budget.release(60, "mallory")
+    budget.release(40, "alice")
+    assert budget.acquire(100, 0, "alice")

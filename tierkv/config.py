@@ -161,7 +161,9 @@ class LimitsConfig:
     streams may take at most half of them, so lookups and health checks always get through."""
     max_concurrent_rpcs_per_tenant: int = 32
     """gRPC calls of one tenant served at once, on a vault of several tenants; more of its calls
-    are answered RESOURCE_EXHAUSTED, so one tenant cannot take every call of the vault."""
+    are answered RESOURCE_EXHAUSTED, so one tenant cannot take every call of the vault. Its part
+    of max_concurrent_rpcs is the tenant's part of the Put/Promote streams and of the bytes being
+    received or sent too (vault.limits.tenant_share)."""
     stream_timeout_s: float = 120.0
     """A gRPC Put or Promote stream still open after this long is cancelled by the vault."""
     max_message_bytes: int = 64 * MIB

@@ -297,7 +297,7 @@ def eval_table(report: EvalReport, dtype: str, gate: Gate) -> Table:
             "Each codec's restored run against vLLM's own prefix-cache hit of the same prompt; "
             "the first row is the hit against the cold run, no tierkv (the floor). KL: "
             "KL(hit || restored), mean over the continuation's positions, from the "
-            f"top-{report.top_k} log-probabilities, the rest of the vocabulary one bucket. "
+            f"top-{report.top_k} log-probabilities: the tokens both list, the rest one bucket. "
             "Greedy: "
             f"texts identical / ties (hit's top-2 gap < {report.tie_nats:g} nat) / diverged. "
             f"Passkeys: kept of those the hit finds (found by the hit of all probes). Gate: "

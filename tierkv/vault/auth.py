@@ -378,6 +378,11 @@ class Access:
     tls: bool = False
     insecure: bool = False
 
+    @property
+    def several_tenants(self) -> bool:
+        """Whether the vault tells tenants apart (their shares of its limits then hold)."""
+        return self.tokens is not None and self.tokens.several_tenants
+
     def tenant(self, context: grpc.ServicerContext) -> Tenant:
         """The tenant of a gRPC call that AuthInterceptor let through."""
         if self.tokens is None:

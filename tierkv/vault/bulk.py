@@ -36,7 +36,7 @@ from tierkv.transfer import batched_by_size
 from tierkv.vault.auth import OPEN, Access, Tenant
 from tierkv.vault.limits import (
     ByteBudget,
-    ConnectionSlots,
+    Slots,
     max_put_index_bytes,
     request_problem,
 )
@@ -156,13 +156,12 @@ class BulkServer:
         self._tls = tls
         self.max_index_bytes = min(max_put_index_bytes(limits), limits.max_inflight_bytes // 2)
         """Bytes of the largest PUT index received (refused from the header beyond it)."""
-        self.max_frame_bytes = min(limits.max_inflight_bytes, max_bytes or sys.maxsize)
-        """Payload bytes of the largest PUT frame received (Hello tells clients)."""
+        self.max_frame_bytes = min(inflight.per_holder, max_bytes or sys.maxsize)
+        """Payload bytes of the largest PUT frame received (Hello tells clients): within a
+        tenant's share of limits.max_inflight_bytes, so no frame holds all of it."""
         self._inflight = inflight
-        self._slots = ConnectionSlots(limits.max_connections, limits.max_connections_per_client)
-        self._tenant_slots = ConnectionSlots(
-            limits.max_connections, limits.max_connections_per_tenant
-        )
+        self._slots = Slots(limits.max_connections, limits.max_connections_per_client)
+        self._tenant_slots = Slots(limits.max_connections, limits.max_connections_per_tenant)
         self._lock = threading.Lock()
         self._connections: set[socket.socket] = set()
         self._stopped = False
@@ -305,7 +304,7 @@ class BulkServer:
             # The index counts in the budget while it is parsed (a frame of the largest payload
             # the vault takes holds all of it).
             held = min(index_len + data_len, self._inflight.capacity)
-            if not self._inflight.acquire(held, stall_s):
+            if not self._inflight.acquire(held, stall_s, tenant.name):
                 raise ValueError("no room for the frame's index and payloads in time")
             try:
                 index = parse_message(vault_pb2.PutIndex, recv_bytes(sock, index_len, deadline))
@@ -316,7 +315,7 @@ class BulkServer:
                 payloads = _recv_put_payloads(sock, index.lengths, deadline)
                 answer = self._handler.put_blocks(index, payloads, tenant)
             finally:
-                self._inflight.release(held)
+                self._inflight.release(held, tenant.name)
             if unanswered is not None:
                 self._reply(sock, unanswered)
             return _Unanswered(answer, deadline, data_len, started)

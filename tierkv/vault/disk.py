@@ -40,9 +40,20 @@ a block read at least once per pass over the disk stays, and a block written onc
 goes after one pass: least recently used first, to the granularity of one pass. Copying costs
 one read and one write of the kept blocks; at most KEEP_FRACTION of a segment is kept per
 segment dropped (the tier stays that far below `max_bytes`, so copies never push it over), the
-rest of the marked blocks going like cold ones. Marks are not kept across restarts. Reads of
-many blocks sort by position and coalesce neighbours into one `preadv` straight into the
-buffers that are returned. A lock file (`flock`) keeps a second vault off the same directory.
+rest of the marked blocks going like cold ones. Marks are not kept across restarts.
+
+Tenants (`share_by`, a vault of several): the tier also counts each tenant's indexed blocks and
+payload bytes as they change (rebuilt from what recovery indexed), and a dropped segment copies
+forward, besides read blocks, the unread blocks of every tenant within its fair share: at most
+room / n payload bytes and max_blocks / n blocks, n the tenants holding disk blocks. So a tenant
+within its share never loses a block to another's flood, as in RAM (store.py): only the blocks
+of tenants over their share go, or, when none is over, those of the tenant holding the most
+bytes (so every drop frees something). The tier then keeps a whole segment free below its cap,
+so a segment's kept blocks always fit; making room copies each block forward at most once (one
+pass), and each pass of other tenants' writes over the disk costs one copy of the blocks kept.
+
+Reads of many blocks sort by position and coalesce neighbours into one `preadv` straight into
+the buffers that are returned. A lock file (`flock`) keeps a second vault off the same directory.
 """
 
 from __future__ import annotations
@@ -57,7 +68,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -92,14 +103,15 @@ FAILED_RANGES = 64
 LOCK_NAME = "lock"
 SEGMENT_SUFFIX = ".seg"
 KEEP_FRACTION = 0.5
+"""Most bytes of read blocks copied forward when one segment is dropped, as a share of a segment;
+also the share of a segment the tier keeps free below its cap for those copies (a whole segment
+with `share_by`)."""
 INDEX_BYTES_PER_BLOCK = 600
 """RAM the index takes per disk block (measured 568 B with 16-byte keys and namespaces, rounded
 up): what `max_index_bytes` is divided by to cap the blocks a disk tier indexes."""
 SEGMENTS_PER_INDEX_CAP = 8
 """A segment holds at most 1/8 of the indexed-block cap, so reaching that cap drops about an
 eighth of the blocks, not all of them (one segment of tiny blocks could hold them all)."""
-"""Most bytes of read blocks copied forward when one segment is dropped, as a share of a segment;
-also the share of a segment the tier keeps free below its cap for those copies."""
 
 MAGIC = b"TKV2"
 LEGACY_MAGIC = b"TKVR"
@@ -157,7 +169,7 @@ class DiskStats:
     queued_bytes: int
     segments: int
     evictions: int  # blocks dropped with their segment by the cap
-    kept: int  # read blocks copied forward when their segment was dropped (second chances)
+    kept: int  # blocks copied forward when their segment was dropped (read, or within a share)
     corrupt: int  # blocks whose payload failed its checksum when read (then dropped)
 
 
@@ -200,6 +212,14 @@ class _Space:
     live_bytes: int = 0
     queued: dict[BlockKey, _Op] = field(default_factory=dict)
     queued_bytes: int = 0
+
+
+@dataclass(slots=True)
+class _Held:
+    """One tenant's indexed blocks and their payload bytes (kept as they change)."""
+
+    blocks: int = 0
+    payload_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -296,6 +316,9 @@ class DiskTier:
         self._changed = threading.Condition(self._lock)
         self._spaces: dict[bytes, _Space] = {}
         self._indexed = 0  # blocks in the spaces' indexes
+        self._tenant_of: Callable[[bytes], bytes] | None = None
+        self._held: dict[bytes, _Held] = {}
+        """tenant → its indexed blocks and their payload bytes (with `share_by` only)."""
         self._segment_keys: dict[int, set[EntryKey]] = {}  # may name blocks since gone
         self._fds: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
@@ -354,6 +377,25 @@ class DiskTier:
     def room(self) -> int:
         """Bytes of segments new records may fill."""
         return self._room
+
+    def share_by(self, tenant_of: Callable[[bytes], bytes]) -> None:
+        """Keep a fair share of the disk per tenant (`tenant_of`: namespace → its tenant; a
+        vault of several tenants): past the cap, a tenant's unread blocks go only while it holds
+        more than its share, as in RAM. Counts what recovery indexed once; counters from then
+        on. Call before anything is written."""
+        with self._lock:
+            self._tenant_of = tenant_of
+            if self.max_bytes >= 2 * self.segment_bytes:  # whole segments of copies fit
+                self._room = self.max_bytes - self.segment_bytes
+            for namespace, space in self._spaces.items():
+                self._hold(namespace, len(space.index), space.live_bytes)
+
+    def held_by(self, tenant: bytes) -> tuple[int, int]:
+        """(blocks, payload bytes) a tenant holds on disk (with `share_by`; queued blocks not
+        counted until written)."""
+        with self._lock:
+            held = self._held.get(tenant)
+            return (held.blocks, held.payload_bytes) if held else (0, 0)
 
     def wait_for_room(self, timeout: float | None = WRITE_BEHIND_WAIT_S) -> bool:
         """Wait while more than the write-behind bound is queued; False on timeout."""
@@ -619,6 +661,7 @@ class DiskTier:
         space.index[key, part] = loc
         space.live_bytes += loc.length
         self._live_bytes += loc.length
+        self._hold(namespace, int(old is None), loc.length - (old.length if old else 0))
         self._segment_keys[loc.segment].add((space.namespace, key, part))
 
     def _unindex(self, entry_key: EntryKey) -> None:
@@ -632,11 +675,43 @@ class DiskTier:
         space.read.discard((key, part))
         space.live_bytes -= loc.length
         self._live_bytes -= loc.length
+        self._hold(namespace, -1, -loc.length)
         parts = tuple(other for other in space.parts[key] if other != part)
         if parts:
             space.parts[key] = parts
         else:
             del space.parts[key]
+
+    def _hold(self, namespace: bytes, blocks: int, length: int) -> None:
+        """Count `blocks` more indexed blocks of `length` more payload bytes for the
+        namespace's tenant (with `share_by`); a tenant that holds none is forgotten."""
+        if self._tenant_of is None or not (blocks or length):
+            return
+        tenant = self._tenant_of(namespace)
+        held = self._held.get(tenant)
+        if held is None:
+            held = self._held[tenant] = _Held()
+        held.blocks += blocks
+        held.payload_bytes += length
+        if held.blocks <= 0:
+            del self._held[tenant]
+
+    def _within_share(self) -> set[bytes]:
+        """Tenants whose unread blocks a dropped segment copies forward: those holding at most
+        their fair share (room / tenants holding disk blocks, and as much of max_blocks); when
+        all do, all but the one holding the most bytes, so a drop always frees something."""
+        if not self._held:
+            return set()
+        share = self._room // len(self._held)
+        blocks = self.max_blocks // len(self._held) if self.max_blocks else None
+        within = {
+            tenant
+            for tenant, held in self._held.items()
+            if held.payload_bytes <= share and (blocks is None or held.blocks <= blocks)
+        }
+        if len(within) == len(self._held):
+            within.discard(max(self._held, key=lambda tenant: self._held[tenant].payload_bytes))
+        return within
 
     def _unqueue(self, space: _Space, block: BlockKey) -> None:
         size = len(space.queued.pop(block).payload)
@@ -655,6 +730,7 @@ class DiskTier:
         space = self._spaces.pop(namespace, None) or _Space()
         self._indexed -= len(space.index)
         self._live_bytes -= space.live_bytes
+        self._hold(namespace, -len(space.index), -space.live_bytes)
         if space.queued:
             self._queued_bytes -= space.queued_bytes
             self._changed.notify_all()
@@ -852,17 +928,19 @@ class DiskTier:
 
     def _make_room(self, record_len: int, pending: int, in_active: int) -> None:
         """Start a new segment when the active one is full; drop the oldest past the caps,
-        copying forward its blocks read since they were written (`pending`, `in_active`: as for
-        _needs_room)."""
+        copying forward its blocks read since they were written and those of tenants within
+        their share (`pending`, `in_active`: as for _needs_room)."""
         size = self._sizes[self._active]
         if size > 0 and self._segment_full(size + record_len, in_active):
             self._roll()
-        budget = self._keep_bytes  # for all segments dropped now: the loop ends
+        budget = self._keep_bytes  # read blocks, for all segments dropped now
+        first_copy = self._active  # segments from here on may hold this call's copies
         while sum(self._sizes.values()) + record_len > self._room or self._index_full(pending + 1):
             oldest = min(self._sizes)
             if oldest == self._active:
                 self._roll()
-            budget -= self._keep_read_blocks(oldest, budget)
+            # one pass at most: a block copied forward now is not copied again (the loop ends)
+            budget -= self._keep_blocks(oldest, budget, share=oldest < first_copy)
             self._drop_segment(oldest)
 
     @property
@@ -881,28 +959,40 @@ class DiskTier:
             and min(self._sizes) != self._active
         )
 
-    def _keep_read_blocks(self, segment: int, budget: int) -> int:
-        """Append to the active segment the read blocks of `segment`, at most `budget` bytes of
-        records and as long as the cap allows; the copies are unread again. Returns the bytes
-        of records chosen."""
-        budget = min(budget, self.max_bytes - sum(self._sizes.values()))
-        chosen = 0
+    def _keep_blocks(self, segment: int, budget: int, share: bool) -> int:
+        """Append to the active segment the blocks of `segment` that stay: with `share`, the
+        unread ones of tenants within their fair share (`share_by`); and the read ones, at most
+        `budget` bytes of records; all as long as the cap allows (share first). The copies are
+        unread again. Returns the bytes of read blocks' records chosen."""
+        room = self.max_bytes - sum(self._sizes.values())
+        chosen = spent = 0
         with self._lock:
-            kept: list[tuple[Location, int]] = []
-            entry_keys: list[EntryKey] = []
+            within = self._within_share() if share and self._tenant_of is not None else set()
+            shared: list[tuple[Location, EntryKey]] = []
+            read: list[tuple[Location, EntryKey]] = []
             for entry_key in self._segment_keys[segment]:
                 space = self._spaces.get(entry_key[0])
                 loc = space.index.get(entry_key[1:]) if space is not None else None
                 # A block queued again has a newer copy on its way: the old one must not follow.
                 if space is None or loc is None or loc.segment != segment:
                     continue
-                if entry_key[1:] not in space.read or entry_key[1:] in space.queued:
+                if entry_key[1:] in space.queued:
                     continue
-                if chosen + loc.header_len + loc.length > budget:
-                    continue
-                chosen += loc.header_len + loc.length
-                kept.append((loc, len(entry_keys)))
-                entry_keys.append(entry_key)
+                if within and self._tenant_of and self._tenant_of(entry_key[0]) in within:
+                    shared.append((loc, entry_key))
+                elif entry_key[1:] in space.read:
+                    read.append((loc, entry_key))
+            kept: list[tuple[Location, int]] = []
+            entry_keys: list[EntryKey] = []
+            for candidates, paid in ((shared, False), (read, True)):
+                for loc, entry_key in sorted(candidates):
+                    size = loc.header_len + loc.length
+                    if spent + size > room or (paid and chosen + size > budget):
+                        continue
+                    spent += size
+                    chosen += size if paid else 0
+                    kept.append((loc, len(entry_keys)))
+                    entry_keys.append(entry_key)
         kept.sort()
         for run in _runs(kept):
             ops = []

@@ -5,12 +5,13 @@ on the gRPC and the bulk port, so that no request or connection takes the vault 
   limits (keys x parts, key and namespace length, zero-length payloads), in words.
 - `ByteBudget`: payload bytes being received at once; a frame waits for room before its payload
   is read, so many large frames at once cannot grow the vault past its cap.
-- `ConnectionSlots`: bulk connections at once, in all and per client address.
-- `CallLimit`: gRPC calls served at once (limits.max_concurrent_rpcs), refusing the others
-  RESOURCE_EXHAUSTED and telling the vault's metrics of each.
+- `Slots`: what is held at once, in all and per holder (bulk connections per client address or
+  tenant, gRPC streams per tenant).
+- `CallLimit`: gRPC calls served at once (limits.max_concurrent_rpcs, and per tenant), refusing
+  the others RESOURCE_EXHAUSTED and telling the vault's metrics of each.
 - `StreamGuard`: gRPC Put and Promote streams at once (at most half of the calls, so unary calls
-  and health checks always find a thread) and a vault-side deadline that cancels a stream nobody
-  finishes or reads.
+  and health checks always find a thread; a tenant at most its share of them) and a vault-side
+  deadline that cancels a stream nobody finishes or reads.
 """
 
 from __future__ import annotations
@@ -65,52 +66,86 @@ def block_problem(limits: LimitsConfig, namespace: bytes, key: bytes, size: int)
     return None
 
 
-class ByteBudget:
-    """At most `capacity` bytes held at once; `acquire` waits for room up to a deadline."""
+def tenant_share(limits: LimitsConfig, several_tenants: bool) -> float:
+    """The part of each of the vault's shared budgets (calls, streams, bytes being received or
+    sent) one tenant may hold: limits.max_concurrent_rpcs_per_tenant of max_concurrent_rpcs on a
+    vault of several tenants (half by default), all of it otherwise."""
+    if not several_tenants:
+        return 1.0
+    return min(limits.max_concurrent_rpcs_per_tenant, limits.max_concurrent_rpcs) / (
+        limits.max_concurrent_rpcs
+    )
 
-    def __init__(self, capacity: int) -> None:
+
+class ByteBudget:
+    """At most `capacity` bytes held at once, and at most `per_holder` of them by one holder (a
+    tenant's name; "" where tenants are not told apart) unless it holds none: one item larger
+    than a share still fits alone. `acquire` waits for room up to a deadline."""
+
+    def __init__(self, capacity: int, per_holder: int = 0) -> None:
         self.capacity = capacity
+        self.per_holder = per_holder or capacity
         self._held = 0
+        self._by_holder: dict[str, int] = {}
         self._cond = threading.Condition()
 
-    def acquire(self, size: int, timeout_s: float) -> bool:
+    def acquire(self, size: int, timeout_s: float, holder: str = "") -> bool:
         """Hold `size` bytes; False when they never fit (larger than capacity) or time ran out."""
         if size > self.capacity:
             return False
+
+        def fits() -> bool:
+            held = self._by_holder.get(holder, 0)
+            within_share = held == 0 or held + size <= self.per_holder
+            return within_share and self._held + size <= self.capacity
+
         with self._cond:
-            if not self._cond.wait_for(lambda: self._held + size <= self.capacity, timeout_s):
+            if not self._cond.wait_for(fits, timeout_s):
                 return False
             self._held += size
+            self._by_holder[holder] = self._by_holder.get(holder, 0) + size
             return True
 
-    def release(self, size: int) -> None:
+    def release(self, size: int, holder: str = "") -> None:
         with self._cond:
             self._held -= size
+            held = self._by_holder.pop(holder, 0) - size
+            if held:
+                self._by_holder[holder] = held
             self._cond.notify_all()
 
 
-class ConnectionSlots:
-    """Counts connections in all and per client address; `take` refuses beyond the limits."""
+class Slots:
+    """Counts what is held in all and per holder (a client address, a tenant); `take` refuses
+    beyond `total` in all or `per_holder` of one holder."""
 
-    def __init__(self, total: int, per_address: int) -> None:
-        self._total = total
-        self._per_address = per_address
+    def __init__(self, total: int, per_holder: int) -> None:
+        self.total = total
+        self.per_holder = per_holder
         self._lock = threading.Lock()
-        self._by_address: dict[str, int] = {}
+        self._held = 0
+        self._by_holder: dict[str, int] = {}
 
-    def take(self, address: str) -> bool:
+    def take(self, holder: str) -> bool:
         with self._lock:
-            held = self._by_address.get(address, 0)
-            if sum(self._by_address.values()) >= self._total or held >= self._per_address:
+            held = self._by_holder.get(holder, 0)
+            if self._held >= self.total or held >= self.per_holder:
                 return False
-            self._by_address[address] = held + 1
+            self._held += 1
+            self._by_holder[holder] = held + 1
             return True
 
-    def give_back(self, address: str) -> None:
+    def holds_its_share(self, holder: str) -> bool:
+        """Whether `holder` holds `per_holder` already."""
         with self._lock:
-            held = self._by_address.pop(address) - 1
+            return self._by_holder.get(holder, 0) >= self.per_holder
+
+    def give_back(self, holder: str) -> None:
+        with self._lock:
+            self._held -= 1
+            held = self._by_holder.pop(holder) - 1
             if held:
-                self._by_address[address] = held
+                self._by_holder[holder] = held
 
 
 class CallLimit(grpc.ServerInterceptor):
@@ -120,10 +155,11 @@ class CallLimit(grpc.ServerInterceptor):
     ("concurrency_limit" or "tenant_concurrency_limit").
 
     gRPC's own `maximum_concurrent_rpcs` refuses before any interceptor could count it, so the
-    server runs `reserve_threads()` more workers than `max_calls` and gRPC's limit sits that far
-    above ours: a refusal runs on a spare worker at once, and gRPC's limit (uncounted) is met only
-    when that many refusals are under way together. A call counts from the moment its handler
-    starts on a worker until it ends (a streamed reply: until the stream ends).
+    server runs `reserve_threads()` more workers than `max_calls`, where a refusal runs at once,
+    and sets gRPC's limit far above (server.GRPC_CALLS_PER_WORKER), so that the calls a tenant
+    past its share keeps sending wait for a worker to refuse them instead of filling gRPC's limit
+    for every tenant. A call counts from the moment its handler starts on a worker until it ends
+    (a streamed reply: until the stream ends).
     """
 
     def __init__(
@@ -231,19 +267,26 @@ class CallLimit(grpc.ServerInterceptor):
 
 
 class StreamGuard:
-    """Wraps the streaming gRPC handlers: at most `max_streams` at once (more: RESOURCE_EXHAUSTED)
-    and each cancelled `timeout_s` after it started (one watchdog thread for all of them)."""
+    """Wraps the streaming gRPC handlers: at most `max_streams` at once and `per_tenant` of one
+    tenant's (`tenant_of(context)`, as for CallLimit; more: RESOURCE_EXHAUSTED, and
+    `on_refusal(reason)` is told "stream_limit" or "tenant_stream_limit"), each cancelled
+    `timeout_s` after it started (one watchdog thread for all of them)."""
 
     def __init__(
-        self, max_streams: int, timeout_s: float, on_refusal: Callable[[], None] = lambda: None
+        self,
+        max_streams: int,
+        timeout_s: float,
+        on_refusal: Callable[[str], None] = lambda reason: None,
+        per_tenant: int = 0,
+        tenant_of: Callable[[grpc.ServicerContext], str] = lambda context: "",
     ) -> None:
         self._on_refusal = on_refusal
-        self._slots = threading.BoundedSemaphore(max_streams)
-        self._max_streams = max_streams
+        self._slots = Slots(max_streams, per_tenant or max_streams)
+        self._tenant_of = tenant_of
         self._timeout_s = timeout_s
         self._cond = threading.Condition()
         self._deadlines: list[tuple[float, int]] = []  # (when, stream number), a heap
-        self._open: dict[int, grpc.ServicerContext] = {}  # stream number → its call
+        self._open: dict[int, tuple[grpc.ServicerContext, str]] = {}  # number → call, tenant
         self._count = 0
         threading.Thread(target=self._watch, name="tierkv-stream-deadlines", daemon=True).start()
 
@@ -271,23 +314,32 @@ class StreamGuard:
 
     def _enter(self, context: grpc.ServicerContext) -> int:
         """A slot and a deadline for this stream (its number); aborts when none is free."""
-        if not self._slots.acquire(blocking=False):
-            self._on_refusal()
+        tenant = self._tenant_of(context)
+        if not self._slots.take(tenant):
+            slots = self._slots
+            if tenant and slots.holds_its_share(tenant):
+                self._on_refusal("tenant_stream_limit")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the vault serves at most {slots.per_holder} Put/Promote streams of tenant"
+                    f" {tenant} at once (its share of limits.max_concurrent_rpcs_per_tenant)",
+                )
+            self._on_refusal("stream_limit")
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the vault serves at most {self._max_streams} Put/Promote streams at once",
+                f"the vault serves at most {slots.total} Put/Promote streams at once",
             )
         with self._cond:
             self._count += 1
-            self._open[self._count] = context
+            self._open[self._count] = context, tenant
             heapq.heappush(self._deadlines, (time.monotonic() + self._timeout_s, self._count))
             self._cond.notify()
             return self._count
 
     def _leave(self, number: int) -> None:
         with self._cond:
-            del self._open[number]
-        self._slots.release()
+            _, tenant = self._open.pop(number)
+        self._slots.give_back(tenant)
 
     def _watch(self) -> None:
         while True:
@@ -300,6 +352,6 @@ class StreamGuard:
                     self._cond.wait(wait)
                     continue
                 heapq.heappop(self._deadlines)
-                context = self._open.get(number)
-            if context is not None:
-                context.cancel()
+                stream = self._open.get(number)
+            if stream is not None:
+                stream[0].cancel()

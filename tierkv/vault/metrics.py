@@ -68,7 +68,12 @@ _REASONS = {
 REJECTION_REASONS = (*dict.fromkeys(_REASONS.values()), "other")
 REFUSED_CONNECTION_REASONS = ("connection_limit", "tenant_connection_limit")
 """Why the bulk port refuses a connection (bulk.py); a new reason has a series once used."""
-REFUSED_CALL_REASONS = ("concurrency_limit", "tenant_concurrency_limit", "stream_limit")
+REFUSED_CALL_REASONS = (
+    "concurrency_limit",
+    "tenant_concurrency_limit",
+    "stream_limit",
+    "tenant_stream_limit",
+)
 
 
 def default_metrics_host(listen_host: str, *, insecure: bool, mutual_tls: bool) -> str:
@@ -166,7 +171,8 @@ class _StoreCollector(Collector):
         )
         yield CounterMetricFamily(
             "tierkv_vault_disk_kept_blocks",
-            "Read blocks copied forward when their segment was dropped (second chances)",
+            "Blocks copied forward when their segment was dropped: read since written (second "
+            "chances), or of a tenant within its fair share of the disk",
             value=disk.kept,
         )
         yield CounterMetricFamily(
@@ -363,8 +369,8 @@ class VaultMetrics:
 
     def refused_call(self, reason: str) -> None:
         """A gRPC call refused RESOURCE_EXHAUSTED: "concurrency_limit" (limits.max_concurrent_rpcs),
-        "tenant_concurrency_limit" (limits.max_concurrent_rpcs_per_tenant) or "stream_limit"
-        (Put / Promote streams at once)."""
+        "tenant_concurrency_limit" (limits.max_concurrent_rpcs_per_tenant), "stream_limit"
+        (Put / Promote streams at once) or "tenant_stream_limit" (a tenant's share of them)."""
         self._refused_calls.labels(reason).inc()
 
     def watch_grpc_server(self, server_id: int | None) -> None:

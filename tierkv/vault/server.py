@@ -51,6 +51,7 @@ from tierkv.vault.limits import (
     StreamGuard,
     block_problem,
     request_problem,
+    tenant_share,
 )
 from tierkv.vault.metrics import VaultMetrics, default_metrics_host, grpc_server_ids
 from tierkv.vault.store import StoredBlock, VaultStore
@@ -79,6 +80,11 @@ SERVER_OPTIONS = [
     ("grpc.http2.bdp_probe", 0),
 ]
 """gRPC options of the vault; it receives messages up to limits.max_message_bytes."""
+GRPC_CALLS_PER_WORKER = 8
+"""gRPC's own concurrent-call limit, per worker thread: it counts every call gRPC took, waiting
+for a worker or not, refuses past it whoever the caller, and runs before tierkv's limits could
+tell whose share a call is (CallLimit). Eight per worker leave room for the calls a tenant past
+its share keeps sending (each refused on a worker in turn) and bound what waiting calls hold."""
 T = TypeVar("T")
 
 
@@ -135,12 +141,14 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self.role = role
         self.limits = limits
         self.inflight = inflight
-        """Bytes on their way in or out, shared with the bulk path (limits.max_inflight_bytes)."""
-        self.receiving = ByteBudget(max(limits.max_inflight_bytes, limits.max_message_bytes))
-        self.sending = ByteBudget(limits.max_inflight_bytes)
+        """Bytes of bulk PUT frames being received (limits.max_inflight_bytes)."""
+        share = tenant_share(limits, access.several_tenants)
+        receiving = max(limits.max_inflight_bytes, limits.max_message_bytes)
+        self.receiving = ByteBudget(receiving, int(receiving * share))
+        """Bytes of gRPC Put messages admitted and not yet stored."""
+        self.sending = ByteBudget(limits.max_inflight_bytes, int(limits.max_inflight_bytes * share))
         """Bytes of Promote chunks on their way out over gRPC (a budget of their own, so unread
         streams holding theirs never keep Puts from being received)."""
-        """Bytes of gRPC Put messages admitted and not yet stored."""
         self.access = access
         self._tenant_counts = TenantCounters()
         """tenant → [hits, misses, rejected] on a vault of several tenants."""
@@ -162,7 +170,7 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         nbytes = 0
         stored: list[tuple[bytes, int]] = []
         since = self.store.durability_mark()
-        for index, data in self._admitted(request_iterator, context):
+        for index, data in self._admitted(request_iterator, context, tenant.name):
             _check_request(context, request_problem(self.limits, len(index.keys), 1))
             try:
                 payloads: list[bytes | memoryview] = list(split_payloads(data, index.lengths))
@@ -183,28 +191,30 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
         self,
         requests: Iterator[tuple[vault_pb2.PutIndex, memoryview]],
         context: grpc.ServicerContext,
+        tenant: str,
     ) -> Iterator[tuple[vault_pb2.PutIndex, memoryview]]:
         """Each message of a Put stream, asked of gRPC once `receiving` holds room for the largest
-        (RESOURCE_EXHAUSTED when none comes within stall_timeout_s); a message's bytes are held
-        until the next one is asked for (by then the servicer has stored it)."""
+        (within `tenant`'s share; RESOURCE_EXHAUSTED when none comes within stall_timeout_s); a
+        message's bytes are held until the next one is asked for (by then the servicer has
+        stored it)."""
         most = self.limits.max_message_bytes
         while True:
-            if not self.receiving.acquire(most, self.limits.stall_timeout_s):
+            if not self.receiving.acquire(most, self.limits.stall_timeout_s, tenant):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the vault is busy receiving")
             try:
                 message = next(requests, None)
             except BaseException:
-                self.receiving.release(most)
+                self.receiving.release(most, tenant)
                 raise
             if message is None:
-                self.receiving.release(most)
+                self.receiving.release(most, tenant)
                 return
             held = min(most, len(message[1]))
-            self.receiving.release(most - held)
+            self.receiving.release(most - held, tenant)
             try:
                 yield message
             finally:
-                self.receiving.release(held)
+                self.receiving.release(held, tenant)
 
     def put_blocks(
         self,
@@ -295,41 +305,43 @@ class VaultServicer(vault_pb2_grpc.VaultServicer):
     ) -> Iterator[bytes]:
         _check_request(context, request_problem(self.limits, len(request.keys), len(request.parts)))
         started = time.perf_counter()
-        found = self._get_many(request, self.access.tenant(context))
+        tenant = self.access.tenant(context)
+        found = self._get_many(request, tenant)
         batches = batched_by_size(found, lambda b: len(b.payload), CHUNK_BYTES)
-        yield from self._counted(batches, context)
+        yield from self._counted(batches, context, tenant.name)
         nbytes = sum(len(block.payload) for block in found)
         self.metrics.call("promote", "grpc", nbytes, time.perf_counter() - started)
 
     def _counted(
-        self, batches: Iterable[list[StoredBlock]], context: grpc.ServicerContext
+        self, batches: Iterable[list[StoredBlock]], context: grpc.ServicerContext, tenant: str
     ) -> Iterator[bytes]:
         """A serialised PromoteChunk message of each batch, each counted in `sending`
-        (limits.max_inflight_bytes) from before it is built (a stream waiting for room holds no
-        copy) until the next one has been handed to gRPC, the last one until the call ends:
-        gRPC takes a message into its send buffers and asks for the next one before the reader
-        has taken it, so an unread stream holds one there. When a chunk does not fit beside the
-        one before, that one is let go first (a stream never waits for itself)."""
+        (limits.max_inflight_bytes, within `tenant`'s share) from before it is built (a stream
+        waiting for room holds no copy) until the next one has been handed to gRPC, the last one
+        until the call ends: gRPC takes a message into its send buffers and asks for the next
+        one before the reader has taken it, so an unread stream holds one there. When a chunk
+        does not fit beside the one before in the share, that one is let go first (a stream
+        never waits for itself)."""
         held = 0  # bytes of the chunk handed to gRPC last
         try:
             for batch in batches:
                 size = sum(len(block.payload) for block in batch) + CHUNK_INDEX_BYTES * len(batch)
-                if held + size > self.sending.capacity:
-                    self.sending.release(held)
+                if held + size > self.sending.per_holder:
+                    self.sending.release(held, tenant)
                     held = 0
-                if not self.sending.acquire(size, self.limits.stall_timeout_s):
+                if not self.sending.acquire(size, self.limits.stall_timeout_s, tenant):
                     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "the vault is busy sending")
                 try:
                     yield encode_bulk(_promote_index(batch), [block.payload for block in batch])
                 except BaseException:
-                    self.sending.release(size)
+                    self.sending.release(size, tenant)
                     raise
-                self.sending.release(held)
+                self.sending.release(held, tenant)
                 held = size
         finally:
             last = held
-            if last and not context.add_callback(lambda: self.sending.release(last)):
-                self.sending.release(last)  # the call has ended already
+            if last and not context.add_callback(lambda: self.sending.release(last, tenant)):
+                self.sending.release(last, tenant)  # the call has ended already
 
     def promote_blocks(
         self, request: vault_pb2.PromoteRequest, tenant: Tenant
@@ -606,17 +618,19 @@ def serve(
     credentials = server_credentials(security)
     tls = ssl_context(security)
     access = Access(tokens, credentials is not None, insecure)
-    inflight = ByteBudget(limits.max_inflight_bytes)
-    tenant_of = namespace_tenant if tokens and tokens.several_tenants else None
+    share = tenant_share(limits, access.several_tenants)
+    inflight = ByteBudget(limits.max_inflight_bytes, int(limits.max_inflight_bytes * share))
+    tenant_of = namespace_tenant if access.several_tenants else None
     store = VaultStore(max_bytes, disk, tenant_of)
     servicer = VaultServicer(store, role, limits, inflight, access)
     calls = limits.max_concurrent_rpcs
     metrics = servicer.metrics
+
+    def tenant_of_call(context: grpc.ServicerContext) -> str:
+        return access.tenant(context).name
+
     call_limit = CallLimit(
-        calls,
-        metrics.refused_call,
-        limits.max_concurrent_rpcs_per_tenant,
-        lambda context: access.tenant(context).name,
+        calls, metrics.refused_call, limits.max_concurrent_rpcs_per_tenant, tenant_of_call
     )
     interceptors: list[grpc.ServerInterceptor] = [call_limit]
     if tokens:
@@ -630,14 +644,17 @@ def serve(
             *SERVER_OPTIONS,
             ("grpc.max_receive_message_length", limits.max_message_bytes),
         ],
-        maximum_concurrent_rpcs=workers,
+        maximum_concurrent_rpcs=workers * GRPC_CALLS_PER_WORKER,
     )
     ours = grpc_server_ids() - known_servers  # two vaults started at once: unknown, unreported
     metrics.watch_grpc_server(ours.pop() if len(ours) == 1 else None)
+    max_streams = max(1, calls // 2)
     streams = StreamGuard(
-        max(1, calls // 2),
+        max_streams,
         limits.stream_timeout_s,
-        lambda: metrics.refused_call("stream_limit"),
+        metrics.refused_call,
+        max(1, int(max_streams * share)),
+        tenant_of_call,
     )
     server.add_generic_rpc_handlers((_method_handlers(servicer, streams),))
     health_servicer = health.HealthServicer()

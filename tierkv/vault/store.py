@@ -11,7 +11,8 @@ payloads.
 Tenants: given `tenant_of` (namespace → its tenant; a vault of several tenants), the store
 evicts the least recently used entry of the tenant holding the most bytes, so a tenant within its
 fair share (cap / tenants holding blocks) never loses a block to another tenant's flood; without
-it (one tenant) eviction is plain LRU.
+it (one tenant) eviction is plain LRU. A disk tier is told the tenants too (`DiskTier.share_by`)
+and keeps the same share on disk.
 
 With a `DiskTier` (disk.py) the store is its RAM tier: every stored block is also queued for the
 disk (written behind, so a put waits only when the write-behind queue is full; `wait_durable`
@@ -141,6 +142,8 @@ class VaultStore:
         self._entries: OrderedDict[EntryKey, tuple[bytes | memoryview, int]] = OrderedDict()
         self._namespaces: dict[bytes, _Namespace] = {}
         self._tenant_of = tenant_of
+        if disk is not None and tenant_of is not None:
+            disk.share_by(tenant_of)
         self._tenants: dict[bytes, _TenantLRU] = {}
         """tenant → its entries, with `tenant_of` only."""
         self._tenant_evictions: dict[bytes, int] = {}
