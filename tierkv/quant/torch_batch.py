@@ -232,13 +232,15 @@ def _chunks(decoder: _Decoder, group: _Group, target: torch.Tensor, n: int, cols
             _write_rows(target[:, a // cols : b // cols], group, rows, decoder(rows, a, b))
 
 
-_CPU_CHUNK = 1 << 18
-"""Values a CPU decode works on at once (1 MiB of float32): a pass over a whole batch's values
-allocates temporaries of tens of MB that are mostly page faults (fresh memory each time) and
-leave the cache, while a chunk's temporaries come back from the allocator already mapped and
-stay in cache; much smaller chunks pay torch's per-operation overhead (measured on the bench
-shape: 32k values 0.5 GB/s for int8, 256k 3.8 GB/s, 1M 3.1). A device decodes a group at
-once."""
+_CPU_CHUNK = 1 << 15
+"""Values a CPU decode works on at once. ATen runs an operation of at most 32,768 elements on
+the calling thread; a larger one wakes an OpenMP team and waits for it at the end, which on a
+machine whose cores are busy costs a time slice per operation (measured on the bench shape,
+load 3-4 on 2 cores: chunks of 256k values ran int8 at 0.016-1.6 GB/s from run to run, 32k
+values at 0.3-0.95). The chunk's temporaries stay in cache and come back from the allocator
+already mapped (a pass over a whole batch's values in fresh memory is mostly page faults).
+On an idle machine larger chunks are faster (256k: int8 3.8 GB/s); a device decodes a group
+at once."""
 
 
 class _Group:
