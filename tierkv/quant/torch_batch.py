@@ -3,11 +3,14 @@
 A restore's payloads are copied as they arrive into one host buffer (`Received`: pinned when the
 decode runs on CUDA); `decode_batch` then copies that buffer to the device once, groups the
 payloads by header (codec, dtype, shape, and a key-aware body's prefix), and decodes each group
-with a fixed number of vectorised torch operations over all its payloads, whatever their count:
-none is a view, INT8 a multiply per group of values, TurboQuant a table look-up of its packed
-indices, its Walsh-Hadamard butterflies stage by stage (and the mix of its Hadamard blocks),
-its scaling and the conversion, with each payload's channel order, means and sink tokens. A K/V
-pair payload is its two halves, each decoded with the halves of the other pair payloads.
+with vectorised torch operations written straight into the blocks: none is a copy, INT8 a
+multiply per group of values, TurboQuant a table look-up of its packed indices, its
+Walsh-Hadamard butterflies stage by stage (and the mix of its Hadamard blocks), its scaling and
+the conversion, with each payload's channel order, means and sink tokens. A K/V pair payload is
+its two halves, each decoded with the halves of the other pair payloads. On a device a group is
+one chunk (a fixed number of operations whatever its payload count); on the CPU it is decoded
+in chunks of whole vectors small enough for each operation to run on the calling thread
+(`_CPU_CHUNK`).
 
 Every float32 operation is the Numba kernel's, in its order (tierkv.quant.turbo: the look-up
 tables with their first butterfly stages, `0 + c * y` for the mix, `value * factor * norm *
