@@ -3,11 +3,14 @@
 A restore's payloads are copied as they arrive into one host buffer (`Received`: pinned when the
 decode runs on CUDA); `decode_batch` then copies that buffer to the device once, groups the
 payloads by header (codec, dtype, shape, and a key-aware body's prefix), and decodes each group
-with a fixed number of vectorised torch operations over all its payloads, whatever their count:
-none is a view, INT8 a multiply per group of values, TurboQuant a table look-up of its packed
-indices, its Walsh-Hadamard butterflies stage by stage (and the mix of its Hadamard blocks),
-its scaling and the conversion, with each payload's channel order, means and sink tokens. A K/V
-pair payload is its two halves, each decoded with the halves of the other pair payloads.
+with vectorised torch operations written straight into the blocks: none is a copy, INT8 a
+multiply per group of values, TurboQuant a table look-up of its packed indices, its
+Walsh-Hadamard butterflies stage by stage (and the mix of its Hadamard blocks), its scaling and
+the conversion, with each payload's channel order, means and sink tokens. A K/V pair payload is
+its two halves, each decoded with the halves of the other pair payloads. On a device a group is
+one chunk (a fixed number of operations whatever its payload count); on the CPU it is decoded
+in chunks of whole vectors small enough for each operation to run on the calling thread
+(`_CPU_CHUNK`).
 
 Every float32 operation is the Numba kernel's, in its order (tierkv.quant.turbo: the look-up
 tables with their first butterfly stages, `0 + c * y` for the mix, `value * factor * norm *
@@ -232,13 +235,15 @@ def _chunks(decoder: _Decoder, group: _Group, target: torch.Tensor, n: int, cols
             _write_rows(target[:, a // cols : b // cols], group, rows, decoder(rows, a, b))
 
 
-_CPU_CHUNK = 1 << 18
-"""Values a CPU decode works on at once (1 MiB of float32): a pass over a whole batch's values
-allocates temporaries of tens of MB that are mostly page faults (fresh memory each time) and
-leave the cache, while a chunk's temporaries come back from the allocator already mapped and
-stay in cache; much smaller chunks pay torch's per-operation overhead (measured on the bench
-shape: 32k values 0.5 GB/s for int8, 256k 3.8 GB/s, 1M 3.1). A device decodes a group at
-once."""
+_CPU_CHUNK = 1 << 15
+"""Values a CPU decode works on at once. ATen runs an operation of at most 32,768 elements on
+the calling thread; a larger one wakes an OpenMP team and waits for it at the end, which on a
+machine whose cores are busy costs a time slice per operation (measured on the bench shape,
+load 3-4 on 2 cores: chunks of 256k values ran int8 at 0.016-1.6 GB/s from run to run, 32k
+values at 0.3-0.95). The chunk's temporaries stay in cache and come back from the allocator
+already mapped (a pass over a whole batch's values in fresh memory is mostly page faults).
+On an idle machine larger chunks are faster (256k: int8 3.8 GB/s); a device decodes a group
+at once."""
 
 
 class _Group:
@@ -435,12 +440,12 @@ def _sink_positions(outer: int, tokens: int, inner: int, count: int) -> np.ndarr
 
 def _write_rows(target: torch.Tensor, group: _Group, rows: slice, values: torch.Tensor) -> None:
     """target[slot] = values[i] for each slot of group rows `rows`, converted to the target's
-    dtype (uint8 values: its bytes). One block: a copy into its view; else one index_copy_ on a
-    device, on the CPU numpy's fancy indexing (torch's index_copy_ of 16-bit words measured an
-    order of magnitude slower)."""
+    dtype (uint8 values: its bytes). Values to convert, of one block: a copy into its view;
+    else one index_copy_ on a device, on the CPU numpy's fancy indexing (on this thread; torch's
+    index_copy_ of 16-bit words measured an order of magnitude slower)."""
     if values.dtype == torch.uint8:
         target = target.view(torch.uint8)
-    if rows.stop - rows.start == 1:
+    if rows.stop - rows.start == 1 and values.dtype != target.dtype:
         view = target[int(group.slots[rows.start])]
         view.copy_(values.view(view.shape))
         return
