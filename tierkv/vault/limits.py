@@ -150,8 +150,8 @@ class Slots:
 
 class CallLimit(grpc.ServerInterceptor):
     """At most `max_calls` gRPC calls served at once, and at most `per_tenant` of one tenant's
-    (`tenant_of(context)`: its name, "" for a vault of one tenant, whose calls count in all
-    only); a call beyond them is answered RESOURCE_EXHAUSTED and `on_refusal(reason)` is told
+    (`tenant_of(context)`: its name; the vault gives a vault of one tenant all of them); a call
+    beyond them is answered RESOURCE_EXHAUSTED and `on_refusal(reason)` is told
     ("concurrency_limit" or "tenant_concurrency_limit").
 
     gRPC's own `maximum_concurrent_rpcs` refuses before any interceptor could count it, so the
@@ -169,17 +169,13 @@ class CallLimit(grpc.ServerInterceptor):
         per_tenant: int = 0,
         tenant_of: Callable[[grpc.ServicerContext], str] = lambda context: "",
     ) -> None:
-        self.max_calls = max_calls
-        self.per_tenant = per_tenant or max_calls
+        self._slots = Slots(max_calls, per_tenant or max_calls)
         self._on_refusal = on_refusal
         self._tenant_of = tenant_of
-        self._lock = threading.Lock()
-        self._active = 0
-        self._by_tenant: dict[str, int] = {}
 
     def reserve_threads(self) -> int:
         """Workers beyond max_calls that answer refusals."""
-        return max(4, self.max_calls // 4)
+        return max(4, self._slots.total // 4)
 
     def intercept_service(
         self,
@@ -214,36 +210,24 @@ class CallLimit(grpc.ServerInterceptor):
     def _enter(self, context: grpc.ServicerContext) -> str:
         """Take a slot for the call (its tenant's too); the tenant, for `_leave`."""
         tenant = self._tenant_of(context)
-        with self._lock:
-            held = self._by_tenant.get(tenant, 0)
-            full = self._active >= self.max_calls
-            tenant_full = bool(tenant) and held >= self.per_tenant
-            if not (full or tenant_full):
-                self._active += 1
-                if tenant:
-                    self._by_tenant[tenant] = held + 1
-        if tenant_full:
+        slots = self._slots
+        if slots.take(tenant):
+            return tenant
+        if tenant and slots.holds_its_share(tenant):
             self._on_refusal("tenant_concurrency_limit")
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the vault serves at most {self.per_tenant} calls of tenant {tenant} at once"
+                f"the vault serves at most {slots.per_holder} calls of tenant {tenant} at once"
                 " (limits.max_concurrent_rpcs_per_tenant)",
             )
-        if full:
-            self._on_refusal("concurrency_limit")
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the vault serves at most {self.max_calls} calls at once",
-            )
-        return tenant
+        self._on_refusal("concurrency_limit")
+        context.abort(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"the vault serves at most {slots.total} calls at once",
+        )
 
     def _leave(self, tenant: str) -> None:
-        with self._lock:
-            self._active -= 1
-            if tenant:
-                held = self._by_tenant.pop(tenant) - 1
-                if held:
-                    self._by_tenant[tenant] = held
+        self._slots.give_back(tenant)
 
     def _answered(self, behaviour: Handler) -> Handler:
         def limited(request: Any, context: grpc.ServicerContext) -> Any:

@@ -629,9 +629,8 @@ def serve(
     def tenant_of_call(context: grpc.ServicerContext) -> str:
         return access.tenant(context).name
 
-    call_limit = CallLimit(
-        calls, metrics.refused_call, limits.max_concurrent_rpcs_per_tenant, tenant_of_call
-    )
+    per_tenant = min(limits.max_concurrent_rpcs_per_tenant, calls) if access.several_tenants else 0
+    call_limit = CallLimit(calls, metrics.refused_call, per_tenant, tenant_of_call)
     interceptors: list[grpc.ServerInterceptor] = [call_limit]
     if tokens:
         interceptors.append(AuthInterceptor(tokens, lambda: metrics.auth_failed("grpc")))
