@@ -247,6 +247,7 @@ def _run_bench(
         transient=True,
     ) as progress:
         rows: dict[str, TaskID] = {}
+        phases: dict[str, str] = {}  # the phase each row shows
         compile_started = time.perf_counter()
 
         def on_phase(name: str, phase: str, done: int, total: int) -> None:
@@ -267,7 +268,11 @@ def _run_bench(
             row = rows.get(name)
             if row is None:
                 row = rows[name] = progress.add_task(name, total=total)
+            started = phases.get(name) != phase
+            phases[name] = phase
             progress.update(row, description=f"{name} {phase}", completed=done, total=total)
+            if started and live:
+                progress.refresh()  # each phase drawn as it starts, however soon it ends
 
         try:
             return run_bench(
