@@ -168,18 +168,31 @@ def _refused(put: grpc.StreamUnaryMultiCallable) -> bool:
     return False
 
 
+def _vault_of_two_tenants(calls_per_tenant: int) -> VaultServer:
+    """Alice's and Mallory's vault serving 16 calls at once, `calls_per_tenant` of one tenant's."""
+    limits = LimitsConfig(max_concurrent_rpcs=16, max_concurrent_rpcs_per_tenant=calls_per_tenant)
+    return serve(
+        "127.0.0.1:0", 0, tokens=Tokens([("alice", ALICE), ("mallory", MALLORY)]), limits=limits
+    )
+
+
+def _sending_nothing_until(release: threading.Event) -> Callable[[], Iterator[bytes]]:
+    """A Put stream's requests: none, the stream left open until `release` is set (60 s at most)."""
+
+    def nothing_until_released() -> Iterator[bytes]:
+        release.wait(60)
+        yield from ()
+
+    return nothing_until_released
+
+
 def test_a_tenant_holding_its_streams_leaves_the_others_theirs() -> None:
     """Mallory holds her share of Put streams (streams that send nothing): her next one is
     refused, naming her share, and Alice's calls and streams are served. (One tenant could hold
     every stream slot of the vault, and with them every byte it receives at once.)"""
-    limits = LimitsConfig(max_concurrent_rpcs=16, max_concurrent_rpcs_per_tenant=4)
-    tokens = Tokens([("alice", ALICE), ("mallory", MALLORY)])
-    server = serve("127.0.0.1:0", 0, tokens=tokens, limits=limits)
+    server = _vault_of_two_tenants(calls_per_tenant=4)
     release = threading.Event()
-
-    def nothing_until_released() -> Iterator[bytes]:
-        release.wait(30)
-        yield from ()
+    nothing_until_released = _sending_nothing_until(release)
 
     try:
         with grpc.insecure_channel(server.address) as plain:
@@ -262,14 +275,9 @@ def test_a_tenant_flooding_calls_gets_none_of_the_others_refused() -> None:
     connections: her calls past her share are refused, never Alice's. (gRPC's own concurrent-call
     limit, shared by every tenant, refused Alice's calls before tierkv's per-tenant limit counted
     them, and one tenant could hold every Put/Promote stream slot of the vault.)"""
-    limits = LimitsConfig(max_concurrent_rpcs=16, max_concurrent_rpcs_per_tenant=8)
-    tokens = Tokens([("alice", ALICE), ("mallory", MALLORY)])
-    server = serve("127.0.0.1:0", 0, tokens=tokens, limits=limits)
+    server = _vault_of_two_tenants(calls_per_tenant=8)
     release = threading.Event()
-
-    def nothing_until_released() -> Iterator[bytes]:
-        release.wait(60)
-        yield from ()
+    nothing_until_released = _sending_nothing_until(release)
 
     flood = None
     try:
