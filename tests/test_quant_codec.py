@@ -29,11 +29,20 @@ from tierkv.quant import (
     turbo,
     warmup,
 )
+from tierkv.quant.codec import FAMILIES, FAMILY_OF
 from tierkv.quant.payload import FORMAT_VERSION, header_bytes
 
 fidelity_module = importlib.import_module("tierkv.quant.fidelity")
 
 DTYPES = ("fp16", "bf16", "fp32")
+
+
+def test_every_codec_has_one_family() -> None:
+    """The catalogue serves each codec name once, each by the family whose codec has that name."""
+    served = [name for family in FAMILIES for name in family.names]
+    assert sorted(served) == sorted(CODEC_NAMES)
+    for name in CODEC_NAMES:
+        assert FAMILY_OF[name].make(name, 128).name == name
 
 
 def to_dtype(x: np.ndarray, dtype: str) -> np.ndarray:

@@ -1,8 +1,7 @@
-"""The codec registry, payload decoding, the lossless fallback and kernel warm-up."""
+"""The codec catalogue, payload decoding, the lossless fallback and kernel warm-up."""
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Iterable, Sequence
 
@@ -10,14 +9,11 @@ import numpy as np
 
 from tierkv.codecs import (
     CODEC_NAMES,
-    DTYPE_BYTES,
     DTYPES,
-    SINK_MODES,
-    TURBO_MODES,
     kv_pair_codecs,
 )
 from tierkv.quant import int8, lossless, sinks, turbo
-from tierkv.quant.base import Codec
+from tierkv.quant.base import Codec, CodecFamily
 from tierkv.quant.fidelity import fidelity
 from tierkv.quant.kernels import PARALLEL_MIN_BYTES, Threaded
 from tierkv.quant.pair import PairCodec, decode_pair_into, is_pair, parse_pair
@@ -33,34 +29,11 @@ from tierkv.quant.payload import (
 )
 from tierkv.quant.sinks import Sinks, SinkTurboCodec
 
-_FACTORIES: dict[str, Callable[[int], Codec]] = {
-    "none": lossless.LosslessCodec,
-    "int8": int8.Int8Codec,
-    **{name: functools.partial(turbo.named_codec, name) for name in TURBO_MODES},
-    **{name: functools.partial(sinks.named_codec, name) for name in SINK_MODES},
-}
-
-_BodyBytes = Callable[[PayloadHeader, memoryview], int]
-_Decoder = Callable[[PayloadHeader, np.ndarray, np.ndarray], None]
-_BODY_BYTES: dict[str, _BodyBytes] = {
-    "none": lambda h, _: h.size * DTYPE_BYTES[h.dtype],
-    "int8": lambda h, _: int8.body_bytes(h.size, h.group_size),
-    **dict.fromkeys(TURBO_MODES, lambda h, _: turbo.body_bytes(h)),
-    **dict.fromkeys(SINK_MODES, sinks.body_bytes),
-}
-"""The body length each codec's payload must have (a sink codec's depends on its body's
-prefix)."""
-_DECODERS: dict[str, _Decoder] = {
-    "none": lambda h, body, out: lossless.decode_body(body, out),
-    "int8": int8.decode_body,
-    **dict.fromkeys(TURBO_MODES, turbo.decode_body),
-    **dict.fromkeys(SINK_MODES, sinks.decode_body),
-}
-_RunDecoder = Callable[[PayloadHeader, PayloadRun, np.ndarray, np.ndarray], np.ndarray]
-_RUN_DECODERS: dict[str, _RunDecoder] = {
-    "int8": int8.decode_run,
-    **dict.fromkeys(TURBO_MODES, turbo.decode_run),
-}
+FAMILIES = (lossless.FAMILY, int8.FAMILY, turbo.FAMILY, sinks.FAMILY)
+"""The catalogue: every codec family, from which get_codec, decode_into, checked_body and
+decode_many dispatch on a codec's name (see base.CodecFamily for adding a codec)."""
+FAMILY_OF: dict[str, CodecFamily] = {name: family for family in FAMILIES for name in family.names}
+"""Each codec name of CODEC_NAMES -> its family (a payload header's codec is always one)."""
 
 
 def get_codec(name: str, group_size: int = 128) -> Codec:
@@ -70,12 +43,13 @@ def get_codec(name: str, group_size: int = 128) -> Codec:
     if pair is not None:
         keys, values = (get_codec(codec, group_size) for codec in pair)
         return keys if keys.name == values.name else PairCodec(keys, values)
-    if name not in _FACTORIES:
+    family = FAMILY_OF.get(name)
+    if family is None:
         raise ValueError(
             f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)} or a K/V pair "
             'like "k8v4"'
         )
-    return _FACTORIES[name](group_size)
+    return family.make(name, group_size)
 
 
 def decode_into(payload: bytes | bytearray | memoryview, out: np.ndarray) -> None:
@@ -91,7 +65,7 @@ def decode_into(payload: bytes | bytearray | memoryview, out: np.ndarray) -> Non
     words = output_words(out, header)
     body_array = np.frombuffer(body, np.uint8)
     body_array.flags.writeable = False  # one kernel specialisation for bytes and bytearrays
-    _DECODERS[header.codec](header, body_array, words)
+    FAMILY_OF[header.codec].decode_body(header, body_array, words)
 
 
 def payload_shape(payload: bytes | bytearray | memoryview) -> tuple[int, ...]:
@@ -139,7 +113,7 @@ def _decode_run(first: memoryview, count: int, out: np.ndarray, rows: np.ndarray
         words = output_words(out[rows[0]], header)
     except PayloadError:
         return done
-    decode_run = _RUN_DECODERS.get(header.codec)
+    decode_run = FAMILY_OF[header.codec].decode_run
     if decode_run is None or words.nbytes >= PARALLEL_MIN_BYTES:
         return done
     stride, head = len(first), len(first) - len(body)
@@ -172,7 +146,7 @@ def checked_body(payload: bytes | bytearray | memoryview) -> tuple[PayloadHeader
         if known is not None and known[1] == len(view):
             return known[0], view[head_len:]
     header, body = parse_header(view)
-    expected = _BODY_BYTES[header.codec](header, body)
+    expected = FAMILY_OF[header.codec].body_bytes(header, body)
     if len(body) != expected:
         raise PayloadError(
             f"{header.codec} payload body is {len(body)} bytes, shape {header.shape} with "
@@ -241,7 +215,8 @@ def warmup(
         codec = get_codec(name, 128)
         payload = encode_block(codec, array, dtype, kv_split=(1, 64))  # pairs too
         decode_into(payload, np.empty_like(array))
-        if name in _RUN_DECODERS:  # how a load decodes a run of promoted payloads
+        family = FAMILY_OF.get(name)  # None for a K/V pair
+        if family is not None and family.decode_run is not None:  # how a load decodes a run
             run = memoryview(bytes(payload) * 2)
             halves = [run[: len(payload)], run[len(payload) :]]
             decode_many(halves, np.empty((2, *array.shape), array.dtype), [0, 1])

@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from tierkv.codecs import DTYPE_CODES
+from tierkv.quant.base import CodecFamily
 from tierkv.quant.kernels import (
     CHUNK_VALUES,
     Threaded,
@@ -243,3 +244,13 @@ def decode_run(
     code = DTYPE_CODES[header.dtype]
     decode_rows((run.data, run.stride, run.head, run.at), code, header.group_size, out_rows, rows)
     return np.ones(run.at.size, np.bool_)
+
+
+FAMILY = CodecFamily(
+    names=("int8",),
+    make=lambda _, group_size: Int8Codec(group_size),
+    body_bytes=lambda header, _: body_bytes(header.size, header.group_size),
+    decode_body=decode_body,
+    decode_run=decode_run,
+)
+"""INT8, for tierkv.quant.codec."""

@@ -16,9 +16,16 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-from tierkv.codecs import DTYPE_CODES
+from tierkv.codecs import DTYPE_BYTES, DTYPE_CODES
+from tierkv.quant.base import CodecFamily
 from tierkv.quant.kernels import CHUNK_VALUES, FP32, Threaded, max_abs_bits, nonfinite_bits
-from tierkv.quant.payload import NonFiniteError, input_words, new_payload, pack_header
+from tierkv.quant.payload import (
+    NonFiniteError,
+    PayloadHeader,
+    input_words,
+    new_payload,
+    pack_header,
+)
 
 
 @njit(cache=True, nogil=True)
@@ -154,6 +161,20 @@ class LosslessCodec:
         return header, words.view(np.uint8).data
 
 
-def decode_body(body: np.ndarray, out_words: np.ndarray) -> None:
+def body_bytes(header: PayloadHeader, body: memoryview) -> int:
+    """The body length a lossless payload with `header` must have: its raw words."""
+    return header.size * DTYPE_BYTES[header.dtype]
+
+
+def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) -> None:
     """Copy the raw words of `body` into `out_words` (sizes already checked)."""
     stream_copy(body, out_words.view(np.uint8))
+
+
+FAMILY = CodecFamily(
+    names=("none",),
+    make=lambda _, group_size: LosslessCodec(group_size),
+    body_bytes=body_bytes,
+    decode_body=decode_body,
+)
+"""The lossless codec, for tierkv.quant.codec."""

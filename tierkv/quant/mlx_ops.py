@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 
-from tierkv.codecs import DTYPE_BYTES, DTYPE_CODES, FRAMEWORK_DTYPES, SINK_MODES, TURBO_MODES
-from tierkv.quant import int8, sinks
-from tierkv.quant.base import Codec
-from tierkv.quant.codec import checked_body
+from tierkv.codecs import DTYPE_BYTES, DTYPE_CODES, FRAMEWORK_DTYPES
+from tierkv.quant import int8, lossless, sinks, turbo
+from tierkv.quant.base import Codec, CodecFamily
+from tierkv.quant.codec import FAMILY_OF, checked_body
 from tierkv.quant.kernels import BF16, FP16, FP32, bits_value, block_exponent, nonfinite_bits
 from tierkv.quant.pair import PairCodec
 from tierkv.quant.payload import MAX_NDIM, NonFiniteError, PayloadHeader, new_payload, pack_header
-from tierkv.quant.sinks import Parts
 from tierkv.quant.turbo import Instance, TurboCodec, index_positions, named_codec, packed_bytes
 
 _DTYPE_OF = {getattr(mx, name): ours for name, ours in FRAMEWORK_DTYPES.items()}
@@ -58,66 +58,50 @@ def encode(
     max_bits = np.uint32(int((words & _ABS_MASKS[code]).max())) if n else np.uint32(0)
     if max_bits >= nonfinite_bits(code):  # an integer reduction: several times a float one's speed
         raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
-    if codec.name == "none":
-        body_len = n * DTYPE_BYTES[dtype]
-    elif codec.name == "int8":
-        body_len = int8.body_bytes(n, codec.group_size)
-    elif codec.name in TURBO_MODES:
-        turbo = named_codec(codec.name, codec.group_size)
-        turbo.check_encodable(np.broadcast_to(np.uint8(0), (n,)), shape)  # needs only the size
-        body_len = turbo.layout(shape).body_bytes
-    else:
+    family = FAMILY_OF.get(codec.name)  # None for a K/V pair
+    encoder = None if family is None else _ENCODERS.get(family)
+    if encoder is None:
         raise ValueError(f"mlx_ops cannot encode with codec {codec.name!r}")
-    header = pack_header(codec.name, dtype, shape, codec.group_size, body_len)
-    payload, body = new_payload(header, body_len)
-    flat = values.reshape(-1)
-    if codec.name == "none":
-        body[:] = _host_bytes(flat)
-    elif codec.name == "int8":
-        _int8_encode(flat.astype(mx.float32), codec.group_size, body)
-    else:
-        _turbo_encode(
-            flat.astype(mx.float32), float(bits_value(max_bits, code)), turbo, shape, body
-        )
-    return payload
+    return encoder(codec, values.reshape(-1), dtype, shape, float(bits_value(max_bits, code)))
 
 
 def decode(payload: bytes | bytearray | memoryview) -> mx.array:
     """The block in `payload` as an MLX array of its shape and dtype (float16 / bfloat16 /
     float32); PayloadError when the payload is malformed."""
     header, body = checked_body(payload)
-    host = np.frombuffer(body, np.uint8)
-    target = _MX_TYPES[header.dtype]
-    if header.codec == "none":
-        return mx.array(host).view(target).reshape(header.shape)
-    parts = None
-    if header.codec == "int8":
-        values = _int8_decode(host, header)
-    elif header.codec in SINK_MODES:
-        values, parts = _sink_decode(host, header)
-    else:
-        codec = named_codec(header.codec, header.group_size, header.version)
-        values = _turbo_decode(host, codec, header.shape)
+    words = _DECODERS[FAMILY_OF[header.codec]](np.frombuffer(body, np.uint8), header)
+    return words.reshape(header.shape)
+
+
+def _new_payload(
+    codec: Codec, dtype: str, shape: tuple[int, ...], body_len: int
+) -> tuple[bytes, np.ndarray]:
+    """A payload of `codec` with its header and a body of `body_len` bytes still to be written."""
+    return new_payload(pack_header(codec.name, dtype, shape, codec.group_size, body_len), body_len)
+
+
+def _words(values: mx.array, header: PayloadHeader) -> mx.array:
+    """float32 values clamped to the finite range of the payload's dtype and rounded to it."""
     bound = _MAX_FINITE[header.dtype]
     if bound is not None:
         values = mx.clip(values, -bound, bound)
-    values = values.astype(target)
-    if parts is not None and parts.count:  # the sink tokens' raw words
-        values = values.reshape(parts.blocks)
-        word_bytes = DTYPE_BYTES[header.dtype]
-        values[:, : parts.count] = mx.array(parts.sink_words(word_bytes)).view(target)
-    return values.reshape(header.shape)
+    return values.astype(_MX_TYPES[header.dtype])
 
 
-def _sink_decode(host: np.ndarray, header: PayloadHeader) -> tuple[mx.array, Parts]:
-    """A sink codec's block (its means added, the sink tokens still to be written) and its
-    parts."""
+def _sink_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
+    """A sink codec's block: its TurboQuant body decoded, its means added, its sink tokens' raw
+    words written."""
     codec = sinks.named_codec(header.codec, header.group_size)
     parts, turbo_body = codec.parts(header, host)
     x = _turbo_decode(turbo_body, codec.turbo, header.shape)
     if parts.means.size:
         x = (x.reshape(parts.blocks) + mx.array(parts.mean_values())).reshape(-1)
-    return x, parts
+    words = _words(x, header)
+    if parts.count:
+        words = words.reshape(parts.blocks)
+        raw = parts.sink_words(DTYPE_BYTES[header.dtype])
+        words[:, : parts.count] = mx.array(raw).view(words.dtype)
+    return words
 
 
 def _pair_half(codec: PairCodec, src: mx.array, kv_split: tuple[int, int] | None) -> Codec:
@@ -157,6 +141,21 @@ def _host_bytes(a: mx.array) -> np.ndarray:
     return np.asarray(a.reshape(-1).view(mx.uint8))
 
 
+# ---- none -----------------------------------------------------------------------------------
+
+
+def _none_encode(
+    codec: Codec, flat: mx.array, dtype: str, shape: tuple[int, ...], max_abs: float
+) -> bytes:
+    payload, body = _new_payload(codec, dtype, shape, flat.size * DTYPE_BYTES[dtype])
+    body[:] = _host_bytes(flat)
+    return payload
+
+
+def _none_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
+    return mx.array(host).view(_MX_TYPES[header.dtype])
+
+
 # ---- INT8 -----------------------------------------------------------------------------------
 
 
@@ -173,7 +172,11 @@ def _per_group(values: mx.array, group_size: int) -> mx.array:
     return values.reshape(-1, group_size)
 
 
-def _int8_encode(x: mx.array, group_size: int, body: np.ndarray) -> None:
+def _int8_encode(
+    codec: Codec, flat: mx.array, dtype: str, shape: tuple[int, ...], max_abs: float
+) -> bytes:
+    x, group_size = flat.astype(mx.float32), codec.group_size
+    payload, body = _new_payload(codec, dtype, shape, int8.body_bytes(flat.size, group_size))
     n = x.size
     groups = _per_group(x, group_size)
     n_groups = groups.shape[0]
@@ -189,6 +192,7 @@ def _int8_encode(x: mx.array, group_size: int, body: np.ndarray) -> None:
     body[:2] = np.frombuffer(np.int16(k).astype("<i2").tobytes(), np.uint8)
     body[2 : 2 + 2 * n_groups] = halves.astype("<f2").view(np.uint8)
     body[2 + 2 * n_groups :] = _host_bytes(q.reshape(-1)[:n].astype(mx.int8))
+    return payload
 
 
 def _int8_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
@@ -198,7 +202,7 @@ def _int8_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
     steps = _int8_steps(host[2 : 2 + 2 * n_groups].view("<f2"), k)
     start = 2 + 2 * n_groups
     q = mx.array(host[start : start + n].view(np.int8)).astype(mx.float32)
-    return (_per_group(q, group_size) * mx.array(steps)[:, None]).reshape(-1)[:n]
+    return _words((_per_group(q, group_size) * mx.array(steps)[:, None]).reshape(-1)[:n], header)
 
 
 # ---- TurboQuant -----------------------------------------------------------------------------
@@ -258,8 +262,11 @@ def _pack(index: mx.array, m: int, bits: int) -> mx.array:
 
 
 def _turbo_encode(
-    x: mx.array, max_abs: float, codec: TurboCodec, shape: tuple[int, ...], body: np.ndarray
-) -> None:
+    mode: Codec, flat: mx.array, dtype: str, shape: tuple[int, ...], max_abs: float
+) -> bytes:
+    x, codec = flat.astype(mx.float32), named_codec(mode.name, mode.group_size)
+    codec.check_encodable(np.broadcast_to(np.uint8(0), (x.size,)), shape)  # needs only the size
+    payload, body = _new_payload(mode, dtype, shape, codec.layout(shape).body_bytes)
     d = codec.group_size
     layout = codec.layout(shape)
     n = layout.n_vectors
@@ -287,6 +294,12 @@ def _turbo_encode(
         mx.concatenate(norms, axis=-1).astype(mx.float16)
     )
     body[layout.indices_offset :] = _host_bytes(mx.concatenate(indices, axis=-1))
+    return payload
+
+
+def _turbo_payload_decode(host: np.ndarray, header: PayloadHeader) -> mx.array:
+    codec = named_codec(header.codec, header.group_size, header.version)
+    return _words(_turbo_decode(host, codec, header.shape), header)
 
 
 def _turbo_decode(host: np.ndarray, codec: TurboCodec, shape: tuple[int, ...]) -> mx.array:
@@ -313,3 +326,21 @@ def _turbo_decode(host: np.ndarray, codec: TurboCodec, shape: tuple[int, ...]) -
     inverse = np.argsort(channels, axis=1).astype(np.int32)  # channel c sits at inverse[s, c]
     x = mx.take_along_axis(ordered, mx.array(inverse)[None, :, None, :], axis=-1)
     return (x * 2.0**k).reshape(-1)
+
+
+_Encoder = Callable[[Codec, mx.array, str, tuple[int, ...], float], bytes]
+_ENCODERS: dict[CodecFamily, _Encoder] = {
+    lossless.FAMILY: _none_encode,
+    int8.FAMILY: _int8_encode,
+    turbo.FAMILY: _turbo_encode,
+}
+"""Each family's encode: (codec, the block's finite values flat, dtype, shape, their largest
+magnitude) -> the payload; the key-aware codecs have none here."""
+_DECODERS: dict[CodecFamily, Callable[[np.ndarray, PayloadHeader], mx.array]] = {
+    lossless.FAMILY: _none_decode,
+    int8.FAMILY: _int8_decode,
+    turbo.FAMILY: _turbo_payload_decode,
+    sinks.FAMILY: _sink_decode,
+}
+"""Each family's decode: (the body, header) -> the block's values, flat or of its shape, in the
+payload's dtype."""

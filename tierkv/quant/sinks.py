@@ -27,6 +27,7 @@ from functools import lru_cache
 import numpy as np
 
 from tierkv.codecs import DTYPE_BYTES, SINK_MODES
+from tierkv.quant.base import CodecFamily
 from tierkv.quant.payload import (
     WORD_TYPES,
     NonFiniteError,
@@ -234,3 +235,12 @@ def body_bytes(header: PayloadHeader, body: memoryview) -> int:
 def decode_body(header: PayloadHeader, body: np.ndarray, out_words: np.ndarray) -> None:
     """Decode a body (its length checked by body_bytes) into `out_words`."""
     named_codec(header.codec, header.group_size).decode_words(header, body, out_words)
+
+
+FAMILY = CodecFamily(
+    names=tuple(SINK_MODES),
+    make=named_codec,
+    body_bytes=body_bytes,
+    decode_body=decode_body,
+)
+"""The key-aware modes (tierkv.codecs.SINK_MODES), for tierkv.quant.codec."""

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tierkv.codecs import SINK_MODES, TURBO_MODES
-from tierkv.quant import sinks
-from tierkv.quant.codec import checked_body
+from tierkv.quant import int8, lossless, sinks, turbo
+from tierkv.quant.base import CodecFamily
+from tierkv.quant.codec import FAMILY_OF, checked_body
 from tierkv.quant.pair import is_pair, parse_pair
 from tierkv.quant.payload import PayloadError, PayloadHeader, parse_header
 from tierkv.quant.turbo import Instance, TurboCodec, index_positions, named_codec
@@ -172,14 +172,7 @@ def _pieces_of(
             f"{header.codec} payload of shape {header.shape} {header.dtype} does not fit a block "
             f"of shape {tuple(block)} {dtype}"
         )
-    prefix = b""
-    if header.codec in SINK_MODES:
-        prefix = bytes(body[: sinks.PREFIX.size])
-        sinks.named_codec(header.codec, header.group_size).parts(header, np.asarray(body))
-    elif header.codec in TURBO_MODES:
-        codec = named_codec(header.codec, header.group_size, header.version)
-        if any(_dense(inst) for _, inst, _ in codec.instances()):
-            raise _NotBatched
+    prefix = _DECODERS[FAMILY_OF[header.codec]].prefix(header, body)
     return [(_Key(header, prefix, len(body), half), 0, len(view))]
 
 
@@ -198,11 +191,12 @@ def _decode_group(
     start = members[0][2] - key.body_bytes  # the same offset in every member's payload
     slots = np.asarray([index for index, _, _ in members], dtype=np.int64)
     group = _Group(host, data, slots, start)
-    decoder = _decoder(key, group)
+    kind = _DECODERS[FAMILY_OF[key.header.codec]]
+    decoder = kind.of(key, group)
     ok = decoder.ok
     if not ok.all():
         group = _Group(host, data, slots[ok], start)
-        decoder = _decoder(key, group)
+        decoder = kind.of(key, group)
     target = out
     cols = 1
     if key.half is not None:
@@ -273,36 +267,36 @@ class _Group:
 class _Decoder:
     """One group's decode, a chunk at a time: __call__(rows, a, b) is values a:b of bodies
     `rows` as words [rows, b - a] of the payloads' dtype, their float32 values, or their bytes;
-    a chunk starts at a multiple of `unit`. `ok`: which bodies are valid."""
+    a chunk starts at a multiple of `unit`. `ok`: which bodies are valid. Each family's is in
+    _DECODERS."""
 
     unit = 1
 
-    def __init__(self, group: _Group) -> None:
-        self.group = group
+    def __init__(self, group: _Group, header: PayloadHeader) -> None:
+        self.group, self.header = group, header
         self.ok = np.ones(len(group.slots), bool)
+
+    @staticmethod
+    def prefix(header: PayloadHeader, body: memoryview) -> bytes:
+        """The bytes of a checked body that the payloads of one group share besides their
+        header (none here); PayloadError when the body is malformed, _NotBatched when this
+        decode does not handle it."""
+        return b""
+
+    @classmethod
+    def of(cls, key: _Key, group: _Group) -> _Decoder:
+        """The decode of a group of payloads with `key`."""
+        return cls(group, key.header)
 
     def __call__(self, rows: slice, a: int, b: int) -> torch.Tensor:
         raise NotImplementedError
-
-
-def _decoder(key: _Key, group: _Group) -> _Decoder:
-    header = key.header
-    if header.codec == "none":
-        return _Raw(group, header)
-    if header.codec == "int8":
-        return _Int8(group, header)
-    if header.codec in SINK_MODES:
-        codec = sinks.named_codec(header.codec, header.group_size)
-        parts, _ = codec.parts(header, group.host_bytes(0, key.body_bytes)[0])
-        return _Turbo(group, codec.turbo, header, parts)
-    return _Turbo(group, named_codec(header.codec, header.group_size, header.version), header)
 
 
 class _Raw(_Decoder):
     """Codec none: the body is the words."""
 
     def __init__(self, group: _Group, header: PayloadHeader) -> None:
-        super().__init__(group)
+        super().__init__(group, header)
         self.dtype = _FLOAT[header.dtype]
 
     def __call__(self, rows: slice, a: int, b: int) -> torch.Tensor:
@@ -314,8 +308,7 @@ class _Int8(_Decoder):
     """INT8 bodies: clamped float32 values (the step of each group of values computed once)."""
 
     def __init__(self, group: _Group, header: PayloadHeader) -> None:
-        super().__init__(group)
-        self.header = header
+        super().__init__(group, header)
         self.unit = header.group_size
         n_groups = -(-header.size // header.group_size)
         scales = group.values(slice(0, len(group.slots)), 2, 2 + 2 * n_groups, torch.float16)
@@ -341,6 +334,18 @@ class _Turbo(_Decoder):
     """TurboQuant bodies (a sink codec's: after its prefix, means and sink tokens, given its
     `parts`), with their channel orders, means and sink tokens."""
 
+    @staticmethod
+    def prefix(header: PayloadHeader, body: memoryview) -> bytes:
+        codec = named_codec(header.codec, header.group_size, header.version)
+        if any(_dense(inst) for _, inst, _ in codec.instances()):
+            raise _NotBatched
+        return b""
+
+    @classmethod
+    def of(cls, key: _Key, group: _Group) -> _Decoder:
+        header = key.header
+        return cls(group, named_codec(header.codec, header.group_size, header.version), header)
+
     def __init__(
         self,
         group: _Group,
@@ -348,8 +353,8 @@ class _Turbo(_Decoder):
         header: PayloadHeader,
         parts: sinks.Parts | None = None,
     ) -> None:
-        super().__init__(group)
-        self.codec, self.header = codec, header
+        super().__init__(group, header)
+        self.codec = codec
         d, device = codec.group_size, group.data.device
         self.unit = d
         self.layout = layout = codec.layout(header.shape)
@@ -428,6 +433,31 @@ class _Turbo(_Decoder):
                 raw = group.values(rows, raw_at + size * low, raw_at + size * high, words.dtype)
                 words.index_copy_(1, on_device[low:high] - a, raw)
         return words
+
+
+class _SinkTurbo(_Turbo):
+    """Key-aware bodies: a group shares its prefix (token axis, centred, sink tokens)."""
+
+    @staticmethod
+    def prefix(header: PayloadHeader, body: memoryview) -> bytes:
+        sinks.named_codec(header.codec, header.group_size).parts(header, np.asarray(body))
+        return bytes(body[: sinks.PREFIX.size])
+
+    @classmethod
+    def of(cls, key: _Key, group: _Group) -> _Decoder:
+        header = key.header
+        codec = sinks.named_codec(header.codec, header.group_size)
+        parts, _ = codec.parts(header, group.host_bytes(0, key.body_bytes)[0])
+        return cls(group, codec.turbo, header, parts)
+
+
+_DECODERS: dict[CodecFamily, type[_Decoder]] = {
+    lossless.FAMILY: _Raw,
+    int8.FAMILY: _Int8,
+    turbo.FAMILY: _Turbo,
+    sinks.FAMILY: _SinkTurbo,
+}
+"""Each family's batched decode."""
 
 
 @functools.lru_cache(maxsize=16)

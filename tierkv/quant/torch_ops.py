@@ -10,17 +10,17 @@ Only this module and torch_batch (the batched decode) of tierkv.quant import tor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from tierkv.codecs import DTYPE_BYTES, FRAMEWORK_DTYPES, SINK_MODES, TURBO_MODES
-from tierkv.quant import sinks
-from tierkv.quant.base import Codec
-from tierkv.quant.codec import checked_body
+from tierkv.codecs import DTYPE_BYTES, FRAMEWORK_DTYPES
+from tierkv.quant import int8, lossless, sinks, turbo
+from tierkv.quant.base import Codec, CodecFamily
+from tierkv.quant.codec import FAMILY_OF, checked_body
 from tierkv.quant.kernels import block_exponent
 from tierkv.quant.payload import NonFiniteError, PayloadError, PayloadHeader, pack_header
-from tierkv.quant.sinks import Parts
 from tierkv.quant.turbo import (
     Layout,
     TurboCodec,
@@ -40,26 +40,8 @@ def decode_into(payload: bytes | bytearray | memoryview, out: torch.Tensor) -> N
     of the raw words) and element count; otherwise PayloadError."""
     header, body = checked_body(payload)
     _check_output(out, header)
-    device = out.device
-    raw = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(device)
-    if header.codec == "none":
-        values = raw.view(_FLOAT_TYPES[header.dtype])
-        out.view(-1).copy_(values.view(out.dtype))
-        return
-    parts = None
-    if header.codec == "int8":
-        decoded = _int8_decode(raw, header)
-    elif header.codec in SINK_MODES:
-        decoded, parts = _sink_decode(raw, header, body)
-    else:
-        codec = named_codec(header.codec, header.group_size, header.version)
-        decoded = _turbo_decode(raw, codec, header.shape, np.frombuffer(body, np.uint8))
-    target = _FLOAT_TYPES[header.dtype]
-    bound = _MAX_FINITE[header.dtype]
-    words = decoded.clamp_(-bound, bound).to(target)
-    if parts is not None and parts.count:  # the sink tokens' raw words
-        sinks = torch.from_numpy(parts.sink_words(DTYPE_BYTES[header.dtype]).copy())
-        words.view(parts.blocks)[:, : parts.count] = sinks.to(words.device).view(target)
+    raw = torch.frombuffer(bytearray(body), dtype=torch.uint8).to(out.device)
+    words = _DECODERS[FAMILY_OF[header.codec]](raw, header, body)
     out.view(-1).copy_(words.view(out.dtype))
 
 
@@ -73,20 +55,13 @@ def encode(codec: Codec, src: torch.Tensor, dtype: str | None = None) -> bytes:
     flat = src.contiguous().view(-1)
     if flat.dtype not in _DTYPE_OF:
         flat = flat.view(_FLOAT_TYPES[dtype])
-    if codec.name == "none":
-        if not bool(torch.isfinite(flat).all()):
-            raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
-        body = flat.view(torch.uint8)
-    else:
-        x = flat.float()
-        if not bool(torch.isfinite(x).all()):
-            raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
-        if codec.name == "int8":
-            body = _int8_encode(x, codec.group_size)
-        elif codec.name in TURBO_MODES:
-            body = _turbo_encode(x, named_codec(codec.name, codec.group_size), shape)
-        else:
-            raise ValueError(f"torch_ops cannot encode with codec {codec.name!r}")
+    family = FAMILY_OF.get(codec.name)  # None for a K/V pair
+    encoder = None if family is None else _ENCODERS.get(family)
+    if encoder is None:
+        raise ValueError(f"torch_ops cannot encode with codec {codec.name!r}")
+    if not bool(torch.isfinite(flat).all()):
+        raise NonFiniteError(f"block of shape {shape} holds NaN/Inf")
+    body = encoder(flat, codec, shape)
     header = pack_header(codec.name, dtype, shape, codec.group_size, body.numel())
     return header + body.cpu().numpy().tobytes()
 
@@ -118,6 +93,23 @@ def _check_output(out: torch.Tensor, header: PayloadHeader) -> None:
         raise PayloadError("output tensor must be contiguous")
 
 
+def _words(decoded: torch.Tensor, header: PayloadHeader) -> torch.Tensor:
+    """float32 values clamped to the finite range of the payload's dtype and rounded to it."""
+    bound = _MAX_FINITE[header.dtype]
+    return decoded.clamp_(-bound, bound).to(_FLOAT_TYPES[header.dtype])
+
+
+# ---- none -----------------------------------------------------------------------------------
+
+
+def _none_decode(raw: torch.Tensor, header: PayloadHeader, body: memoryview) -> torch.Tensor:
+    return raw.view(_FLOAT_TYPES[header.dtype])
+
+
+def _none_encode(flat: torch.Tensor, codec: Codec, shape: tuple[int, ...]) -> torch.Tensor:
+    return flat.view(torch.uint8)
+
+
 # ---- INT8 -----------------------------------------------------------------------------------
 
 
@@ -133,7 +125,8 @@ def _int8_steps(scales16: torch.Tensor, k: int) -> torch.Tensor:
     return (scales16.double() * 2.0**k).float()
 
 
-def _int8_encode(x: torch.Tensor, group_size: int) -> torch.Tensor:
+def _int8_encode(flat: torch.Tensor, codec: Codec, shape: tuple[int, ...]) -> torch.Tensor:
+    x, group_size = flat.float(), codec.group_size
     n = x.numel()
     groups = _per_group(x, group_size)
     scales = groups.abs().amax(dim=1) / 127.0 if n else groups.new_zeros(0)
@@ -155,14 +148,14 @@ def _int8_encode(x: torch.Tensor, group_size: int) -> torch.Tensor:
     return torch.cat(body)
 
 
-def _int8_decode(raw: torch.Tensor, header: PayloadHeader) -> torch.Tensor:
+def _int8_decode(raw: torch.Tensor, header: PayloadHeader, body: memoryview) -> torch.Tensor:
     n, group_size = header.size, header.group_size
     n_groups = -(-n // group_size)
     k = int(raw[:2].view(torch.int16).item())
     steps = _int8_steps(raw[2 : 2 + 2 * n_groups].view(torch.float16), k)
     start = 2 + 2 * n_groups
     q = raw[start : start + n].view(torch.int8).float()
-    return (_per_group(q, group_size) * steps[:, None]).view(-1)[:n]
+    return _words((_per_group(q, group_size) * steps[:, None]).view(-1)[:n], header)
 
 
 # ---- TurboQuant -----------------------------------------------------------------------------
@@ -175,7 +168,8 @@ def _by_group(t: torch.Tensor, layout: Layout) -> torch.Tensor:
     return t.view(-1, groups, div, *t.shape[1:])
 
 
-def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) -> torch.Tensor:
+def _turbo_encode(flat: torch.Tensor, mode: Codec, shape: tuple[int, ...]) -> torch.Tensor:
+    x, codec = flat.float(), named_codec(mode.name, mode.group_size)
     d, device = codec.group_size, x.device
     if x.numel() % d:
         raise ValueError(
@@ -222,11 +216,16 @@ def _turbo_encode(x: torch.Tensor, codec: TurboCodec, shape: tuple[int, ...]) ->
     return torch.cat(parts)
 
 
-def _sink_decode(
+def _turbo_payload_decode(
     raw: torch.Tensor, header: PayloadHeader, body: memoryview
-) -> tuple[torch.Tensor, Parts]:
-    """A sink codec's block (its means added, the sink tokens still to be written) and its
-    parts."""
+) -> torch.Tensor:
+    codec = named_codec(header.codec, header.group_size, header.version)
+    return _words(_turbo_decode(raw, codec, header.shape, np.frombuffer(body, np.uint8)), header)
+
+
+def _sink_decode(raw: torch.Tensor, header: PayloadHeader, body: memoryview) -> torch.Tensor:
+    """A sink codec's block: its TurboQuant body decoded, its means added, its sink tokens'
+    raw words written."""
     codec = sinks.named_codec(header.codec, header.group_size)
     host = np.frombuffer(body, np.uint8)
     parts, turbo_body = codec.parts(header, host)
@@ -235,7 +234,11 @@ def _sink_decode(
     if parts.means.size:
         means = torch.from_numpy(parts.mean_values()).to(raw.device)
         x = (x.view(parts.blocks) + means).view(-1)
-    return x, parts
+    words = _words(x, header)
+    if parts.count:
+        raw_words = torch.from_numpy(parts.sink_words(DTYPE_BYTES[header.dtype]).copy())
+        words.view(parts.blocks)[:, : parts.count] = raw_words.to(words.device).view(words.dtype)
+    return words
 
 
 def _turbo_decode(
@@ -268,3 +271,22 @@ def _turbo_decode(
             chan = torch.from_numpy(channels[s, start : start + inst.m].astype(np.int64))
             grouped[:, s, :, chan.to(device)] = u * norms[:, s, :, i : i + 1]
     return (x * 2.0**k).view(-1)
+
+
+_Decoder = Callable[[torch.Tensor, PayloadHeader, memoryview], torch.Tensor]
+_DECODERS: dict[CodecFamily, _Decoder] = {
+    lossless.FAMILY: _none_decode,
+    int8.FAMILY: _int8_decode,
+    turbo.FAMILY: _turbo_payload_decode,
+    sinks.FAMILY: _sink_decode,
+}
+"""Each family's decode: (the body on the output's device, header, the body on the host) ->
+the block's words, flat, in the payload's dtype."""
+_Encoder = Callable[[torch.Tensor, Codec, tuple[int, ...]], torch.Tensor]
+_ENCODERS: dict[CodecFamily, _Encoder] = {
+    lossless.FAMILY: _none_encode,
+    int8.FAMILY: _int8_encode,
+    turbo.FAMILY: _turbo_encode,
+}
+"""Each family's encode: (the block's finite values, flat, in its dtype, codec, shape) -> the
+payload body; the key-aware codecs have none here."""

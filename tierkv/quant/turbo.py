@@ -27,6 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from tierkv.codecs import DTYPE_CODES, TURBO_MODES
+from tierkv.quant.base import CodecFamily
 from tierkv.quant.codebooks import Codebook, Rotation, lloyd_max, rotation
 from tierkv.quant.hadamard import butterflies
 from tierkv.quant.kernels import (
@@ -1208,3 +1209,13 @@ def decode_run(
     ([n, values] words); which were decoded."""
     codec = named_codec(header.codec, header.group_size, header.version)
     return codec.decode_run(run, header.dtype, header.shape, out_rows, rows)
+
+
+FAMILY = CodecFamily(
+    names=tuple(TURBO_MODES),
+    make=named_codec,
+    body_bytes=lambda header, _: body_bytes(header),
+    decode_body=decode_body,
+    decode_run=decode_run,
+)
+"""TurboQuant's modes (tierkv.codecs.TURBO_MODES), for tierkv.quant.codec."""
