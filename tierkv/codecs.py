@@ -51,6 +51,13 @@ SINK_MODES = {
 (attention sinks) stay lossless in its first block; "c" codecs also centre each channel on its
 mean over the block's other tokens before the rotation (for keys), "s" codecs only keep the sinks
 (for values)."""
+LOSSY_BIT_LAYOUTS = {
+    "int8": (8, 8, False),
+    **TURBO_MODES,
+    **{name: (bits, bits, False) for name, (bits, _) in SINK_MODES.items()},
+}
+"""The bits a payload header records for each lossy codec: name -> (bits_hi, bits_lo, mixed) as
+in TURBO_MODES ("none" records its dtype's bits)."""
 WHOLE_BLOCK_CODECS = tuple(name for name in CODEC_NAMES if name not in SINK_MODES)
 """The codecs made for a whole block, which `tierkv bench --codec all` compares; the key-aware
 ones are halves of K/V pairs (the presets), benched by a pair's or preset's name."""

@@ -32,11 +32,13 @@ class CodecFamily:
     run of payloads with one header (`decode_run(header, run, out_rows, rows)`: which were
     decoded; None: decode_many leaves them to decode_into).
 
-    A new codec: its name in tierkv.codecs (CODEC_NAMES, the payload id, appended; CODEC_BITS), a
-    module with its codec and its FAMILY (or a name added to a family's), and that FAMILY in
-    tierkv.quant.codec.FAMILIES. Its torch decoders go in the family-keyed tables of torch_ops
-    (_DECODERS) and torch_batch (_DECODERS), its MLX decoder in mlx_ops._DECODERS: those modules
-    import torch / MLX, which this numpy core (and a vault) never imports."""
+    A new codec: its name and bits in tierkv.codecs (appended to CODEC_NAMES, whose index is the
+    payload id; CODEC_BITS; LOSSY_BIT_LAYOUTS, the bits its headers record), a module with its
+    codec and its FAMILY (or a name added to a family's), and that FAMILY in
+    tierkv.quant.codec.FAMILIES. Its torch decoders go in the tables keyed by family of torch_ops
+    and torch_batch (_DECODERS), its MLX decoder in mlx_ops._DECODERS (and an encoder, if torch
+    or MLX encodes it, in their _ENCODERS): those modules import torch / MLX, which this numpy
+    core (and a vault) never imports."""
 
     names: tuple[str, ...]
     make: Callable[[str, int], Codec]

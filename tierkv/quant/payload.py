@@ -29,8 +29,7 @@ from tierkv.codecs import (
     DTYPE_CODES,
     DTYPES,
     FRAMEWORK_DTYPES,
-    SINK_MODES,
-    TURBO_MODES,
+    LOSSY_BIT_LAYOUTS,
 )
 
 FORMAT_VERSION = 2
@@ -125,12 +124,7 @@ def bit_layout(codec: str, group_size: int, dtype: str) -> BitLayout:
     if codec == "none":
         bits = 8 * DTYPE_BYTES[dtype]
         return BitLayout(bits, bits, 0)
-    if codec == "int8":
-        return BitLayout(8, 8, 0)
-    if codec in SINK_MODES:
-        bits = SINK_MODES[codec][0]
-        return BitLayout(bits, bits, 0)
-    hi, lo, mixed = TURBO_MODES[codec]
+    hi, lo, mixed = LOSSY_BIT_LAYOUTS[codec]
     return BitLayout(hi, lo, group_size // 4 if mixed else 0)
 
 
