@@ -58,6 +58,7 @@ from tierkv.backends.file import READ_THREADS, file_name  # noqa: E402
 from tierkv.backends.redis import redis_key  # noqa: E402
 from tierkv.bench.pipeline import bench_client_config  # noqa: E402
 from tierkv.config import Endpoint  # noqa: E402
+from tierkv.heap import keep_freed_memory  # noqa: E402
 from tierkv.keys import chain_block_keys, namespace_fingerprint  # noqa: E402
 from tierkv.quant import CODEC_NAMES, get_codec  # noqa: E402
 from tierkv.reliability import payload_bytes  # noqa: E402
@@ -102,6 +103,7 @@ def job_runner(
         backend = open_backend([Endpoint(job["address"])], client_cfg)
         tier = ColdTier(get_codec(job["codec"], group_size=128), {"kv": backend})
         tier.fill_receive_pool(client_cfg.receive_pool_bytes)
+        keep_freed_memory(client_cfg.kept_freed_bytes)
         tier.warm_up(["fp16"], block_elems * 2, state=False)
         outs = [np.empty(block_elems, dtype=np.float16) for _ in keys]
 
