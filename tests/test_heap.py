@@ -11,9 +11,9 @@ from tierkv.config import ConfigError, config_from_mapping
 from tierkv.heap import _mallopt
 from tierkv.sizes import MIB
 
-BLOCKS = 48
+BLOCKS = 160
 BLOCK_VALUES = 1 << 20  # fp16: 2 MiB a block, about 1 MiB an int8 payload
-ROUNDS = 3
+ROUNDS = 2
 PAYLOAD_PAGES = BLOCKS * ROUNDS * (BLOCK_VALUES // 4096)
 
 # A tier encodes a batch of blocks on its two encode threads, the payloads all alive at once (as
@@ -57,7 +57,7 @@ def _page_faults_encoding(kept_freed_bytes: str) -> int:
 def test_encoded_payloads_reuse_freed_memory_instead_of_faulting_in_fresh_pages() -> None:
     kept = _page_faults_encoding("256MiB")
     default = _page_faults_encoding("0")
-    # glibc's defaults give the freed batch back to the kernel: nearly every payload page faults.
+    # glibc's defaults give a freed batch back to the kernel: nearly every payload page faults.
     assert default > PAYLOAD_PAGES // 2, (default, PAYLOAD_PAGES)
     assert kept < PAYLOAD_PAGES // 10, (kept, PAYLOAD_PAGES)
 
