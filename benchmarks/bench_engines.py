@@ -15,8 +15,10 @@ once through each tier, then two scenarios run:
 
 References, by the same processes in the same run: Redis MGET of the very values the Redis tier
 holds (redis-py, no tierkv: the bare Redis read), a bare read of the file tier's files (read the
-way the tier reads, O_DIRECT or buffered, no checksum, no decode), and numpy memcpy of as many
-bytes in each process. Each engine runs a job once untimed (connections, page faults), then all
+way the tier reads, O_DIRECT or buffered, no checksum, no decode), a bare TCP stream of as many
+bytes from one server process over a connection per engine (no tierkv code, no checksum: what
+loopback TCP itself moves on this machine, the ceiling of any vault), and numpy memcpy of as
+many bytes in each process. Each engine runs a job once untimed (connections, page faults), then all
 start together at a barrier. Reported per row: aggregate GB/s of stored payload bytes (every
 engine's bytes ÷ first start to last finish), its ratio to the memcpy row and to the MGET row,
 the slowest engine's time over the fastest's, and CPU seconds per GB on the client side (all
@@ -31,6 +33,10 @@ import json
 import multiprocessing
 import os
 import resource
+import socket
+import socketserver
+import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,6 +64,7 @@ from tierkv.backends.file import READ_THREADS, file_name  # noqa: E402
 from tierkv.backends.redis import redis_key  # noqa: E402
 from tierkv.bench.pipeline import bench_client_config  # noqa: E402
 from tierkv.config import Endpoint  # noqa: E402
+from tierkv.heap import keep_freed_memory  # noqa: E402
 from tierkv.keys import chain_block_keys, namespace_fingerprint  # noqa: E402
 from tierkv.quant import CODEC_NAMES, get_codec  # noqa: E402
 from tierkv.reliability import payload_bytes  # noqa: E402
@@ -86,6 +93,42 @@ def child_pid(marker: str) -> int:
     raise RuntimeError(f"no child process runs {marker!r}")
 
 
+STREAM_BYTES = 8 << 20
+"""Bytes per send and per receive of the bare TCP stream."""
+_WANTED = struct.Struct("<Q")
+
+
+class _Streamer(socketserver.BaseRequestHandler):
+    """Answers each request of an 8-byte length with that many bytes, until the client leaves."""
+
+    def handle(self) -> None:
+        chunk = memoryview(os.urandom(STREAM_BYTES))
+        while request := self.request.recv(_WANTED.size, socket.MSG_WAITALL):
+            (left,) = _WANTED.unpack(request)
+            while left:
+                self.request.sendall(chunk[: min(left, STREAM_BYTES)])
+                left -= min(left, STREAM_BYTES)
+
+
+def serve_tcp_streams() -> None:
+    """The bare TCP stream's server: prints its port, then serves each connection on a thread."""
+    with socketserver.ThreadingTCPServer(("127.0.0.1", 0), _Streamer) as server:
+        print(server.server_address[1], flush=True)
+        server.serve_forever()
+
+
+@contextmanager
+def tcp_streamer() -> Iterator[tuple[int, int]]:
+    """A bare TCP stream server process on 127.0.0.1: (port, pid)."""
+    process = subprocess.Popen([sys.executable, __file__, "--serve-tcp"], stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        yield int(process.stdout.readline()), process.pid
+    finally:
+        process.kill()
+        process.wait(timeout=60)
+
+
 def own_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -102,6 +145,7 @@ def job_runner(
         backend = open_backend([Endpoint(job["address"])], client_cfg)
         tier = ColdTier(get_codec(job["codec"], group_size=128), {"kv": backend})
         tier.fill_receive_pool(client_cfg.receive_pool_bytes)
+        keep_freed_memory(client_cfg.kept_freed_bytes)
         tier.warm_up(["fp16"], block_elems * 2, state=False)
         outs = [np.empty(block_elems, dtype=np.float16) for _ in keys]
 
@@ -125,6 +169,17 @@ def job_runner(
         directory = Path(job["directory"])
         paths = [directory / file_name(key, 0) for key in keys]
         return bare_read(paths, job["direct"], READ_THREADS), lambda: None
+    if kind == "tcp stream":
+        sock = socket.create_connection(("127.0.0.1", job["port"]), timeout=300)
+        into = np.zeros(STREAM_BYTES, dtype=np.uint8).data  # touched, reused
+
+        def stream() -> None:
+            sock.sendall(_WANTED.pack(job["bytes"]))
+            left = job["bytes"]
+            while left:
+                left -= sock.recv_into(into[: min(left, STREAM_BYTES)], 0, socket.MSG_WAITALL)
+
+        return stream, sock.close
     src = np.random.default_rng(1).integers(0, 256, job["bytes"], dtype=np.uint8)
     dst = src.copy()
     return lambda: np.copyto(dst, src), lambda: None
@@ -193,10 +248,12 @@ class Engines:
 
 @contextmanager
 def stores(scratch: Path) -> Iterator[dict[str, Any]]:
-    """The three tiers, running: {"vault": address, "vault_pid", "redis_port", "redis_pid",
-    "file": file:// address, "file_dir": the tenant's directory}."""
+    """The three tiers and the bare TCP streamer, running: {"vault": address, "vault_pid",
+    "redis_port", "redis_pid", "file": file:// address, "file_dir": the tenant's directory,
+    "tcp_port", "tcp_pid"}."""
     with ExitStack() as stack:
         vault, _ = stack.enter_context(running_vault(False, False))
+        tcp_port, tcp_pid = stack.enter_context(tcp_streamer())
         server = start_redis(scratch / "redis")
         stack.callback(server.stop)
         file_root = scratch / "files"
@@ -209,6 +266,8 @@ def stores(scratch: Path) -> Iterator[dict[str, Any]]:
             "redis_pid": server.process.pid,
             "file": f"file://{file_root}?tenant={TENANT}",
             "file_dir": file_root / TENANT / NAMESPACE.hex(),
+            "tcp_port": tcp_port,
+            "tcp_pid": tcp_pid,
         }
 
 
@@ -255,7 +314,11 @@ def main() -> int:
     parser.add_argument("--codec", default="none", help=f"one of {', '.join(CODEC_NAMES)}")
     parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--json", action="store_true", help="one JSON object, no table")
+    parser.add_argument("--serve-tcp", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_tcp:
+        serve_tcp_streams()
+        return 0
     try:
         get_codec(args.codec)
     except ValueError as error:
@@ -288,6 +351,9 @@ def main() -> int:
                              "direct": read_mode == "O_DIRECT"},
                             None,
                         ),
+                        "bare TCP stream": (
+                            {"kind": "tcp stream", "port": where["tcp_port"]}, where["tcp_pid"]
+                        ),
                     }  # fmt: skip
                     for tier in ("vault", "file", "redis"):
                         job = {"kind": "restore", "address": where[tier], "codec": args.codec}
@@ -305,6 +371,7 @@ def main() -> int:
         same = {r["what"]: r["gbps"] for r in rows if r["scenario"] == row["scenario"]}
         row["x_memcpy"] = row["gbps"] / same["memcpy"]
         row["x_redis_mget"] = row["gbps"] / same["redis MGET"]
+        row["x_tcp"] = row["gbps"] / same["bare TCP stream"]
     setup = {
         "engines": args.engines,
         "per_engine_bytes": each,
@@ -320,11 +387,21 @@ def main() -> int:
     table = Table(
         title=f"{args.engines} engines at once, each {format_size(each)} of stored payloads in "
         f"{count} blocks of {format_size(block)} KV (codec {args.codec}), file tier reads "
-        f"{read_mode}; same-run references: memcpy, redis MGET, file bare read",
+        f"{read_mode}; same-run references: memcpy, redis MGET, file bare read, bare TCP stream",
         caption="GB/s = every engine's bytes ÷ first start to last finish; CPU s/GB: all "
         "engine processes (client) and the vault / redis-server process (server)",
     )
-    for column in ("scenario", "what", "GB/s", "× memcpy", "× MGET", "slow ÷ fast", "slowest s"):
+    columns = (
+        "scenario",
+        "what",
+        "GB/s",
+        "× memcpy",
+        "× MGET",
+        "× TCP",
+        "slow ÷ fast",
+        "slowest s",
+    )
+    for column in columns:
         table.add_column(column, justify="left" if column in ("scenario", "what") else "right")
     table.add_column("client CPU s/GB", justify="right")
     table.add_column("server CPU s/GB", justify="right")
@@ -336,6 +413,7 @@ def main() -> int:
             f"{row['gbps']:.2f}",
             f"{row['x_memcpy']:.2f}",
             f"{row['x_redis_mget']:.2f}",
+            f"{row['x_tcp']:.2f}",
             f"{row['slowest_over_fastest']:.2f}",
             f"{row['slowest_s']:.2f}",
             f"{row['client_cpu_s_per_gb']:.2f}",

@@ -75,12 +75,13 @@ from rich.table import Table
 from tierkv.backends.vault import VaultClient
 from tierkv.checksum import block_checksum
 from tierkv.config import SecurityConfig
+from tierkv.heap import reuse_freed_memory
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 from tierkv.seal import KEY_BYTES, OVERHEAD_BYTES, Sealer, block_address
 from tierkv.sizes import MIB, format_size, parse_size
 from tierkv.transfer import RECEIVE_BUFFERS
 from tierkv.vault.disk import DiskTier
-from tierkv.vault.memory import restart_with_huge_pages, reuse_freed_memory
+from tierkv.vault.memory import restart_with_huge_pages
 from tierkv.vault.server import CHUNK_BYTES, serve
 
 NAMESPACE = b"bench-vault-0000"

@@ -17,7 +17,7 @@ from tierkv.sizes import MIB
 
 SCRIPT = """
 import resource, sys
-from tierkv.vault.memory import reuse_freed_memory
+from tierkv.heap import reuse_freed_memory
 
 if sys.argv[1] == "tuned":
     assert reuse_freed_memory()

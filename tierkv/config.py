@@ -190,6 +190,10 @@ class ClientConfig:
     receive_pool_bytes: int = 64 * MIB
     """Receive buffers mapped and touched when a tier starts (0: none), so no restore pays a
     page fault for them (transfer.ReceiveBuffers.fill)."""
+    kept_freed_bytes: int = 256 * MIB
+    """Freed memory each malloc arena of the engine process keeps mapped for the next
+    allocations (glibc; 0: the C library's defaults), so the payloads a tier encodes and
+    receives are written into pages already mapped (tierkv.heap)."""
     redis_username: str | None = None
     """ACL user for redis:// backends (else $TIERKV_REDIS_USERNAME, else the URL's)."""
     redis_password: str | None = None
@@ -463,6 +467,7 @@ _SECTIONS: dict[str, tuple[type, dict[str, Callable[[Any], Any]]]] = {
             "breaker_failures": _positive_int,
             "breaker_cooldown_s": _positive_float,
             "receive_pool_bytes": _size,
+            "kept_freed_bytes": _size,
             "redis_username": _string,
             "redis_password": _string,
         },

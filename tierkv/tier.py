@@ -44,6 +44,7 @@ from tierkv.backends import open_backend
 from tierkv.backends.base import Backend
 from tierkv.backends.security import check_client_security
 from tierkv.config import KV_VAULT, VAULT_ROLE, TierKVConfig
+from tierkv.heap import keep_freed_memory
 from tierkv.load import SWITCH_INTERVAL_WHILE_LOADING, Block, Consume, Load, decode_each
 from tierkv.logs import get_logger
 from tierkv.quant import (
@@ -153,7 +154,9 @@ class ColdTier:
         cache) for `warm_dtypes` first, so no request pays for it; `warmup_s` says how long that
         took. Pass the engine's KV dtypes, or none for a side that never encodes or decodes.
         `[client] receive_pool_bytes` of receive buffers are mapped and touched, so the first
-        restore runs as fast as the next ones; the start-up line logs what that cost.
+        restore runs as fast as the next ones; the start-up line logs what that cost. Freed
+        memory stays in the process up to `[client] kept_freed_bytes` per malloc arena
+        (tierkv.heap), so encodes and restores write into mapped pages too.
         """
         started = time.perf_counter()
         check_client_security(cfg.security)
@@ -172,14 +175,18 @@ class ColdTier:
             sealer=Sealer.from_file(key_file) if key_file else None,
         )
         tier.fill_receive_pool(cfg.client.receive_pool_bytes)
+        kept = keep_freed_memory(cfg.client.kept_freed_bytes)
         if warm_dtypes:
             tier.warm_up(warm_dtypes)
         log.info(
             "cold tier started in %.2f s: %s of receive buffers mapped and touched in %.2f s,"
-            " kernels (built for %s) %.2f s; process resident peak %s",
+            " freed memory kept %s, kernels (built for %s) %.2f s; process resident peak %s",
             time.perf_counter() - started,
             format_size(tier.pool_bytes),
             tier.pool_s,
+            f"up to {format_size(cfg.client.kept_freed_bytes)} per arena"
+            if kept
+            else "as the C library does",
             target_name(),
             tier.warmup_s,
             format_size(peak_resident_bytes()),

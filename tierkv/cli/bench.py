@@ -23,6 +23,7 @@ from tierkv.cli.engine import engine_config
 from tierkv.cli.errors import fail
 from tierkv.codecs import CODEC_NAMES, WHOLE_BLOCK_CODECS, kv_pair_codecs
 from tierkv.config import SecurityConfig, TierKVConfig
+from tierkv.heap import keep_freed_memory
 from tierkv.model_shapes import DEFAULT_MODEL_SHAPE, MODEL_SHAPES
 from tierkv.sizes import parse_size
 
@@ -172,6 +173,7 @@ def bench(
             _exo_bench(engine, model, exo_api, prompt, as_json)
         return
     build = _kernel_build(cpu, cfg.compression.codec_name if codec == "all" else codec)
+    keep_freed_memory(cfg.client.kept_freed_bytes)  # as an engine's tier does when it starts
     results = _run_bench(
         tokens,
         model_shape,

@@ -191,7 +191,8 @@ def vault(
         raise fail(
             "vault", f"{given} without a metrics port: set --metrics-port or vault.metrics_port", 2
         )
-    from tierkv.vault.memory import freeze_startup_objects, reuse_freed_memory
+    from tierkv.heap import reuse_freed_memory
+    from tierkv.vault.memory import freeze_startup_objects
     from tierkv.vault.server import VaultBindError, serve
 
     reuse_freed_memory()

@@ -1,12 +1,8 @@
-"""Tune this process's memory management for moving gigabytes of payload-sized buffers (the
-vault): glibc's malloc and Python's garbage collector.
+"""Tune the vault process's memory management for moving gigabytes of payload-sized buffers:
+huge pages for glibc's heap and Python's garbage collector (glibc's malloc itself is tuned by
+tierkv.heap.reuse_freed_memory).
 
-By default glibc serves every allocation over 128 KiB from a fresh mmap and unmaps it on free, so
-each payload-sized buffer (a stored payload, a received frame) is page-faulted in, 4 KiB at a
-time, every time. After `reuse_freed_memory()` such buffers come from one heap and freed ones are
-reused; the price is that the process keeps its peak heap instead of shrinking.
-
-Huge pages matter as much: in a virtual machine, walking 4 KiB pages costs so much that hashing
+Huge pages matter: in a virtual machine, walking 4 KiB pages costs so much that hashing
 or copying a payload in 4 KiB-page memory runs at a tenth of the speed of the same bytes in
 transparent huge pages. glibc backs its heap with huge pages only when the tunable
 `glibc.malloc.hugetlb=1` is in the environment at process start, so `restart_with_huge_pages()`
@@ -17,52 +13,20 @@ visits each tracked object. The vault's stored blocks are kept in untracked obje
 full collection visits is mostly what start-up made: about 47k objects (modules, gRPC), a 15-35 ms
 pause here every few hundred Promotes, which each client waiting on the vault then waits too.
 `freeze_startup_objects()` moves those out of the collector's sight once the vault is serving.
-`tierkv vault` calls all three at start-up.
+`tierkv vault` calls these and `reuse_freed_memory` at start-up.
 """
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
-import platform
 import sys
 from collections.abc import Mapping
 
-from tierkv.sizes import MIB
+from tierkv.heap import is_glibc_linux
 
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_M_ARENA_MAX = -8
-MMAP_THRESHOLD_BYTES = 32 * MIB
-"""Allocations up to this size come from the heap (glibc's documented maximum on 64-bit)."""
-TRIM_THRESHOLD_BYTES = 2**31 - 1
-"""Free heap kept before glibc returns memory to the kernel (the largest value mallopt takes)."""
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"
 """glibc tunable: madvise the malloc heap for transparent huge pages (glibc 2.35 and newer)."""
-
-
-def _is_glibc_linux() -> bool:
-    return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
-
-
-def reuse_freed_memory() -> bool:
-    """Tune glibc's malloc for this process; False where the C library is not glibc.
-
-    Also keeps every thread on the main heap (one arena): glibc madvises only that heap for
-    huge pages, and the vault's allocations are few and large, so one arena costs no contention.
-    """
-    if not _is_glibc_linux():
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt  # the C library this process already uses
-    except (OSError, AttributeError):
-        return False
-    return bool(
-        mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
-        and mallopt(_M_ARENA_MAX, 1)
-    )
 
 
 def _sets_huge_pages(env: Mapping[str, str]) -> bool:
@@ -84,7 +48,7 @@ def restart_with_huge_pages() -> None:
     Returns at once where it is set already (also after the restart) or the C library is not
     glibc; call it first thing, before threads start or output is buffered.
     """
-    if not _is_glibc_linux() or _sets_huge_pages(os.environ):
+    if not is_glibc_linux() or _sets_huge_pages(os.environ):
         return
     sys.stdout.flush()
     sys.stderr.flush()
