@@ -3,9 +3,11 @@
     python benchmarks/bench_engines.py                      # 8 engines × 64 MiB in 1 MiB blocks
     python benchmarks/bench_engines.py --engines 4 --per-engine 128MiB --codec int8 --json
 
-Each "engine" is a client process (not a vLLM engine) that restores through the client path an
-engine uses: a ColdTier (its receive pool filled, its codec's Numba kernels warmed) over the
-backend `open_backend` makes of the tier's address, decoding every block into its own arrays.
+Each "engine" is a client process (not a vLLM engine) that restores through the client path a
+vLLM worker uses: its data mover (tierkv.movers.BlockMover) over a float16 KV buffer on the CPU,
+fetching through a ColdTier (its receive pool filled, its codec's Numba kernels warmed) over the
+backend `open_backend` makes of the tier's address: lossless payloads received straight into
+their blocks, others decoded through the staging.
 The tiers, all on this machine: one `tierkv vault` process on 127.0.0.1, a file tier in a
 directory under a temporary directory, one redis-server on 127.0.0.1. Every block is stored
 once through each tier, then two scenarios run:
@@ -53,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 
 import redis  # noqa: E402
+import torch  # noqa: E402
 from bench_file_tier import bare_read  # noqa: E402
 from bench_vault import running_vault  # noqa: E402
 from rich.console import Console  # noqa: E402
@@ -63,13 +66,16 @@ from tierkv.backends import open_backend  # noqa: E402
 from tierkv.backends.file import READ_THREADS, file_name  # noqa: E402
 from tierkv.backends.redis import redis_key  # noqa: E402
 from tierkv.bench.pipeline import bench_client_config  # noqa: E402
-from tierkv.config import Endpoint  # noqa: E402
+from tierkv.config import ConnectorConfig, Endpoint  # noqa: E402
 from tierkv.heap import keep_freed_memory  # noqa: E402
 from tierkv.keys import chain_block_keys, namespace_fingerprint  # noqa: E402
+from tierkv.load import Consume  # noqa: E402
+from tierkv.movers import BlockMover, StagingRing  # noqa: E402
 from tierkv.quant import CODEC_NAMES, get_codec  # noqa: E402
 from tierkv.reliability import payload_bytes  # noqa: E402
 from tierkv.sizes import format_size, parse_size  # noqa: E402
 from tierkv.tier import ColdTier  # noqa: E402
+from tierkv.transfer import Into  # noqa: E402
 
 NAMESPACE = namespace_fingerprint({"bench": "engines"})
 TENANT = "bench"
@@ -147,10 +153,15 @@ def job_runner(
         tier.fill_receive_pool(client_cfg.receive_pool_bytes)
         keep_freed_memory(client_cfg.kept_freed_bytes)
         tier.warm_up(["fp16"], block_elems * 2, state=False)
-        outs = [np.empty(block_elems, dtype=np.float16) for _ in keys]
+        mover = engine_mover(len(keys), block_elems)
+        staging = ConnectorConfig().staging_bytes
+
+        def fetch(start: int, stop: int, consume: Consume, into: Into | None) -> set[int]:
+            return tier.load_blocks(NAMESPACE, keys[start:stop], {"kv": [0]}, consume, into)
 
         def restore() -> None:
-            failed = tier.load(NAMESPACE, keys, {"kv": [0]}, lambda index, part: outs[index])
+            ids = list(range(len(keys)))
+            failed = mover.load(ids, fetch, batch_blocks=max(1, staging // 2 // mover.block_bytes))
             assert not failed, f"{len(failed)} of {len(keys)} blocks not restored"
 
         return restore, tier.close
@@ -183,6 +194,15 @@ def job_runner(
     src = np.random.default_rng(1).integers(0, 256, job["bytes"], dtype=np.uint8)
     dst = src.copy()
     return lambda: np.copyto(dst, src), lambda: None
+
+
+def engine_mover(blocks: int, block_elems: int) -> BlockMover:
+    """The data mover a vLLM worker restores through, over an engine KV buffer of `blocks`
+    float16 blocks on the CPU (blocks first: a lossless payload is received straight into its
+    block, as into vLLM's), with the connector's default staging."""
+    staging = ConnectorConfig().staging_bytes
+    layer = torch.zeros((blocks, block_elems), dtype=torch.float16)  # touched, as a KV cache is
+    return BlockMover([[(layer, 0)]], StagingRing(staging), StagingRing(staging))
 
 
 def engine(index: int, block_elems: int, pipe: Connection, barrier: Barrier) -> None:
@@ -274,8 +294,8 @@ def stores(scratch: Path) -> Iterator[dict[str, Any]]:
 def store_everything(
     where: dict[str, Any], codec: str, keys: list[bytes], block_elems: int
 ) -> tuple[int, str]:
-    """Store a random float16 block under each of `keys` through each tier; (stored payload bytes
-    per block, the file tier's read mode)."""
+    """Store a random float16 block (one layer of `block_elems`) under each of `keys` through
+    each tier; (stored payload bytes per block, the file tier's read mode)."""
     client_cfg = bench_client_config(1 << 30)
     tiers = {
         name: ColdTier(
@@ -288,7 +308,8 @@ def store_everything(
     stored = 0
     try:
         for at, key in enumerate(keys):
-            block = rng.standard_normal(block_elems, dtype=np.float32).astype(np.float16)
+            shape = (1, block_elems)  # one layer of one block: the engines' mover's block
+            block = rng.standard_normal(shape, dtype=np.float32).astype(np.float16)
             stored = stored or payload_bytes(tiers["vault"].stored_form(block))
             for tier in tiers.values():
                 tier.store(NAMESPACE, key, 0, block)
