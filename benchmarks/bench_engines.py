@@ -57,7 +57,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "benchmarks")]
 import redis  # noqa: E402
 import torch  # noqa: E402
 from bench_file_tier import bare_read  # noqa: E402
-from bench_vault import running_vault  # noqa: E402
+from bench_vault import STREAM_BYTES, running_vault  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -99,8 +99,6 @@ def child_pid(marker: str) -> int:
     raise RuntimeError(f"no child process runs {marker!r}")
 
 
-STREAM_BYTES = 8 << 20
-"""Bytes per send and per receive of the bare TCP stream."""
 _WANTED = struct.Struct("<Q")
 
 
@@ -153,15 +151,15 @@ def job_runner(
         tier.fill_receive_pool(client_cfg.receive_pool_bytes)
         keep_freed_memory(client_cfg.kept_freed_bytes)
         tier.warm_up(["fp16"], block_elems * 2, state=False)
-        mover = engine_mover(len(keys), block_elems)
         staging = ConnectorConfig().staging_bytes
+        mover = engine_mover(len(keys), block_elems, staging)
+        batch = max(1, staging // 2 // mover.block_bytes)  # as the vLLM worker batches its loads
 
         def fetch(start: int, stop: int, consume: Consume, into: Into | None) -> set[int]:
             return tier.load_blocks(NAMESPACE, keys[start:stop], {"kv": [0]}, consume, into)
 
         def restore() -> None:
-            ids = list(range(len(keys)))
-            failed = mover.load(ids, fetch, batch_blocks=max(1, staging // 2 // mover.block_bytes))
+            failed = mover.load(list(range(len(keys))), fetch, batch_blocks=batch)
             assert not failed, f"{len(failed)} of {len(keys)} blocks not restored"
 
         return restore, tier.close
@@ -196,11 +194,10 @@ def job_runner(
     return lambda: np.copyto(dst, src), lambda: None
 
 
-def engine_mover(blocks: int, block_elems: int) -> BlockMover:
+def engine_mover(blocks: int, block_elems: int, staging: int) -> BlockMover:
     """The data mover a vLLM worker restores through, over an engine KV buffer of `blocks`
     float16 blocks on the CPU (blocks first: a lossless payload is received straight into its
-    block, as into vLLM's), with the connector's default staging."""
-    staging = ConnectorConfig().staging_bytes
+    block, as into vLLM's), with staging rings of `staging` bytes."""
     layer = torch.zeros((blocks, block_elems), dtype=torch.float16)  # touched, as a KV cache is
     return BlockMover([[(layer, 0)]], StagingRing(staging), StagingRing(staging))
 
