@@ -16,12 +16,13 @@ payload is sealed by the tier before it gets here, exactly as for a vault or a R
   writers of one block write the same bytes, and an eviction or damage removal racing another
   engine's is an ENOENT, ignored. Temporary files a crashed writer left are removed after
   STALE_TMP_S.
-- **A byte cap, evicting by age.** The writer (the put queue's thread) keeps an estimate of the
-  bytes under its tenant's directory: a scan (one listing and stat per file) when the estimate
-  passes the cap or RESCAN_S after the last scan, which deletes the oldest files (by write
-  time) until LOW_WATER of the cap is left. Other engines' writes count from their next scan,
-  so the directory may pass the cap by what they wrote since. Default cap: half of the
-  filesystem's free space plus what the tier holds (as a vault's disk tier).
+- **A byte cap, evicting by age.** The writer (the put queue's thread) scans its tenant's
+  directory (one listing and stat per file) when its own writes since the last scan pass half
+  the room that scan left below the cap, or UNSCANNED_SHARE of the cap, or RESCAN_S after the
+  last scan; a scan past the cap deletes the oldest files (by write time) until LOW_WATER of
+  the cap is left. Other engines' writes count from the next scan, so with N engines on one
+  directory it passes the cap by at most (N - 1) x UNSCANNED_SHARE of it. Default cap: half of
+  the filesystem's free space plus what the tier holds (as a vault's disk tier).
 - **Lookups ask little**: one directory listing per lookup; Promote opens the files by name.
 - **Reads** go into pooled, huge-page aligned receive buffers with O_DIRECT (no page cache,
   whole 4 KiB pages) where the filesystem accepts it, else buffered; which one is said at open
@@ -68,6 +69,8 @@ PAGE_BYTES = 4096
 RESCAN_S = 10.0
 LOW_WATER = 0.9
 """An eviction leaves this share of the cap used."""
+UNSCANNED_SHARE = 1 / 8
+"""An engine writes at most this share of the cap between two scans of the directory."""
 DEFAULT_FREE_FRACTION = 0.5
 STALE_TMP_S = 600.0
 READ_THREADS = 4
@@ -166,6 +169,8 @@ class FileTier:
         self.max_bytes = 0
         """The cap in force (known after the first scan, when it is the default)."""
         self._used = 0
+        self._scan_past = 0
+        """The next scan is due when the estimate of the bytes held passes this."""
         self._scanned_at = -RESCAN_S
         self.hits = self.misses = self.evictions = self.corrupt = self.failed_calls = 0
         self._scan_and_evict()
@@ -367,7 +372,7 @@ class FileTier:
         written = sum(put.size + HEADER_BYTES for put in batch)
         with self._lock:
             self._used += written
-            due = self._used > self.max_bytes > 0 or time.monotonic() - self._scanned_at > RESCAN_S
+            due = self._used > self._scan_past or time.monotonic() - self._scanned_at > RESCAN_S
         if due:
             self._scan_and_evict()
         return 0
@@ -417,6 +422,7 @@ class FileTier:
         with self._lock:
             self.max_bytes = cap
             self._used = used
+            self._scan_past = used + min(max(cap - used, 0) // 2, int(cap * UNSCANNED_SHARE))
             self._scanned_at = time.monotonic()
             self.evictions += evicted
 
