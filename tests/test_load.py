@@ -26,10 +26,12 @@ Arrived = list[tuple[int, int, memoryview]]
 
 class RecordingMemory(MemoryBackend):
     """Records each Promote's key count; can answer nothing from call N on, or each call
-    `delay_s` late (a slow vault), or raise (a broken backend)."""
+    `delay_s` late (a slow vault), or raise (a broken backend); with `places`, puts payloads
+    into the buffers `into` gives, as a vault's bulk path does."""
 
-    def __init__(self) -> None:
+    def __init__(self, places: bool = False) -> None:
         super().__init__()
+        self.places = places
         self.calls: list[int] = []
         self.fail_from_call: int | None = None
         self.delay_s = 0.0
@@ -48,7 +50,15 @@ class RecordingMemory(MemoryBackend):
             raise RuntimeError("a backend that breaks the protocol")
         if self.fail_from_call is not None and len(self.calls) >= self.fail_from_call:
             return {}
-        return super().promote(namespace, keys, parts, into)
+        found = super().promote(namespace, keys, parts)
+        if not (self.places and into):
+            return found
+        placement = into(range(len(keys)), parts)
+        for slot, payload in found.items():
+            buffer = placement[slot][0]
+            buffer[: len(payload)] = payload
+            found[slot] = buffer
+        return found
 
 
 def kv_blocks() -> dict[tuple[int, int], np.ndarray]:
@@ -166,21 +176,43 @@ def test_a_backend_that_raises_fails_the_load_and_not_the_caller() -> None:
     tier.close()
 
 
+def place_in_buffers(indices: Sequence[int], parts: Sequence[int]) -> dict:
+    return {(index, part): [memoryview(bytearray(100))] for index in indices for part in parts}
+
+
 def test_the_first_placed_run_is_sized_from_the_previous_load(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With `into`, runs are about PLACED_RUN_BYTES; the first one of a load is sized from the
-    bytes per key of the previous load from the same backend (the first load has none)."""
+    """From a backend that places payloads, runs are about PLACED_RUN_BYTES; the first one of a
+    load is sized from the bytes per key of the previous load from the same backend (the first
+    load has none)."""
     key_bytes = len(KV_PARTS) * 100
     monkeypatch.setattr(tierkv.load, "PLACED_RUN_BYTES", 2 * key_bytes)
+    monkeypatch.setattr(tierkv.load, "FIRST_PROMOTE_RUN_KEYS", 1)
+    backend = RecordingMemory(places=True)
+    put_raw(backend, KV_PARTS, size=100)
+    tier = ColdTier(get_codec("none"), {"kv": backend})
+    for _ in range(2):
+        load = tier.load_blocks(NS, KEYS, {"kv": KV_PARTS}, lambda a: set(), place_in_buffers)
+        assert load == set()
+    assert backend.calls == [1, 2, 1, 2, 2]  # FIRST_PROMOTE_RUN_KEYS; then 2 keys' bytes
+    tier.close()
+
+
+def test_a_backend_that_ignores_into_is_asked_in_the_runs_it_would_be_without(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Redis or a file tier ignores `into`: it keeps PROMOTE_RUN_BYTES runs (a run of
+    PLACED_RUN_BYTES made a Redis answer one 64 MiB MGET, slower than eight of 8 MiB)."""
+    key_bytes = len(KV_PARTS) * 100
+    monkeypatch.setattr(tierkv.load, "PLACED_RUN_BYTES", 4 * key_bytes)
+    monkeypatch.setattr(tierkv.load, "PROMOTE_RUN_BYTES", key_bytes)
+    monkeypatch.setattr(tierkv.load, "FIRST_PROMOTE_RUN_KEYS", 1)
     backend = RecordingMemory()
     put_raw(backend, KV_PARTS, size=100)
     tier = ColdTier(get_codec("none"), {"kv": backend})
-
-    def place_nothing(indices: Sequence[int], parts: Sequence[int]) -> dict:
-        return {}
-
     for _ in range(2):
-        assert tier.load_blocks(NS, KEYS, {"kv": KV_PARTS}, lambda a: set(), place_nothing) == set()
-    assert backend.calls == [4, 2, 2]  # FIRST_PROMOTE_RUN_KEYS; then 2 keys' bytes from the start
+        load = tier.load_blocks(NS, KEYS, {"kv": KV_PARTS}, lambda a: set(), place_in_buffers)
+        assert load == set()
+    assert backend.calls == [1, 1, 1, 1] * 2
     tier.close()

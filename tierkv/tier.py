@@ -333,8 +333,9 @@ class ColdTier:
 
         With `into` (see Backend.promote), payloads the backend receives straight into the
         buffers `into(key indices, parts)` gives reach `consume` as the first of those
-        buffers; the runs are then about PLACED_RUN_BYTES, the first one too when an earlier
-        load measured the payload size.
+        buffers; runs from a backend that placed a run's payloads are then about
+        PLACED_RUN_BYTES (the first one too when its previous load placed them), from one that
+        ignores `into` about PROMOTE_RUN_BYTES, as without it.
 
         While it runs, Python's switch interval is LOAD_SWITCH_INTERVAL_S. (The constants named
         here, and the load itself, are in tierkv/load.py.)
