@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 from tierkv.codecs import CODEC_NAMES, PRESETS, SINK_MODES  # noqa: E402
 from tierkv.quant import decode_into, get_codec  # noqa: E402
 from tierkv.quant.pair import PairCodec  # noqa: E402
-from tierkv.quant.torch_batch import Received, decode_batch  # noqa: E402
+from tierkv.quant.torch_batch import HostMemory, Received, decode_batch  # noqa: E402
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
@@ -48,7 +48,7 @@ def numba_and_batched(payloads: list[bytes], shape, dtype) -> tuple[torch.Tensor
     reference = torch.empty((len(payloads), *shape), dtype=dtype)
     for slot, payload in zip(reference, payloads, strict=True):
         decode_into(payload, words(slot))
-    received = Received(len(payloads), pin=False)
+    received = Received(len(payloads), HostMemory(pin=False))
     for index, payload in enumerate(payloads):
         assert received.add(index, payload)
     out = torch.zeros((len(payloads), *shape), dtype=dtype)
@@ -108,7 +108,7 @@ def test_a_corrupt_payload_fails_alone_and_a_misfit_one_is_refused():
     _, body = checked_body(payloads[1])
     payloads[1][len(payloads[1]) - len(body) + 2] ^= 0xFF  # its channel mask no longer fits
     payloads[2] = bytearray(get_codec("int8", 64).encode(np.zeros((4, 64), np.float16), "fp16"))
-    received = Received(4, pin=False)
+    received = Received(4, HostMemory(pin=False))
     for index, payload in enumerate(payloads):
         assert received.add(index, payload)
     out = torch.zeros((4, *shape), dtype=torch.bfloat16)
@@ -120,7 +120,7 @@ def test_a_corrupt_payload_fails_alone_and_a_misfit_one_is_refused():
 
 
 def test_a_payload_larger_than_the_received_stride_is_left_to_the_caller():
-    received = Received(2, pin=False)
+    received = Received(2, HostMemory(pin=False))
     small = encode("tq4", blocks_of((16, 2, 64), torch.bfloat16, 1)[0], False, 64)
     assert received.add(0, small)
     assert not received.add(1, small * 2)
@@ -133,7 +133,7 @@ def test_payloads_received_on_several_threads_at_once_all_land():
 
     payload = encode("tq4", blocks_of((16, 2, 64), torch.bfloat16, 1)[0], False, 64)
     for _ in range(20):
-        received = Received(8, pin=False)
+        received = Received(8, HostMemory(pin=False))
         start = threading.Barrier(8)
         results: list[bool] = []
 
@@ -147,3 +147,25 @@ def test_payloads_received_on_several_threads_at_once_all_land():
         for thread in threads:
             thread.join()
         assert results == [True] * 8 and sorted(received.lengths) == list(range(8))
+
+
+def test_cpu_batches_reuse_one_host_buffer_and_each_decodes_its_own_payloads():
+    """On the CPU the batches of a restore are received into one buffer, one after the other
+    (a fresh 40 MB buffer per batch faulted every page in again): each decodes its own."""
+    shape = (16, 2, 64)
+    memory = HostMemory(pin=False)
+    buffers = []
+    for seed in range(3):
+        blocks = blocks_of(shape, torch.bfloat16, 6 - seed)  # the first batch is the largest
+        payloads = [encode("int8", block, False, 64) for block in blocks]
+        received = Received(len(payloads), memory)
+        for index, payload in enumerate(payloads):
+            assert received.add(index, payload)
+        buffers.append(received.data.data_ptr())
+        out = torch.zeros((len(payloads), *shape), dtype=torch.bfloat16)
+        assert decode_batch(received, out) == (set(), set())
+        for slot, payload in zip(out, payloads, strict=True):
+            reference = torch.empty(shape, dtype=torch.bfloat16)
+            decode_into(payload, words(reference))
+            assert same_bits(slot, reference)
+    assert len(set(buffers)) == 1

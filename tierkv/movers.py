@@ -56,7 +56,7 @@ from tierkv.codecs import FRAMEWORK_DTYPES
 
 if TYPE_CHECKING:
     from tierkv.load import Block, Consume
-    from tierkv.quant.torch_batch import Received
+    from tierkv.quant.torch_batch import HostMemory, Received
     from tierkv.real_axes import RealAxes
     from tierkv.transfer import Into
 
@@ -276,6 +276,7 @@ class BlockMover:
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self._load_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._received_memory: list[HostMemory] = []  # per part, made at the first device decode
 
     @property
     def codec_dtypes(self) -> list[str]:
@@ -453,8 +454,7 @@ class BlockMover:
                 if on_device:
                     from tierkv.quant.torch_batch import Received
 
-                    pin = self.device.type == "cuda"
-                    received = [Received(len(ids), pin=pin) for _ in self.parts]
+                    received = [Received(len(ids), memory) for memory in self.received_memory()]
                     decode = functools.partial(self._receive, received, staged)
                 else:
                     decode = functools.partial(_decode_runs, self._decode_targets(staged))
@@ -479,6 +479,15 @@ class BlockMover:
                 staged.wait()
                 staged.release()
         return failed
+
+    def received_memory(self) -> list[HostMemory]:
+        """Per part, the host memory the payloads of a device-decode batch are received in."""
+        from tierkv.quant.torch_batch import HostMemory
+
+        if not self._received_memory:
+            pin = self.device.type == "cuda"
+            self._received_memory = [HostMemory(pin=pin) for _ in self.parts]
+        return self._received_memory
 
     def _decode_targets(self, staged: Staged) -> list[np.ndarray]:
         """Per part, the host arrays a batch decodes into: the staging, or with real axes a
@@ -751,7 +760,7 @@ def device_decode_pays(
         sync()
         times["host"] = min(times["host"], time.perf_counter() - started)
         started = time.perf_counter()
-        received = Received(n, pin=mover.device.type == "cuda")
+        received = Received(n, mover.received_memory()[0])
         for index, payload in enumerate(payloads):
             received.add(index, payload)
         decode_batch(received, device.tensors[0])

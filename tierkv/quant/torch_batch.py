@@ -1,15 +1,15 @@
 """One batched torch decode of many payloads: bit for bit the Numba decode, on any torch device.
 
 A restore's payloads are copied as they arrive into one host buffer (`Received`: pinned when the
-decode runs on CUDA); `decode_batch` then copies that buffer to the device once, groups the
-payloads by header (codec, dtype, shape, and a key-aware body's prefix), and decodes each group
-with vectorised torch operations written straight into the blocks: none is a copy, INT8 a
-multiply per group of values, TurboQuant a table look-up of its packed indices, its
-Walsh-Hadamard butterflies stage by stage (and the mix of its Hadamard blocks), its scaling and
-the conversion, with each payload's channel order, means and sink tokens. A K/V pair payload is
-its two halves, each decoded with the halves of the other pair payloads. On a device a group is
-one chunk (a fixed number of operations whatever its payload count); on the CPU it is decoded
-in chunks of whole vectors small enough for each operation to run on the calling thread
+decode runs on CUDA, reused batch after batch on the CPU: `HostMemory`); `decode_batch` then copies
+that buffer to the device once, groups the payloads by header (codec, dtype, shape, and a key-aware
+body's prefix), and decodes each group with vectorised torch operations written straight into the
+blocks: none is a copy, INT8 a multiply per group of values, TurboQuant a table look-up of its
+packed indices, its Walsh-Hadamard butterflies stage by stage (and the mix of its Hadamard blocks),
+its scaling and the conversion, with each payload's channel order, means and sink tokens. A K/V pair
+payload is its two halves, each decoded with the halves of the other pair payloads. On a device a
+group is one chunk (a fixed number of operations whatever its payload count); on the CPU it is
+decoded in chunks of whole vectors small enough for each operation to run on the calling thread
 (`_CPU_CHUNK`).
 
 Every float32 operation is the Numba kernel's, in its order (tierkv.quant.turbo: the look-up
@@ -42,16 +42,36 @@ _FLOAT = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 _MAX_FINITE = {name: torch.finfo(t).max for name, t in _FLOAT.items()}
 
 
+class HostMemory:
+    """Where the host buffers of one part's batches come from (one per mover part). Pinned
+    (`pin`, for a CUDA decode): a fresh buffer per batch, since the device copy of the last
+    batch may still read its own (torch caches pinned memory). Otherwise one buffer, grown as
+    needed and handed out again: a CPU decode is done with a batch before the next one is
+    received, and a fresh 40 MB buffer per batch faulted every page in again."""
+
+    def __init__(self, *, pin: bool) -> None:
+        self.pin = pin
+        self._kept = torch.empty(0, dtype=torch.uint8)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` of host memory for one batch."""
+        if self.pin:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if self._kept.numel() < nbytes:
+            self._kept = torch.empty(nbytes, dtype=torch.uint8)
+        return self._kept[:nbytes]
+
+
 class Received:
-    """The payloads of one batch of `capacity` blocks in one host buffer (pinned when `pin`):
+    """The payloads of one batch of `capacity` blocks in one host buffer (from `memory`):
     payload i at row i of [capacity, stride] bytes. The stride is the first payload's length and
     a quarter more (a restore's payloads of one codec are about as long: the larger first block
     of a key-aware codec, with its sink tokens, fits), so each group of equal payloads is one
     indexed row copy, and the device copy about the bytes received."""
 
-    def __init__(self, capacity: int, *, pin: bool) -> None:
+    def __init__(self, capacity: int, memory: HostMemory) -> None:
         self.capacity = capacity
-        self._pin = pin
+        self._memory = memory
         self._lock = threading.Lock()
         self.data = torch.empty(0, dtype=torch.uint8)
         self.stride = 0
@@ -64,9 +84,7 @@ class Received:
         with self._lock:  # payloads arrive on several receive threads
             if not self.stride:
                 stride = -(-(len(view) * 5 // 4 + 64) // 64) * 64
-                self.data = torch.empty(
-                    self.capacity * stride, dtype=torch.uint8, pin_memory=self._pin
-                )
+                self.data = self._memory.take(self.capacity * stride)
                 self.stride = stride
         if len(view) > self.stride or not 0 <= index < self.capacity:
             return False
