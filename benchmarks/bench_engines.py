@@ -31,6 +31,7 @@ engine processes, getrusage) and on the server side (the vault or redis-server p
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import os
@@ -41,6 +42,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -204,19 +206,25 @@ def engine_mover(blocks: int, block_elems: int, staging: int) -> BlockMover:
 
 def engine(index: int, block_elems: int, pipe: Connection, barrier: Barrier) -> None:
     """One engine process: for each job it is sent, run it once untimed, wait for every engine
-    at the barrier, run it timed and send back (start, end, CPU seconds)."""
+    at the barrier, run it timed and send back (start, end, CPU seconds). A job that fails
+    breaks the barrier (no one waits out its timeout) and sends its error instead."""
     while (job := pipe.recv()) is not None:
-        run, close = job_runner(job, block_elems)
         try:
-            run()
-            barrier.wait()
-            cpu = own_cpu_s()
-            started = time.monotonic()
-            run()
-            ended = time.monotonic()
-            pipe.send((started, ended, own_cpu_s() - cpu))
-        finally:
-            close()
+            run, close = job_runner(job, block_elems)
+            try:
+                run()
+                barrier.wait()
+                cpu = own_cpu_s()
+                started = time.monotonic()
+                run()
+                ended = time.monotonic()
+                pipe.send((started, ended, own_cpu_s() - cpu))
+            finally:
+                close()
+        except Exception as exc:
+            barrier.abort()
+            pipe.send(f"engine {index}: {type(exc).__name__}: {exc}")
+            return
 
 
 class Engines:
@@ -240,9 +248,13 @@ class Engines:
         """Send each engine its job; the aggregate, its spread and the CPU each side spent."""
         for pipe, job in zip(self.pipes, jobs, strict=True):
             pipe.send(job)
-        self.barrier.wait()
+        with contextlib.suppress(threading.BrokenBarrierError):
+            self.barrier.wait()
         server_cpu = process_cpu_s(server_pid) if server_pid else 0.0
         results = [pipe.recv() for pipe in self.pipes]
+        failed = [result for result in results if isinstance(result, str)]
+        if failed:  # the first engine's own error, not the others' broken barrier
+            raise SystemExit(next((e for e in failed if "BrokenBarrier" not in e), failed[0]))
         server_cpu = (process_cpu_s(server_pid) - server_cpu) if server_pid else float("nan")
         total = sum(job["bytes"] for job in jobs)
         times = [end - start for start, end, _ in results]
@@ -258,7 +270,8 @@ class Engines:
 
     def close(self) -> None:
         for pipe in self.pipes:
-            pipe.send(None)
+            with contextlib.suppress(BrokenPipeError):  # an engine that failed has gone
+                pipe.send(None)
         for process in self.processes:
             process.join(timeout=60)
 

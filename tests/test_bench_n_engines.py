@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from redis_servers import require_redis
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_engines.py"
@@ -31,3 +32,24 @@ def test_engines_benchmark_names_a_bad_codec():
     command = [sys.executable, str(SCRIPT), "--codec", "zip"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "zip" in result.stderr
+
+
+def test_an_engine_that_fails_ends_the_run_with_its_error_at_once():
+    """A failed engine breaks the barrier: the bench stops with that engine's error instead of
+    waiting out the barrier's 300 s timeout (and the other engine is not left waiting)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_engines import Engines
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    engines = Engines(2, 1024)
+    try:
+        jobs = [
+            {"kind": "restore", "address": "127.0.0.1:1", "codec": "zip", "keys": [], "bytes": 1},
+            {"kind": "memcpy", "keys": [], "bytes": 1024},
+        ]
+        with pytest.raises(SystemExit, match="engine 0: ValueError"):
+            engines.run(jobs, None)
+    finally:
+        engines.close()
+    assert not any(process.is_alive() for process in engines.processes)
