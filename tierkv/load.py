@@ -180,7 +180,7 @@ class Load:
             run = max(1, run_bytes * start // max(1, received))
         if received and run_bytes == PLACED_RUN_BYTES:
             self._key_bytes[id(backend)] = received // start
-        else:
+        elif received:  # it no longer places (another codec): its next load starts short
             self._key_bytes.pop(id(backend), None)
         missing.update(range(start, len(keys)))
         return missing
