@@ -52,9 +52,9 @@ class ReceiveBuffers:
     """Fixed-size receive buffers, each reused once no payload view of it is alive any more.
 
     Fresh memory costs a page fault per page and, below 4 MiB, comes in 4 KiB pages that a VM
-    walks slowly; pooled buffers are already mapped and aligned to whole huge pages (numpy advises
-    them). A buffer is free when only the pool refers to it: every view the caller was given has
-    been released.
+    walks slowly; pooled buffers are already mapped and aligned to whole huge pages, advised for
+    them (`_huge_page_aligned`). A buffer is free when only the pool refers to it: every view
+    the caller was given has been released.
     """
 
     def __init__(self, buffer_bytes: int, max_bytes: int) -> None:
